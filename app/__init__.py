@@ -1,0 +1,1 @@
+"""Qt desktop application and the command line."""

@@ -1,0 +1,1 @@
+"""Attention, norm and rotary ops: torch references behind one dispatch point."""

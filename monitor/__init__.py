@@ -1,0 +1,1 @@
+"""Collectors for local GPUs, the engine and remote servers (no Qt)."""

@@ -1,0 +1,1 @@
+"""Deployment planner: catalogs, performance model, simulation and search (no torch, no Qt)."""

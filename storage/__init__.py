@@ -1,0 +1,1 @@
+"""SQLAlchemy storage for samples, requests, runs and plans (no Qt)."""
