@@ -43,8 +43,3 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads "
                 f"({self.num_kv_heads}): the model file is inconsistent."
             )
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, at 4 bytes per element (float32)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4

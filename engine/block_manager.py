@@ -1,0 +1,85 @@
+"""Paged KV memory: fixed-size blocks handed out from a free list and held by reference count."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.sequence import Sequence
+
+
+class BlockManager:
+    """Owns the KV pool's block ids: which are free, and how many sequences hold each one.
+
+    A sequence's `block_table` lists the blocks holding its tokens in order; token `p` lives in
+    slot `block_table[p // block_size] * block_size + p % block_size`. A block may be held by
+    several sequences (shared prefixes), so it returns to the free list only when its reference
+    count drops to zero.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("the KV pool needs at least one block of at least one token")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to add so the sequence can hold its computed tokens plus `num_new_tokens`."""
+        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(seq.block_table))
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.new_blocks_needed(seq, num_new_tokens) <= len(self.free_ids)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow the sequence's block table to hold `num_new_tokens` more tokens."""
+        needed = self.new_blocks_needed(seq, num_new_tokens)
+        if needed > len(self.free_ids):
+            raise MemoryError(f"KV pool exhausted: need {needed} blocks, {len(self.free_ids)} free")
+        for _ in range(needed):
+            seq.block_table.append(self._take())
+
+    def share(self, seq: Sequence, block_ids: list[int]) -> None:
+        """Let the sequence hold blocks another owner already filled (prefix sharing)."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                raise ValueError(f"block {block_id} is free and cannot be shared")
+            self.ref_counts[block_id] += 1
+            seq.block_table.append(block_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block the sequence holds (finish, abort or preemption)."""
+        for block_id in reversed(seq.block_table):
+            self.release(block_id)
+        seq.block_table = []
+
+    def release(self, block_id: int) -> None:
+        """Drop one reference to a block; it becomes free when nobody holds it."""
+        if self.ref_counts[block_id] <= 0:
+            raise ValueError(f"block {block_id} released more often than it was held")
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self.free_ids.append(block_id)
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """The cache slot of the sequence's token at `position`."""
+        block_id = seq.block_table[position // self.block_size]
+        return block_id * self.block_size + position % self.block_size
+
+    def _take(self) -> int:
+        block_id = self.free_ids.popleft()
+        self.ref_counts[block_id] = 1
+        return block_id

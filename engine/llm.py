@@ -1,0 +1,320 @@
+"""LLM: the engine's public facade over the scheduler, block manager, model runner and sampler."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig
+from engine.detokenizer import append_token_text, final_text
+from engine.devices import kv_budget_tokens, resolve_device, resolve_dtype
+from engine.model import LlamaModel
+from engine.runner import ModelRunner
+from engine.sampler import sample
+from engine.scheduler import Scheduler
+from engine.sequence import (
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    Status,
+    StreamDelta,
+)
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine step did, from the engine's own clock."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    num_finished: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    wall_s: float
+    timestamp: float
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_running
+
+
+class LLM:
+    """A loaded model with a paged KV cache, serving many requests by continuous batching."""
+
+    def __init__(self, model: str, *, device: str = "auto", dtype: str | torch.dtype | None = None,
+                 max_num_seqs: int = 64, kv_cache_tokens: int | None = None,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
+                 block_size: int = 16, kernel_backend: str | None = None) -> None:
+        from engine.loader import load_checkpoint
+
+        self.device, self.fallback_reason = resolve_device(device)
+        self._dtype = resolve_dtype(dtype, self.device)
+        ckpt = load_checkpoint(model, dtype=torch.float32)
+        self.config: ModelConfig = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.model_name = ckpt.name
+        self.model_path = ckpt.source
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        self.model = LlamaModel(self.config, ckpt.tensors, self.device, self._dtype,
+                                self.max_model_len)
+        del ckpt
+        self.block_size = block_size
+        tokens = kv_cache_tokens or kv_budget_tokens(self.config, self.device, self._dtype,
+                                                     max_num_seqs, self.max_model_len)
+        self.num_kv_blocks = max(1, tokens // block_size)
+        self.block_manager = BlockManager(self.num_kv_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs,
+                                   max(max_num_batched_tokens, block_size))
+        self.runner = ModelRunner(self.model, self.block_manager, kernel_backend)
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._abort_lock = threading.Lock()
+        self._to_abort: set[str] = set()
+        self.last_stats: StepStats | None = None
+
+    # ---- properties the app and the benchmarks read ----
+    @property
+    def dtype(self) -> str:
+        return str(self._dtype).removeprefix("torch.")
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.kv_cache_bytes
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    # ---- requests ----
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises RequestError (naming the problem) if it can never run."""
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        self._check_fits(ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._seqs:
+            raise RequestError(f"Request id '{rid}' is already in use: pick another id.")
+        seq = Sequence(rid, ids, params, arrival=time.perf_counter())
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step and free its blocks; safe to call from any thread."""
+        with self._abort_lock:
+            self._to_abort.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        """Run one iteration: schedule, run the model, sample, and report what changed."""
+        start = time.perf_counter()
+        updated = self._apply_aborts()
+        plan = self.scheduler.schedule()
+        sampling = [s for s in plan.scheduled if s.samples]
+        if plan.scheduled:
+            for s in plan.scheduled:
+                if s.seq.metrics.first_scheduled is None:
+                    s.seq.metrics.first_scheduled = start
+            logits = self.runner.run(plan.scheduled)
+            tokens = sample(logits, [s.seq for s in sampling])
+            now = time.perf_counter()
+            for s in plan.scheduled:
+                s.seq.num_computed_tokens += s.num_new_tokens
+            for s, token in zip(sampling, tokens, strict=True):
+                self._append_token(s.seq, token, now)
+                updated.append(s.seq)
+        outputs = [seq.to_output() for seq in updated]
+        for seq in updated:
+            if seq.is_finished:
+                self._seqs.pop(seq.request_id, None)
+        self.last_stats = self._stats(plan, updated, start)
+        return outputs, self.last_stats
+
+    # ---- convenience loops ----
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion together (continuous batching); outputs in prompt order."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+            try:
+                self._check_fits(self._prompt_ids(p), sp)
+            except RequestError as e:
+                raise RequestError(f"Prompt {i}: {e}") from None
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(rids):
+            outputs, _ = self.step()
+            done.update((o.request_id, o) for o in outputs if o.finished)
+        return [done[r] for r in rids]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        """Generate the assistant's reply to a conversation through the model's chat template."""
+        return self.generate([self.chat_prompt(messages)], params)[0]
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text)
+
+    def stream(self, prompt: Prompt | list[dict],
+               params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield new text as it is generated; closing the iterator aborts the request."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = self.chat_prompt(prompt)
+        rid = self.add_request(prompt, params)
+        seq = self._seqs[rid]
+        try:
+            while not seq.is_finished:
+                outputs, _ = self.step()
+                delta = _delta(seq)
+                if delta.text or delta.token_ids or seq.is_finished:
+                    if seq.is_finished:
+                        delta.finish_reason = seq.finish_reason
+                        delta.output = seq.to_output()
+                    yield delta
+        finally:
+            if not seq.is_finished:
+                self.abort(rid)
+                self.step()
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits ([len, vocab], float32) of every prompt position, computed in one prefill."""
+        from engine.scheduler import ScheduledSeq
+
+        seq = Sequence("prompt-logits", self._prompt_ids(token_ids), SamplingParams(), 0.0)
+        self._check_fits(seq.prompt_token_ids, SamplingParams(max_tokens=1))
+        if not self.block_manager.can_append(seq, seq.num_tokens):
+            raise RequestError("The KV pool is busy: wait for running requests to finish.")
+        self.block_manager.append_slots(seq, seq.num_tokens)
+        try:
+            return self.runner.run([ScheduledSeq(seq, seq.num_tokens)], all_logits=True).cpu()
+        finally:
+            self.block_manager.free(seq)
+
+    def close(self) -> None:
+        """Free the weights and the KV cache."""
+        for rid in list(self._seqs):
+            self.abort(rid)
+        self._apply_aborts()
+        self.model = None
+        self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- internals ----
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("The prompt is empty: give at least one token.")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise RequestError(f"Token id {bad[0]} is outside the vocabulary (0.."
+                               f"{self.config.vocab_size - 1}): check the token ids.")
+        return ids
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"The prompt has {len(ids)} tokens but the context holds {self.max_model_len}: "
+                "shorten the prompt or load the model with a longer max_model_len.")
+        need = min(len(ids) + params.max_tokens, self.max_model_len)
+        if need > self.kv_cache_tokens:
+            raise RequestError(
+                f"The request needs up to {need} KV slots ({len(ids)} prompt + {params.max_tokens} "
+                f"new tokens) but the KV pool holds {self.kv_cache_tokens}: lower max_tokens or "
+                "raise kv_cache_tokens.")
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.output_token_ids.append(token)
+        m = seq.metrics
+        m.token_times.append(now)
+        if m.first_token is None:
+            m.first_token = now
+        reason = self._finish_reason(seq, token)
+        if reason is not None:
+            seq.text = final_text(self.tokenizer, seq)
+            seq.text, stopped = _truncate_at_stop(seq.text, seq.params.stop)
+            self._finish(seq, "stop" if stopped else reason, now)
+            return
+        append_token_text(self.tokenizer, seq)
+        seq.text, stopped = _truncate_at_stop(seq.text, seq.params.stop)
+        if stopped:
+            self._finish(seq, "stop", now)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in self.eos_ids and not seq.params.ignore_eos:
+            return "stop"
+        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.metrics.finished = now
+
+    def _apply_aborts(self) -> list[Sequence]:
+        with self._abort_lock:
+            rids, self._to_abort = self._to_abort, set()
+        aborted = []
+        for rid in rids:
+            seq = self._seqs.get(rid)
+            if seq is not None and seq.status is not Status.FINISHED:
+                self._finish(seq, "abort", time.perf_counter())
+                aborted.append(seq)
+        return aborted
+
+    def _stats(self, plan, updated: list[Sequence], start: float) -> StepStats:
+        bm = self.block_manager
+        return StepStats(
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_tokens=plan.num_decode_tokens,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preempted=len(plan.preempted),
+            num_finished=sum(1 for s in updated if s.is_finished),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_blocks,
+            wall_s=time.perf_counter() - start,
+            timestamp=start,
+        )
+
+
+def _is_token_list(p) -> bool:
+    return isinstance(p, list) and bool(p) and isinstance(p[0], int)
+
+
+def _truncate_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def _delta(seq: Sequence) -> StreamDelta:
+    """Text and tokens not yet streamed; text that may start a stop string is held back."""
+    hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
+    visible = max(seq.emitted_text_len, len(seq.text) - hold)
+    delta = StreamDelta(seq.text[seq.emitted_text_len : visible],
+                        seq.output_token_ids[seq.emitted_token_len :])
+    seq.emitted_text_len = visible
+    seq.emitted_token_len = len(seq.output_token_ids)
+    return delta

@@ -1,0 +1,114 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, SmolLM, Qwen2) over a flat batch of tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig, ModelError
+from engine.rope import cos_sin_tables, inv_frequencies
+from kernels import AttentionMetadata
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights, with Q/K/V and gate/up fused into single matrices."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """Weights plus the forward pass; no nn.Module, so each step pays as little Python as possible.
+
+    Sequences are concatenated into one flat batch of N tokens; the attention op finds each
+    token's keys in the paged cache through the step's `AttentionMetadata`.
+    """
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype, max_positions: int) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        take = _Taker(tensors, device, dtype)
+        self.embed = take("model.embed_tokens.weight")
+        self.layers = [_layer(take, config, i) for i in range(config.num_layers)]
+        self.norm = take("model.norm.weight")
+        self.lm_head = self.embed if "lm_head.weight" not in tensors else take("lm_head.weight")
+        freq_factors = tensors.get("rope_freqs.weight")
+        cos, sin = cos_sin_tables(inv_frequencies(config, freq_factors), max_positions)
+        self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
+        self.scale = config.head_dim ** -0.5
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in take.kept)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops) -> torch.Tensor:
+        """Hidden states after the final norm for every token of the flat batch ([N, hidden])."""
+        c = self.config
+        n = input_ids.shape[0]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        cos, sin = self.cos[positions], self.sin[positions]
+        h = F.embedding(input_ids, self.embed)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x, residual = ops.rms_norm(h, layer.input_norm, c.rms_norm_eps, residual)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k = ops.rotary(q.view(n, c.num_heads, c.head_dim),
+                              k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
+            ops.store_kv(k, v.view(n, c.num_kv_heads, c.head_dim), k_cache, v_cache,
+                         meta.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            h = F.linear(attn.reshape(n, q_size), layer.o)
+            x, residual = ops.rms_norm(h, layer.post_norm, c.rms_norm_eps, residual)
+            h = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+        h, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits in float32 for the given hidden states."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+class _Taker:
+    """Moves checkpoint tensors to the device and dtype, naming any that are missing."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.tensors, self.device, self.dtype = tensors, device, dtype
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, *names: str) -> torch.Tensor:
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            raise ModelError(f"The model file has no tensor '{missing[0]}': it is incomplete or "
+                             "not a Llama-family checkpoint.")
+        parts = [self.tensors[n] for n in names]
+        t = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+        t = t.to(self.device, self.dtype).contiguous()
+        self.kept.append(t)
+        return t
+
+    def optional(self, *names: str) -> torch.Tensor | None:
+        return self(*names) if all(n in self.tensors for n in names) else None
+
+
+def _layer(take: _Taker, config: ModelConfig, i: int) -> LayerWeights:
+    p = f"model.layers.{i}."
+    attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+    return LayerWeights(
+        input_norm=take(p + "input_layernorm.weight"),
+        qkv=take(*(a + ".weight" for a in attn)),
+        qkv_bias=take.optional(*(a + ".bias" for a in attn)) if config.attention_bias else None,
+        o=take(p + "self_attn.o_proj.weight"),
+        post_norm=take(p + "post_attention_layernorm.weight"),
+        gate_up=take(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        down=take(p + "mlp.down_proj.weight"),
+    )

@@ -1,0 +1,60 @@
+"""Token sampling: greedy, temperature, top-k and top-p, reproducible per request seed."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """Pick one token per row of `logits` ([S, V], float32) under each sequence's params."""
+    tokens = logits.argmax(dim=-1).tolist()
+    rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if rows:
+        probs = _filtered_probs(logits[rows], [seqs[i].params for i in rows])
+        # One uniform draw per request from its own generator: the token a seed picks does not
+        # depend on which other requests share the batch.
+        u = torch.cat([torch.rand(1, generator=_generator(seqs[i])) for i in rows])
+        cdf = probs.cumsum(dim=-1)
+        picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
+        picked = picked.clamp_(max=probs.shape[-1] - 1).tolist()
+        for row, token in zip(rows, picked, strict=True):
+            tokens[row] = token
+    return tokens
+
+
+def _generator(seq: Sequence) -> torch.Generator:
+    if seq.generator is None:
+        seed = seq.params.seed if seq.params.seed is not None else random.getrandbits(63)
+        seq.generator = torch.Generator().manual_seed(seed)
+    return seq.generator
+
+
+def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Softmax at each row's temperature, with top-k and top-p mass removed (on the CPU)."""
+    logits = logits.float().cpu()
+    temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    logits = logits / temps
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+    remove = ranks >= k
+    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass before
+    # it already reaches top_p, so the most likely token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= torch.tensor(top_p).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

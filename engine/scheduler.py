@@ -1,0 +1,131 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens each."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    """A sequence and the number of its tokens this step computes (a prefill chunk or 1)."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: the scheduled sequences and those preempted to make room."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not _is_decode(s))
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if _is_decode(s))
+
+
+def _is_decode(s: ScheduledSeq) -> bool:
+    return s.num_new_tokens == 1 and s.seq.num_computed_tokens >= len(s.seq.prompt_token_ids)
+
+
+class Scheduler:
+    """Waiting and running queues; running sequences first, then admission while KV blocks last.
+
+    Each step mixes decode tokens of running sequences with prefill chunks of new ones, within a
+    token budget (`max_num_batched_tokens`) and a sequence limit (`max_num_seqs`). When a running
+    sequence needs a block and none is free, the most recently admitted sequence is preempted:
+    its blocks are freed and it goes back to the front of the queue to be recomputed later.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_append(seq, n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.append_slots(seq, n)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_append(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            bm.append_slots(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and queue it first, to be recomputed (vLLM's recompute)."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the queues for good and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,180 @@
+"""Requests as the engine sees them: sampling parameters, sequences, metrics and outputs."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run (too long for the context or the KV pool, bad params)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; temperature 0 means greedy, top_k 0 means off."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps from the engine's clock (time.perf_counter seconds) and figures derived from them."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def itl_s(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT definition)."""
+        t = self.token_times
+        return None if len(t) < 2 else (t[-1] - t[0]) / (len(t) - 1)
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        start = self.first_scheduled
+        if self.first_token is None or start is None or self.first_token <= start:
+            return None
+        return self.prompt_tokens / (self.first_token - start)
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        tpot = self.tpot_s
+        return None if not tpot else 1.0 / tpot
+
+    def as_dict(self) -> dict:
+        """The figures as plain JSON-able values (milliseconds for times)."""
+        ms = (lambda v: None if v is None else v * 1000.0)
+        return {
+            "ttft_ms": ms(self.ttft_s),
+            "tpot_ms": ms(self.tpot_s),
+            "itl_ms": [v * 1000.0 for v in self.itl_s],
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+        }
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What a finished (or streaming) request produced."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StreamDelta:
+    """New text and tokens of one request since the previous delta; `output` is set at the end."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+
+
+class Sequence:
+    """One request's tokens, KV blocks and progress through prefill and decode."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: float) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics(arrival=arrival, prompt_tokens=len(prompt_token_ids))
+        self.num_preemptions = 0
+        self.generator = None  # a torch.Generator, created by the sampler on first use
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.emitted_text_len = 0
+        self.emitted_token_len = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            text=self.text,
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            metrics=self.metrics,
+        )
