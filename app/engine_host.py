@@ -1,0 +1,293 @@
+"""The engine on its own QThread: a worker owning the LLM and a GUI-side host talking to it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
+
+from app.panes.engine.state import (
+    EngineInfo,
+    LoadRequest,
+    RateMeter,
+    ReplyFigures,
+    SamplingSettings,
+    StreamBuffer,
+)
+from engine.config import ModelError
+
+
+class _Epochs:
+    """Cancellation by epoch: an operation whose epoch has moved on is cancelled.
+
+    Plain ints written by the GUI thread and read by the engine thread (atomic in CPython); a
+    counter rather than a flag so that a new request cannot un-cancel an older one still running.
+    """
+
+    def __init__(self) -> None:
+        self.load = 0
+        self.generate = 0
+        self.bench = 0
+
+
+class _EngineWorker(QObject):
+    """Owns the engine.LLM; every slot runs on the engine thread."""
+
+    load_progress = Signal(float, str)
+    loaded = Signal(object)
+    load_failed = Signal(str)
+    load_cancelled = Signal()
+    unloaded = Signal()
+    reply_finished = Signal(object)
+    reply_failed = Signal(str)
+    bench_progress = Signal(float, str)
+    bench_finished = Signal(object)
+    bench_failed = Signal(str)
+    bench_cancelled = Signal()
+
+    def __init__(self, epochs: _Epochs, buffer: StreamBuffer, meter: RateMeter) -> None:
+        super().__init__()
+        self._epochs = epochs
+        self._buffer = buffer
+        self._meter = meter
+        self._llm: Any = None
+        self.stats: Any = None
+
+    @Slot(object, int)
+    def load(self, request: LoadRequest, epoch: int) -> None:
+        self._release_llm()
+        started = time.perf_counter()
+        self.load_progress.emit(0.05, "Starting PyTorch")
+        try:
+            from engine import LLM
+
+            if self._epochs.load != epoch:
+                self.load_cancelled.emit()
+                return
+            self.load_progress.emit(0.3, f"Loading {request.model} onto {request.device}")
+            llm = LLM(request.model, **request.llm_kwargs())
+        except Exception as exc:  # every load failure is reported, the app stays usable
+            self.load_failed.emit(describe_load_error(request, exc))
+            return
+        if self._epochs.load != epoch:
+            llm.close()
+            self.load_cancelled.emit()
+            return
+        self._llm = llm
+        self.stats = None
+        self.loaded.emit(EngineInfo.from_llm(llm, time.perf_counter() - started))
+
+    @Slot()
+    def unload(self) -> None:
+        self._release_llm()
+
+    @Slot(object, object, int)
+    def generate(self, messages: list[dict[str, str]], sampling: SamplingSettings,
+                 epoch: int) -> None:
+        if self._llm is None:
+            self.reply_failed.emit("No model is loaded: load one in the Engine pane first.")
+            return
+        try:
+            from engine import SamplingParams
+
+            params = SamplingParams(**sampling.as_kwargs())
+            output = self._stream(messages, params, epoch)
+        except Exception as exc:  # a generation error ends the reply, not the app
+            self.reply_failed.emit(f"Generation failed: {type(exc).__name__}: {exc}")
+            return
+        self.reply_finished.emit(None if output is None else ReplyFigures.from_output(output))
+
+    def _stream(self, messages: list[dict[str, str]], params: Any, epoch: int) -> Any:
+        stream = self._llm.stream(messages, params)
+        aborted = False
+        try:
+            for delta in stream:
+                self._buffer.push(delta.text)
+                self._meter.add(len(delta.token_ids))
+                self.stats = self._llm.last_stats
+                if delta.output is not None:
+                    return delta.output
+                if self._epochs.generate != epoch and not aborted:
+                    request_id = getattr(delta, "request_id", None)
+                    if request_id is None:
+                        return None  # closing the stream below aborts the request
+                    # Aborting (rather than closing) still yields the final output and its figures.
+                    self._llm.abort(request_id)
+                    aborted = True
+        finally:
+            stream.close()
+        return None
+
+    @Slot(bool, int)
+    def benchmark(self, quick: bool, epoch: int) -> None:
+        if self._llm is None:
+            self.bench_failed.emit("No model is loaded: load one before running the benchmark.")
+            return
+        try:
+            result = self._run_benchmark(quick, epoch)
+        except Exception as exc:  # reported in the pane; the model stays loaded
+            self.bench_failed.emit(f"Benchmark failed: {type(exc).__name__}: {exc}")
+            return
+        if result is None:
+            self.bench_cancelled.emit()
+        else:
+            self.bench_finished.emit(result)
+
+    def _run_benchmark(self, quick: bool, epoch: int) -> dict | None:
+        from engine.bench import iter_benchmark, save_result
+
+        events = iter_benchmark(self._llm, quick=quick)
+        result = None
+        try:
+            for event in events:
+                self.stats = self._llm.last_stats
+                self.bench_progress.emit(float(event.fraction), str(event.message))
+                result = event.result if event.result is not None else result
+                if self._epochs.bench != epoch:
+                    return None
+        finally:
+            events.close()
+        if result is None:
+            raise RuntimeError("the benchmark ended without a result")
+        llm = self._llm
+        result = {"model": llm.model_name, "device": llm.device, "dtype": llm.dtype, **result}
+        save_result(result)
+        return result
+
+    @Slot()
+    def release(self) -> None:
+        """Free the model; runs on the engine thread via a direct QThread.finished link."""
+        self._release_llm()
+
+    def _release_llm(self) -> None:
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        self.stats = None
+        llm.close()
+        self.unloaded.emit()
+
+
+def describe_load_error(request: LoadRequest, exc: BaseException) -> str:
+    """One sentence for a failed load that names the input and what to do."""
+    if isinstance(exc, ModelError):
+        return str(exc)
+    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        return (f"Not enough memory on {request.device} to load {request.model}: lower the "
+                "context or concurrency, pick a smaller dtype, or choose another device.")
+    if isinstance(exc, FileNotFoundError):
+        return f"Model not found: {request.model}. Choose an existing GGUF file or model folder."
+    return f"Loading {request.model} failed ({type(exc).__name__}: {exc})."
+
+
+class EngineHost(QObject):
+    """GUI-side handle on the engine thread: requests go in queued, results come back as signals."""
+
+    state_changed = Signal(str)
+    _load_requested = Signal(object, int)
+    _unload_requested = Signal()
+    _generate_requested = Signal(object, object, int)
+    _bench_requested = Signal(bool, int)
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.buffer = StreamBuffer()
+        self.meter = RateMeter()
+        self.info: EngineInfo | None = None
+        self.state = "no model"
+        self._epochs = _Epochs()
+        self._pending = 0
+        self._thread = QThread()
+        self._thread.setObjectName("servescope-engine")
+        self.worker = _EngineWorker(self._epochs, self.buffer, self.meter)
+        self.worker.moveToThread(self._thread)
+        self._thread.finished.connect(self.worker.release, Qt.ConnectionType.DirectConnection)
+        self._connect_worker()
+        self._thread.start()
+
+    def _connect_worker(self) -> None:
+        w = self.worker
+        self._load_requested.connect(w.load)
+        self._unload_requested.connect(w.unload)
+        self._generate_requested.connect(w.generate)
+        self._bench_requested.connect(w.benchmark)
+        w.loaded.connect(self._on_loaded)
+        w.unloaded.connect(self._on_unloaded)
+        for signal in (w.load_failed, w.load_cancelled, w.reply_finished, w.reply_failed,
+                       w.bench_finished, w.bench_failed, w.bench_cancelled):
+            signal.connect(self._on_idle)
+
+    # ---- requests (GUI thread)
+    def load(self, request: LoadRequest) -> None:
+        """Load ``request`` in the background, replacing any model loaded now."""
+        self._epochs.load += 1
+        self._set_state("loading")
+        self._pending += 1
+        self._load_requested.emit(request, self._epochs.load)
+
+    def cancel_load(self) -> None:
+        """Cancel the load in progress; load_cancelled follows once the engine thread notices."""
+        self._epochs.load += 1
+        if self.state == "loading":
+            self._set_state("cancelling")
+
+    def unload(self) -> None:
+        """Free the model and its KV cache."""
+        self._unload_requested.emit()
+
+    def generate(self, messages: list[dict[str, str]], sampling: SamplingSettings) -> None:
+        """Stream a reply to ``messages``: text arrives in ``buffer``, figures in reply_finished."""
+        self._epochs.generate += 1
+        self.buffer.drain()
+        self._set_state("generating")
+        self._pending += 1
+        self._generate_requested.emit(messages, sampling, self._epochs.generate)
+
+    def stop_generation(self) -> None:
+        """Stop the reply streaming now; reply_finished follows with what was generated."""
+        self._epochs.generate += 1
+
+    def benchmark(self, quick: bool = False) -> None:
+        """Run the engine benchmark in the background."""
+        self._epochs.bench += 1
+        self._set_state("benchmarking")
+        self._pending += 1
+        self._bench_requested.emit(quick, self._epochs.bench)
+
+    def cancel_benchmark(self) -> None:
+        """Stop the benchmark at its next progress event."""
+        self._epochs.bench += 1
+
+    def stats(self) -> Any:
+        """The engine's latest StepStats, or None before the first step."""
+        return self.worker.stats
+
+    def shutdown(self) -> None:
+        """Cancel everything, then stop the engine thread: flag, quit(), wait()."""
+        self.cancel_load()
+        self.stop_generation()
+        self.cancel_benchmark()
+        self._thread.quit()
+        self._thread.wait()
+
+    # ---- results (GUI thread)
+    def _on_loaded(self, info: EngineInfo) -> None:
+        self.info = info
+        self._on_idle()
+
+    def _on_unloaded(self) -> None:
+        self.info = None
+        if self._pending == 0:
+            self._set_state("no model")
+
+    def _on_idle(self, *_: object) -> None:
+        # Requests queue on the engine thread, so the state settles only when the last one ends.
+        self._pending = max(0, self._pending - 1)
+        if self._pending == 0:
+            self._set_state("ready" if self.info is not None else "no model")
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self.state_changed.emit(state)

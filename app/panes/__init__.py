@@ -1,0 +1,1 @@
+"""Panes of the main window; each registers itself in the navigation rail."""

@@ -1,0 +1,200 @@
+"""Chat playground: system prompt, replies streamed per frame, stop, regenerate, clear, copy."""
+
+from __future__ import annotations
+
+import html
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QGuiApplication, QTextCursor
+from PySide6.QtWidgets import (
+    QGroupBox,
+    QHBoxLayout,
+    QPlainTextEdit,
+    QPushButton,
+    QSplitter,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.engine_host import EngineHost
+from app.panes.engine.sampling import SamplingControls
+from app.panes.engine.state import ChatSession, ChatTurn, ReplyFigures
+from app.settings import Settings
+
+# ~30 Hz: streamed text is painted once per frame, never once per token.
+FRAME_MS = 33
+
+
+class ChatPanel(QWidget):
+    """The conversation view and its controls; the text comes from the engine host's buffer."""
+
+    notify = Signal(str, str)
+    reply_done = Signal()
+
+    def __init__(self, host: EngineHost, settings: Settings, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._host = host
+        self._settings = settings
+        self.session = ChatSession()
+        self.transcript = QTextBrowser(openExternalLinks=False)
+        self.transcript.setPlaceholderText("Load a model, then ask something.")
+        self.system_prompt = QPlainTextEdit(settings.get("chat/system_prompt"))
+        self.system_prompt.setMaximumHeight(60)
+        self.input = QPlainTextEdit(placeholderText="Message (Ctrl+Enter to send)")
+        self.input.setMaximumHeight(80)
+        self.send_button = QPushButton("Send")
+        self.stop_button = QPushButton("Stop")
+        self.regenerate_button = QPushButton("Regenerate")
+        self.clear_button = QPushButton("Clear")
+        self.copy_button = QPushButton("Copy reply")
+        self.sampling = SamplingControls(settings)
+        self._frame = QTimer(self, interval=FRAME_MS)
+        self._build()
+        self._connect()
+        self.set_state(host.state)
+
+    def _build(self) -> None:
+        buttons = QHBoxLayout()
+        for button in (self.send_button, self.stop_button, self.regenerate_button,
+                       self.clear_button, self.copy_button):
+            buttons.addWidget(button)
+        buttons.addStretch(1)
+        left = QWidget()
+        column = QVBoxLayout(left)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(self.transcript, 1)
+        column.addWidget(self.input)
+        column.addLayout(buttons)
+        system = QGroupBox("System prompt")
+        QVBoxLayout(system).addWidget(self.system_prompt)
+        right = QWidget()
+        side = QVBoxLayout(right)
+        side.setContentsMargins(0, 0, 0, 0)
+        side.addWidget(system)
+        side.addWidget(self.sampling)
+        side.addStretch(1)
+        self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.splitter.addWidget(left)
+        self.splitter.addWidget(right)
+        self.splitter.setStretchFactor(0, 3)
+        self.splitter.setStretchFactor(1, 1)
+        QVBoxLayout(self).addWidget(self.splitter)
+        self.splitter.restoreState(self._settings.get("chat/splitter"))
+
+    def _connect(self) -> None:
+        self.send_button.clicked.connect(self.send)
+        self.stop_button.clicked.connect(self.stop)
+        self.regenerate_button.clicked.connect(self.regenerate)
+        self.clear_button.clicked.connect(self.clear)
+        self.copy_button.clicked.connect(self.copy_reply)
+        self.system_prompt.textChanged.connect(
+            lambda: self._settings.set("chat/system_prompt", self.system_prompt.toPlainText()))
+        self.splitter.splitterMoved.connect(
+            lambda *_: self._settings.set("chat/splitter", self.splitter.saveState()))
+        self._frame.timeout.connect(self._paint_frame)
+        self._host.state_changed.connect(self.set_state)
+        self._host.worker.reply_finished.connect(self._on_reply_finished)
+        self._host.worker.reply_failed.connect(self._on_reply_failed)
+
+    # ---- public API (also the targets of the window's shortcuts)
+    def send(self) -> None:
+        """Send the typed message and stream the reply."""
+        text = self.input.toPlainText().strip()
+        if not text or not self.send_button.isEnabled():
+            return
+        self.session.ask(text)
+        self.input.clear()
+        self._start()
+
+    def regenerate(self) -> None:
+        """Ask again for the last reply, with the current sampling settings."""
+        if self.regenerate_button.isEnabled() and self.session.regenerate():
+            self._start()
+
+    def stop(self) -> None:
+        """Stop the reply that is streaming; it keeps the text it has."""
+        if self.session.streaming:
+            self._host.stop_generation()
+
+    def clear(self) -> None:
+        """Forget the conversation."""
+        self.session.clear()
+        self._render()
+
+    def copy_reply(self) -> None:
+        """Copy the last reply to the clipboard."""
+        QGuiApplication.clipboard().setText(self.session.last_reply())
+
+    def set_state(self, state: str) -> None:
+        """Enable the actions that make sense in the engine's ``state``."""
+        ready = state == "ready" and not self.session.streaming
+        self.send_button.setEnabled(ready)
+        self.regenerate_button.setEnabled(ready and bool(self.session.last_reply()))
+        self.stop_button.setEnabled(self.session.streaming)
+        self.clear_button.setEnabled(not self.session.streaming)
+
+    def save(self) -> None:
+        """Persist the splitter and the sampling controls."""
+        self._settings.set("chat/splitter", self.splitter.saveState())
+        self.sampling.save()
+
+    # ---- streaming
+    def _start(self) -> None:
+        # The open reply is still empty, so request_messages leaves it out of the prompt.
+        messages = self.session.request_messages(self.system_prompt.toPlainText())
+        self._render()
+        self._host.generate(messages, self.sampling.values())
+        self._frame.start()
+        self.set_state(self._host.state)
+
+    def _paint_frame(self) -> None:
+        text = self._host.buffer.drain()
+        if not text:
+            return
+        self.session.append(text)
+        cursor = self.transcript.textCursor()
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        cursor.insertText(text)
+        self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
+
+    def _on_reply_finished(self, figures: ReplyFigures | None) -> None:
+        self._end(figures, None)
+
+    def _on_reply_failed(self, message: str) -> None:
+        self._end(None, message)
+        self.notify.emit("error", message)
+
+    def _end(self, figures: ReplyFigures | None, error: str | None) -> None:
+        if not self.session.streaming:
+            return
+        self._frame.stop()
+        self._paint_frame()  # whatever arrived after the last frame
+        self.session.finish(figures, error)
+        self._render()
+        self.set_state(self._host.state)
+        self.reply_done.emit()
+
+    def _render(self) -> None:
+        self.transcript.setHtml("".join(_turn_html(t, i == len(self.session.turns) - 1
+                                                   and self.session.streaming)
+                                        for i, t in enumerate(self.session.turns)))
+        cursor = self.transcript.textCursor()
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        self.transcript.setTextCursor(cursor)
+
+
+def _turn_html(turn: ChatTurn, streaming: bool) -> str:
+    who = "You" if turn.role == "user" else "Assistant"
+    body = html.escape(turn.content).replace("\n", "<br>")
+    if streaming:
+        # The streaming reply ends the document, so each frame appends at the end.
+        return f"<p><b>{who}:</b> {body}"
+    note = ""
+    if turn.error:
+        note = f"<div style='color:#e5534b'>{html.escape(turn.error)}</div>"
+    elif turn.figures is not None:
+        note = f"<div style='color:gray'><small>{html.escape(turn.figures.summary())}</small></div>"
+    elif turn.role == "assistant":
+        note = "<div style='color:gray'><small>stopped</small></div>"
+    return f"<p><b>{who}:</b> {body}</p>{note}"

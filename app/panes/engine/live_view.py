@@ -1,0 +1,58 @@
+"""A small live view of the engine: running and waiting requests, KV blocks in use, tokens/s."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QTimer
+from PySide6.QtGui import QHideEvent, QShowEvent
+from PySide6.QtWidgets import QFormLayout, QGroupBox, QLabel, QProgressBar, QWidget
+
+from app.engine_host import EngineHost
+
+POLL_MS = 250
+
+
+class LiveView(QGroupBox):
+    """Polls the engine host's latest StepStats a few times a second while visible."""
+
+    def __init__(self, host: EngineHost, parent: QWidget | None = None) -> None:
+        super().__init__("Engine now", parent)
+        self._host = host
+        self.requests_label = QLabel("—")
+        self.kv_bar = QProgressBar()
+        self.kv_bar.setFormat("%v / %m blocks")
+        self.rate_label = QLabel("—")
+        form = QFormLayout(self)
+        form.addRow("Requests", self.requests_label)
+        form.addRow("KV cache", self.kv_bar)
+        form.addRow("Tokens/s", self.rate_label)
+        # Spyder's lesson: a hidden status widget must not keep polling.
+        self._timer = QTimer(self, interval=POLL_MS)
+        self._timer.timeout.connect(self.refresh)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the latest figures off the host."""
+        stats = self._host.stats()
+        info = self._host.info
+        if stats is None:
+            self.requests_label.setText("0 running, 0 waiting")
+            total = info.num_kv_blocks if info is not None else 0
+            self._set_kv(0, total)
+        else:
+            self.requests_label.setText(f"{stats.num_running} running, {stats.num_waiting} waiting")
+            self._set_kv(stats.kv_blocks_used, stats.kv_blocks_total)
+        busy = self._host.state in ("generating", "benchmarking")
+        self.rate_label.setText(f"{self._host.meter.rate():,.1f}" if busy else "idle")
+
+    def _set_kv(self, used: int, total: int) -> None:
+        self.kv_bar.setRange(0, max(total, 1))
+        self.kv_bar.setValue(min(used, max(total, 1)))
+        self.kv_bar.setTextVisible(total > 0)
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 (Qt override)
+        self._timer.start()
+        super().showEvent(event)
+
+    def hideEvent(self, event: QHideEvent) -> None:  # noqa: N802 (Qt override)
+        self._timer.stop()
+        super().hideEvent(event)

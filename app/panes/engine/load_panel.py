@@ -1,0 +1,260 @@
+"""Load panel: device, dtype and KV sizing, the memory estimate, and load / cancel / unload."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+from typing import Any
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.panes.engine.state import EngineInfo, LoadRequest, format_bytes, memory_verdict
+from app.settings import Settings
+from app.theme import LEVEL_COLOURS, current_theme
+from app.workers import Progress, TaskRunner
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def probe_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]:
+    """Background task: the devices and their memory (imports torch, so never on the GUI thread)."""
+    from engine.memory import device_memory
+
+    yield Progress(None, "Looking for devices")
+    return device_memory()
+
+
+class LoadPanel(QGroupBox):
+    """Where and how to load: device, dtype, context and concurrency, with the memory they need."""
+
+    load_requested = Signal(object)
+    cancel_requested = Signal()
+    unload_requested = Signal()
+    notify = Signal(str, str)
+
+    def __init__(self, settings: Settings, parent: QWidget | None = None) -> None:
+        super().__init__("Load", parent)
+        self._settings = settings
+        self._model = ""
+        self._devices: list[Any] = []
+        self._estimate: Any = None
+        self._idle = True
+        self.device_combo = QComboBox()
+        self.dtype_combo = QComboBox()
+        self.context_spin = QSpinBox(minimum=64, maximum=131072, singleStep=256)
+        self.concurrency_spin = QSpinBox(minimum=1, maximum=256)
+        self.estimate_label = QLabel(wordWrap=True)
+        self.load_button = QPushButton("Load")
+        self.cancel_button = QPushButton("Cancel load")
+        self.unload_button = QPushButton("Unload")
+        self.progress = QProgressBar()
+        self.status_label = QLabel(wordWrap=True)
+        self.fallback_label = QLabel(wordWrap=True)
+        self._prober = TaskRunner(self)
+        self._build()
+        self._restore()
+        self._connect()
+        self.set_state("no model")
+
+    def _build(self) -> None:
+        self.device_combo.addItem("Auto (a GPU if there is one)", "auto")
+        self.device_combo.addItem("CPU", "cpu")
+        for dtype in DTYPES:
+            self.dtype_combo.addItem("Auto (float32 on CPU, bf16 on GPU)" if dtype == "auto"
+                                     else dtype, dtype)
+        self.context_spin.setSuffix(" tokens")
+        self.context_spin.setToolTip("Longest conversation one request may hold (max_model_len)")
+        self.concurrency_spin.setToolTip("Requests the KV cache must hold at full context at once")
+        form = QFormLayout()
+        form.addRow("Device", self.device_combo)
+        form.addRow("Dtype", self.dtype_combo)
+        form.addRow("Context", self.context_spin)
+        form.addRow("Concurrency", self.concurrency_spin)
+        form.addRow("Memory", self.estimate_label)
+        buttons = QHBoxLayout()
+        for button in (self.load_button, self.cancel_button, self.unload_button):
+            buttons.addWidget(button)
+        buttons.addWidget(self.progress, 1)
+        layout = QVBoxLayout(self)
+        layout.addLayout(form)
+        layout.addLayout(buttons)
+        layout.addWidget(self.status_label)
+        layout.addWidget(self.fallback_label)
+        self.fallback_label.setVisible(False)
+
+    def _restore(self) -> None:
+        s = self._settings
+        self._select(self.dtype_combo, s.get("engine/dtype"))
+        self._select(self.device_combo, s.get("engine/device"))
+        self.context_spin.setValue(s.get("engine/context_tokens"))
+        self.concurrency_spin.setValue(s.get("engine/concurrency"))
+
+    def _connect(self) -> None:
+        self.device_combo.currentIndexChanged.connect(self._on_choice_changed)
+        self.dtype_combo.currentIndexChanged.connect(self._on_choice_changed)
+        self.context_spin.valueChanged.connect(self._on_choice_changed)
+        self.concurrency_spin.valueChanged.connect(self._on_choice_changed)
+        self.load_button.clicked.connect(self.request_load)
+        self.cancel_button.clicked.connect(self.cancel_requested)
+        self.unload_button.clicked.connect(self.unload_requested)
+        self._prober.succeeded.connect(self._on_devices)
+        self._prober.failed.connect(lambda msg: self.notify.emit("warning",
+                                    f"Could not list the devices ({msg}); the CPU is available."))
+
+    # ---- public API
+    def probe_devices(self) -> None:
+        """Find the GPUs in the background (this is where torch gets imported)."""
+        self._prober.start(probe_task)
+
+    def set_model(self, model: str) -> None:
+        """The model chosen in the picker; refreshes the estimate."""
+        self._model = model
+        self._update_estimate()
+        self.load_button.setEnabled(bool(model) and self._idle)
+
+    def current_request(self) -> LoadRequest:
+        """The load the controls describe (ValueError when no model is chosen)."""
+        return LoadRequest(self._model, self.device_combo.currentData(),
+                           self.dtype_combo.currentData(), self.context_spin.value(),
+                           self.concurrency_spin.value())
+
+    def request_load(self) -> None:
+        """Ask for a load, unless the estimate shows the model cannot fit at all."""
+        if not self._model:
+            self.notify.emit("error", "Choose a model first: fetch the demo model or open one.")
+            return
+        level, sentence = self._verdict()
+        if level == "error":
+            self.notify.emit("error", f"{self._model} will not fit. {sentence}")
+            return
+        if level == "warning":
+            self.notify.emit("warning", sentence)
+        self.load_requested.emit(self.current_request())
+
+    def set_state(self, state: str) -> None:
+        """Enable the buttons that make sense in the engine's ``state``."""
+        self._idle = state in ("no model", "ready")
+        busy_loading = state in ("loading", "cancelling")
+        self.load_button.setEnabled(self._idle and bool(self._model))
+        self.cancel_button.setEnabled(state == "loading")
+        self.unload_button.setEnabled(state == "ready")
+        self.progress.setVisible(busy_loading)
+        if state == "no model":
+            self.status_label.setText("No model loaded.")
+            self.fallback_label.setVisible(False)
+        elif state == "cancelling":
+            self.status_label.setText("Cancelling the load…")
+
+    def set_progress(self, fraction: float, message: str) -> None:
+        """Show the load's progress."""
+        self.progress.setRange(0, 1000)
+        self.progress.setValue(int(fraction * 1000))
+        self.status_label.setText(message)
+
+    def show_loaded(self, info: EngineInfo) -> None:
+        """Show what was loaded, and why it is not where it was asked for, if it is not."""
+        self.status_label.setText(info.summary())
+        self.fallback_label.setVisible(bool(info.fallback_reason))
+        if info.fallback_reason:
+            background, border = LEVEL_COLOURS[current_theme()]["warning"]
+            self.fallback_label.setStyleSheet(f"background: {background}; padding: 4px;"
+                                              f" border-left: 3px solid {border};")
+            self.fallback_label.setText(f"Fallback: {info.fallback_reason}")
+            self.notify.emit("warning", info.fallback_reason)
+
+    def save(self) -> None:
+        """Persist the controls."""
+        s = self._settings
+        s.set("engine/device", self.device_combo.currentData())
+        s.set("engine/dtype", self.dtype_combo.currentData())
+        s.set("engine/context_tokens", self.context_spin.value())
+        s.set("engine/concurrency", self.concurrency_spin.value())
+
+    def shutdown(self) -> None:
+        """Stop the device probe (flag, quit, wait)."""
+        self._prober.stop()
+
+    # ---- internals
+    def _on_devices(self, devices: list[Any]) -> None:
+        self._devices = list(devices)
+        wanted = self._settings.get("engine/device")
+        for device in self._devices:
+            if device.kind == "cuda":
+                data = f"cuda:{device.index}"
+                if self.device_combo.findData(data) < 0:
+                    self.device_combo.addItem(f"GPU {device.index}: {device.name}", data)
+        self._select(self.device_combo, wanted)
+        self._update_estimate()
+
+    def _on_choice_changed(self, *_: object) -> None:
+        self.save()
+        self._update_estimate()
+
+    def _update_estimate(self) -> None:
+        self._estimate = None
+        if not self._model:
+            self.estimate_label.setText("Choose a model to see the memory it needs.")
+            return
+        try:
+            from engine.memory import estimate_memory
+
+            self._estimate = estimate_memory(self._model, dtype=self._estimate_dtype(),
+                                             context_tokens=self.context_spin.value(),
+                                             concurrency=self.concurrency_spin.value())
+        except Exception as exc:  # an unreadable header is reported here and again on load
+            self.estimate_label.setText(f"No estimate: {exc}")
+            return
+        level, sentence = self._verdict()
+        e = self._estimate
+        detail = (f"weights {format_bytes(e.weight_bytes)} + KV cache {format_bytes(e.kv_bytes)}"
+                  f" + activations {format_bytes(e.activation_bytes)}")
+        colour = {"ok": "", "warning": LEVEL_COLOURS[current_theme()]["warning"][1],
+                  "error": LEVEL_COLOURS[current_theme()]["error"][1]}[level]
+        self.estimate_label.setStyleSheet(f"color: {colour};" if colour else "")
+        self.estimate_label.setText(f"{sentence}\n({detail})")
+
+    def _estimate_dtype(self) -> str:
+        dtype = self.dtype_combo.currentData()
+        if dtype != "auto":
+            return dtype
+        return "float32" if self._target_device() is None or \
+            self._target_device().kind == "cpu" else "bfloat16"
+
+    def _target_device(self) -> Any:
+        choice = self.device_combo.currentData()
+        cuda = [d for d in self._devices if d.kind == "cuda"]
+        cpu = [d for d in self._devices if d.kind == "cpu"]
+        if choice == "auto":
+            return (cuda or cpu or [None])[0]
+        if choice == "cpu":
+            return (cpu or [None])[0]
+        index = int(choice.split(":")[1])
+        return next((d for d in cuda if d.index == index), None)
+
+    def _verdict(self) -> tuple[str, str]:
+        if self._estimate is None:
+            return "ok", ""
+        device = self._target_device()
+        if device is None:
+            return memory_verdict(self._estimate.total_bytes, "the device", None, None)
+        name = "the CPU" if device.kind == "cpu" else f"GPU {device.index} ({device.name})"
+        return memory_verdict(self._estimate.total_bytes, name, device.total_bytes,
+                              device.free_bytes)
+
+    @staticmethod
+    def _select(combo: QComboBox, data: str) -> None:
+        index = combo.findData(data)
+        if index >= 0:
+            combo.setCurrentIndex(index)

@@ -1,0 +1,251 @@
+"""Plain-Python state of the Engine pane: requests, chat, reply figures, stream buffers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What to load and where: the model argument, device, dtype and the KV-cache sizing."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    context_tokens: int = 2048
+    concurrency: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("no model chosen")
+        if self.context_tokens < 16 or self.concurrency < 1:
+            raise ValueError("context must be at least 16 tokens and concurrency at least 1")
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for engine.LLM; the KV cache holds context x concurrency tokens."""
+        return {
+            "device": self.device,
+            "dtype": None if self.dtype == "auto" else self.dtype,
+            "max_model_len": self.context_tokens,
+            "kv_cache_tokens": self.context_tokens * self.concurrency,
+        }
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the loaded engine reports about itself."""
+
+    model_name: str
+    device: str
+    dtype: str
+    fallback_reason: str | None
+    num_kv_blocks: int
+    block_size: int
+    weight_bytes: int
+    kv_cache_bytes: int
+    load_s: float
+
+    @classmethod
+    def from_llm(cls, llm: Any, load_s: float) -> EngineInfo:
+        """Read the facts off a loaded engine.LLM."""
+        return cls(str(llm.model_name), str(llm.device), str(llm.dtype), llm.fallback_reason,
+                   int(llm.num_kv_blocks), int(llm.block_size), int(llm.weight_bytes),
+                   int(llm.kv_cache_bytes), load_s)
+
+    def summary(self) -> str:
+        """One line for the pane: memory actually used and the load time."""
+        return (f"{self.model_name} on {self.device} ({self.dtype}): weights "
+                f"{format_bytes(self.weight_bytes)}, KV cache {format_bytes(self.kv_cache_bytes)} "
+                f"({self.num_kv_blocks} blocks of {self.block_size} tokens), "
+                f"loaded in {self.load_s:.1f} s")
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The chat's sampling controls; seed < 0 means a fresh random seed per reply."""
+
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    max_tokens: int = 256
+    seed: int = -1
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for engine.SamplingParams."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_tokens": self.max_tokens, "seed": None if self.seed < 0 else self.seed}
+
+
+@dataclass(frozen=True)
+class ReplyFigures:
+    """A reply's performance, from the engine's own clock (RequestMetrics)."""
+
+    ttft_s: float | None
+    prefill_tokens_per_s: float | None
+    decode_tokens_per_s: float | None
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str
+
+    @classmethod
+    def from_output(cls, output: Any) -> ReplyFigures:
+        """Read the figures off an engine RequestOutput."""
+        m = output.metrics
+        return cls(m.ttft_s, m.prefill_tokens_per_s, m.decode_tokens_per_s,
+                   int(m.prompt_tokens), int(m.generated_tokens), str(output.finish_reason))
+
+    def summary(self) -> str:
+        """One line under the reply, e.g. "TTFT 85 ms · prefill 410 tok/s · ..."."""
+        ttft = "—" if self.ttft_s is None else f"{self.ttft_s * 1000:.0f} ms"
+        parts = [f"TTFT {ttft}", f"prefill {_rate(self.prefill_tokens_per_s)}",
+                 f"decode {_rate(self.decode_tokens_per_s)}",
+                 f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens"]
+        if self.finish_reason != "stop":
+            parts.append({"length": "hit max tokens", "abort": "stopped"}.get(
+                self.finish_reason, self.finish_reason))
+        return " · ".join(parts)
+
+
+@dataclass
+class ChatTurn:
+    """One message of the conversation; assistant turns carry their figures once finished."""
+
+    role: str
+    content: str
+    figures: ReplyFigures | None = None
+    error: str | None = None
+
+
+@dataclass
+class ChatSession:
+    """The conversation shown in the playground, with at most one reply streaming."""
+
+    turns: list[ChatTurn] = field(default_factory=list)
+    streaming: bool = False
+
+    def request_messages(self, system_prompt: str) -> list[dict[str, str]]:
+        """Messages for llm.chat/stream: the system prompt, then every finished turn."""
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+        messages += [{"role": t.role, "content": t.content} for t in self.turns
+                     if t.error is None and (t.role == "user" or t.content)]
+        return messages
+
+    def ask(self, text: str) -> None:
+        """Add the user's message and an empty assistant reply to stream into."""
+        if self.streaming:
+            raise RuntimeError("a reply is still streaming")
+        self.turns.append(ChatTurn("user", text))
+        self._open_reply()
+
+    def regenerate(self) -> bool:
+        """Drop the last reply and open a new one for the same question; False if none."""
+        if self.streaming or not self.turns or self.turns[-1].role != "assistant":
+            return False
+        self.turns.pop()
+        self._open_reply()
+        return True
+
+    def append(self, text: str) -> None:
+        """Add streamed text to the open reply."""
+        if self.streaming and text:
+            self.turns[-1].content += text
+
+    def finish(self, figures: ReplyFigures | None, error: str | None = None) -> None:
+        """Close the streaming reply with its figures, or with the error that ended it."""
+        if not self.streaming:
+            return
+        self.turns[-1].figures = figures
+        self.turns[-1].error = error
+        self.streaming = False
+
+    def last_reply(self) -> str:
+        """Text of the most recent assistant reply, "" when there is none."""
+        replies = [t.content for t in self.turns if t.role == "assistant"]
+        return replies[-1] if replies else ""
+
+    def clear(self) -> None:
+        """Forget the conversation (not while a reply streams)."""
+        if not self.streaming:
+            self.turns.clear()
+
+    def _open_reply(self) -> None:
+        # The request is built before the empty reply is added, so it never reaches the model.
+        self.turns.append(ChatTurn("assistant", ""))
+        self.streaming = True
+
+
+class StreamBuffer:
+    """Text handed from the engine thread to the GUI, drained once per frame."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: list[str] = []
+
+    def push(self, text: str) -> None:
+        """Append text (engine thread)."""
+        with self._lock:
+            self._parts.append(text)
+
+    def drain(self) -> str:
+        """Take everything pushed so far (GUI thread)."""
+        with self._lock:
+            text, self._parts = "".join(self._parts), []
+        return text
+
+
+class RateMeter:
+    """Tokens per second over a sliding window, fed from the engine thread and read by the GUI."""
+
+    def __init__(self, window_s: float = 2.0) -> None:
+        self._window_s = window_s
+        self._lock = threading.Lock()
+        self._events: deque[tuple[float, int]] = deque()
+
+    def add(self, tokens: int, now: float | None = None) -> None:
+        """Record ``tokens`` produced at ``now`` (perf_counter seconds)."""
+        with self._lock:
+            self._events.append((time.perf_counter() if now is None else now, tokens))
+
+    def rate(self, now: float | None = None) -> float:
+        """Tokens per second over the last window."""
+        now = time.perf_counter() if now is None else now
+        with self._lock:
+            while self._events and self._events[0][0] < now - self._window_s:
+                self._events.popleft()
+            return sum(n for _, n in self._events) / self._window_s
+
+
+def format_bytes(n: float | None) -> str:
+    """Human-readable size in binary units, e.g. 1.5 GiB."""
+    if n is None:
+        return "—"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f} tok/s"
+
+
+def memory_verdict(total_bytes: int, device_name: str, device_total: int | None,
+                   device_free: int | None) -> tuple[str, str]:
+    """Compare an estimate with a device: ("ok"|"warning"|"error", a sentence for the user)."""
+    need = format_bytes(total_bytes)
+    if device_total is None:
+        return "ok", f"Needs about {need}; {device_name} memory is unknown."
+    if total_bytes > device_total:
+        return "error", (f"Needs about {need} but {device_name} has only "
+                         f"{format_bytes(device_total)}: lower the context or concurrency, "
+                         "pick a smaller dtype, or choose another device.")
+    if device_free is not None and total_bytes > device_free:
+        return "warning", (f"Needs about {need}; {device_name} has {format_bytes(device_free)} "
+                           f"free of {format_bytes(device_total)}, so loading may fail.")
+    free = "" if device_free is None else f"{format_bytes(device_free)} free of "
+    return "ok", f"Needs about {need}; {device_name} has {free}{format_bytes(device_total)}."
