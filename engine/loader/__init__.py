@@ -1,1 +1,41 @@
-"""Model loaders: GGUF files and Hugging Face folders."""
+"""Model loaders: GGUF files and Hugging Face folders into one Checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.models import name_for_path, resolve_model
+from engine.tokenizer import Tokenizer
+
+__all__ = ["Checkpoint", "load_checkpoint"]
+
+
+@dataclass
+class Checkpoint:
+    """A model's config, HF-named tensors (rotate_half rope convention) and tokenizer."""
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: Path
+    name: str
+    format: str
+
+
+def load_checkpoint(model: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a GGUF file, a Hugging Face folder or a known model name (see engine.models)."""
+    path = resolve_model(model)
+    if path.is_dir():
+        from engine.loader.hf import load_hf
+
+        checkpoint = load_hf(path, dtype)
+    else:
+        from engine.loader.gguf import load_gguf
+
+        checkpoint = load_gguf(path, dtype)
+    checkpoint.name = name_for_path(path)
+    return checkpoint
