@@ -40,7 +40,7 @@ class ModelRunner:
         meta = self._metadata(scheduled)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, self.ops)
         if not all_logits:
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         return self.model.logits(hidden)
 
     def _inputs(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, list]:

@@ -84,8 +84,8 @@ def _decode_attention(
     group = heads // kv_heads
     # [B, T, Hkv, D] -> [B, Hkv, T, D]; the query heads of one KV head become query rows, so
     # grouped-query attention needs no copy of K/V per query head.
-    k = k_cache[meta.decode_slots].permute(0, 2, 1, 3)
-    v = v_cache[meta.decode_slots].permute(0, 2, 1, 3)
+    k = _gather(k_cache, meta.decode_slots).permute(0, 2, 1, 3)
+    v = _gather(v_cache, meta.decode_slots).permute(0, 2, 1, 3)
     qg = q.view(batch, kv_heads, group, dim)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)
     return o.reshape(batch, heads, dim)
@@ -94,8 +94,8 @@ def _decode_attention(
 def _prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk, scale: float
 ) -> torch.Tensor:
-    k = k_cache[chunk.slots].transpose(0, 1)
-    v = v_cache[chunk.slots].transpose(0, 1)
+    k = _gather(k_cache, chunk.slots).transpose(0, 1)
+    v = _gather(v_cache, chunk.slots).transpose(0, 1)
     qh = q.transpose(0, 1)
     if chunk.mask is None:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -103,3 +103,9 @@ def _prefill_attention(
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=chunk.mask, scale=scale,
                                            enable_gqa=True)
     return o.transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache rows at `slots` (any shape) -> slots.shape + cache row shape; index_select is far
+    cheaper than advanced indexing on the CPU."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])

@@ -1,0 +1,218 @@
+"""The `servescope` command line: the app, model management, generation and benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from engine.config import ModelError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: no sub-command opens the desktop app."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        from app.main_window import run_app
+
+        return run_app(argv)
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ModelError, ValueError, OSError) as exc:
+        return _fail(args, exc)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _fail(args, exc: BaseException) -> int:
+    message = str(exc)
+    print(f"servescope: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message}))
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="servescope", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    _models_parser(sub)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    return p
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a GGUF file, a Hugging Face folder, or a name from `models list`")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+# ---- models ----
+def _models_parser(sub) -> None:
+    p = sub.add_parser("models", help="fetch the demo model, list and register local models")
+    msub = p.add_subparsers(dest="action", required=True)
+    f = msub.add_parser("fetch", help="download the demo model (SmolLM2-135M-Instruct Q4_1)")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=_models_fetch)
+    ls = msub.add_parser("list", help="models in the cache and registered paths")
+    ls.add_argument("--path", action="append", default=[], help="also scan this file or folder")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_models_list)
+    add = msub.add_parser("add", help="register a GGUF file or Hugging Face folder")
+    add.add_argument("path")
+    add.set_defaults(func=_models_add)
+    rm = msub.add_parser("remove", help="forget a registered path (the files stay)")
+    rm.add_argument("path")
+    rm.set_defaults(func=_models_remove)
+
+
+def _models_fetch(args) -> int:
+    from engine.models import fetch_demo_model
+
+    path = fetch_demo_model()
+    print(json.dumps({"path": str(path)}) if args.json else path)
+    return 0
+
+
+def _models_list(args) -> int:
+    from pathlib import Path
+
+    from engine.models import list_models
+
+    models = list_models([Path(p) for p in args.path])
+    if args.json:
+        print(json.dumps({"models": [_model_row(m) for m in models]}))
+        return 0
+    if not models:
+        print("No local models: run `servescope models fetch` for the demo model.",
+              file=sys.stderr)
+    for m in models:
+        size = f"{m.size_bytes / 2**20:,.0f} MiB"
+        print(f"{m.name:32} {m.format:5} {m.architecture or '?':8} {m.quantization or '':8} "
+              f"{size:>10}  {m.path}")
+    return 0
+
+
+def _model_row(m) -> dict:
+    return {"name": m.name, "path": str(m.path), "format": m.format, "size_bytes": m.size_bytes,
+            "architecture": m.architecture, "quantization": m.quantization}
+
+
+def _models_add(args) -> int:
+    from engine.models import add_model_path
+
+    info = add_model_path(args.path)
+    print(f"registered {info.name}: {info.path}")
+    return 0
+
+
+def _models_remove(args) -> int:
+    from engine.models import remove_model_path
+
+    removed = remove_model_path(args.path)
+    print("removed" if removed else f"{args.path} was not registered")
+    return 0
+
+
+# ---- generate ----
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="one-shot generation with the embedded engine")
+    _engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.set_defaults(func=_generate)
+
+
+def _load(args):
+    from engine import LLM
+    from engine.models import DEMO_MODEL, fetch_demo_model
+
+    if args.model == DEMO_MODEL:
+        fetch_demo_model()
+    t = time.perf_counter()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    print(f"loaded {llm.model_name} on {llm.device} ({llm.dtype}) in "
+          f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
+    if llm.fallback_reason:
+        print(f"note: {llm.fallback_reason}", file=sys.stderr)
+    return llm
+
+
+def _generate(args) -> int:
+    from engine import SamplingParams
+
+    llm = _load(args)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
+    prompt = args.prompt
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = llm.chat_prompt([*messages, {"role": "user", "content": args.prompt}])
+    out = llm.generate([prompt], params)[0]
+    m = out.metrics
+    if args.json:
+        print(json.dumps({
+            "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+            "ttft_ms": _ms(m.ttft_s), "tpot_ms": _ms(m.tpot_s),
+            "tokens_per_s": m.generated_tokens / (m.finished - m.arrival),
+            "prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated_tokens,
+            "model": llm.model_name, "device": str(llm.device), "dtype": llm.dtype}))
+    else:
+        print(out.text)
+        print(f"[{m.generated_tokens} tokens, TTFT {_ms(m.ttft_s):.0f} ms, "
+              f"TPOT {_ms(m.tpot_s) or 0:.1f} ms, {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1000.0
+
+
+# ---- bench ----
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="engine benchmark: prefill, TTFT, decode, throughput")
+    _engine_args(p)
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    p.add_argument("--no-save", action="store_true", help="do not keep the result")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args) -> int:
+    from engine.bench import machine, run_benchmark, save_result
+
+    llm = _load(args)
+    result = run_benchmark(llm, quick=args.quick,
+                           progress=lambda e: print(f"[{e.fraction:4.0%}] {e.message}",
+                                                    file=sys.stderr))
+    result["machine"] = machine()
+    if not args.no_save:
+        save_result(result)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_bench(result)
+    return 0
+
+
+def _print_bench(r: dict) -> None:
+    print(f"prefill ({r['prefill_tokens']} tokens): {r['prefill_tokens_per_s']:,.0f} tok/s, "
+          f"TTFT {r['ttft_ms']:.0f} ms")
+    print(f"batch-1 decode: {r['decode_tokens_per_s']:.1f} tok/s")
+    for n, v in r["throughput_tokens_per_s"].items():
+        print(f"throughput at {n:>3} concurrent: {v:,.1f} tok/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The engine benchmark: prefill speed, TTFT, batch-1 decode and throughput under concurrency."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.sequence import SamplingParams
+
+_TEXT = (
+    "Large language models are served by engines that batch many requests together, keep the "
+    "attention keys and values of every token in a paged cache, and schedule prefill and decode "
+    "work so that the accelerator stays busy while each user still sees tokens arrive quickly. "
+)
+
+
+@dataclass
+class BenchEvent:
+    """Progress of a running benchmark; the last event carries the result."""
+
+    fraction: float
+    message: str
+    result: dict | None = None
+
+
+def synthetic_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` distinct prompts of exactly `length` tokens (a rotated window over a fixed text)."""
+    base = tokenizer.encode(_TEXT)
+    pool = base * (length // len(base) + 2)
+    return [pool[(i * 7) % len(base) :][:length] for i in range(count)]
+
+
+def iter_benchmark(llm, *, quick: bool = False) -> Iterator[BenchEvent]:
+    """Run the benchmark step by step; close the iterator to stop it early."""
+    sizes = _sizes(quick)
+    result: dict = {"model": llm.model_name, "device": str(llm.device), "dtype": llm.dtype,
+                    "quick": quick, "config": sizes}
+    yield BenchEvent(0.0, f"prefill of {sizes['prefill_tokens']} tokens")
+    result.update(measure_prefill(llm, sizes["prefill_tokens"]))
+    yield BenchEvent(0.2, f"batch-1 decode of {sizes['decode_tokens']} tokens")
+    result["decode_tokens_per_s"] = measure_decode(llm, sizes["decode_tokens"])
+    result["throughput_tokens_per_s"] = {}
+    levels = sizes["concurrency"]
+    for i, n in enumerate(levels):
+        yield BenchEvent(0.3 + 0.7 * i / len(levels), f"{n} concurrent requests")
+        result["throughput_tokens_per_s"][str(n)] = measure_throughput(
+            llm, n, sizes["prompt_tokens"], sizes["new_tokens"])
+    result["finished_at"] = time.time()
+    yield BenchEvent(1.0, "done", result)
+
+
+def run_benchmark(llm, *, quick: bool = False, progress=None) -> dict:
+    """Run the whole benchmark and return its result dict."""
+    for event in iter_benchmark(llm, quick=quick):
+        if progress is not None:
+            progress(event)
+        if event.result is not None:
+            return event.result
+    raise RuntimeError("the benchmark ended without a result")
+
+
+def _sizes(quick: bool) -> dict:
+    if quick:
+        return {"prefill_tokens": 256, "decode_tokens": 32, "concurrency": [1, 4],
+                "prompt_tokens": 32, "new_tokens": 16}
+    return {"prefill_tokens": 1000, "decode_tokens": 128, "concurrency": [1, 4, 16, 64],
+            "prompt_tokens": 64, "new_tokens": 64}
+
+
+def measure_prefill(llm, tokens: int) -> dict:
+    """TTFT and prefill tokens/s of one prompt of `tokens` tokens (median of three)."""
+    prompt = synthetic_prompts(llm.tokenizer, 1, tokens)[0]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([prompt[:16]], params)  # warm-up
+    ttfts = sorted(llm.generate([prompt], params)[0].metrics.ttft_s for _ in range(3))
+    ttft = ttfts[1]
+    return {"prefill_tokens": tokens, "ttft_ms": ttft * 1000, "prefill_tokens_per_s": tokens / ttft}
+
+
+def measure_decode(llm, tokens: int) -> float:
+    """Batch-1 decode tokens/s: one request, `tokens` new tokens, greedy, EOS ignored."""
+    prompt = synthetic_prompts(llm.tokenizer, 1, 16)[0]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    return 1.0 / out.metrics.tpot_s
+
+
+def measure_throughput(llm, concurrency: int, prompt_tokens: int, new_tokens: int) -> float:
+    """Generated tokens per second with `concurrency` requests submitted together."""
+    prompts = synthetic_prompts(llm.tokenizer, concurrency, prompt_tokens)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outputs) / elapsed
+
+
+def machine() -> dict:
+    """A description of the machine a measurement ran on."""
+    import os
+
+    import torch
+
+    info = {"platform": platform.platform(), "processor": _cpu_name(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def results_path() -> Path:
+    """Where benchmark results are kept (`SERVESCOPE_DATA_DIR` overrides the data folder)."""
+    import os
+
+    from platformdirs import user_data_dir
+
+    folder = os.environ.get("SERVESCOPE_DATA_DIR") or user_data_dir("servescope")
+    return Path(folder) / "bench_results.jsonl"
+
+
+def save_result(result: dict) -> Path:
+    """Append a result to the local results file that the planner calibrates from."""
+    path = results_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(result) + "\n")
+    return path
+
+
+def load_results() -> list[dict]:
+    """Every saved result, oldest first; unreadable lines are skipped, never fatal."""
+    path = results_path()
+    if not path.is_file():
+        return []
+    results = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            results.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return results
