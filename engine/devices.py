@@ -18,7 +18,8 @@ def resolve_device(device: str) -> tuple[torch.device, str | None]:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu"), None
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            return torch.device("cpu"), "CUDA is not available in this PyTorch build or machine: running on the CPU."
+            return torch.device("cpu"), ("CUDA is not available in this PyTorch build or "
+                                         "machine: running on the CPU.")
         index = torch.device(device).index or 0
         if index >= torch.cuda.device_count():
             return torch.device("cuda:0"), (f"There is no GPU {index} ({torch.cuda.device_count()} "

@@ -152,10 +152,13 @@ class LLM:
         return outputs, self.last_stats
 
     # ---- convenience loops ----
-    def generate(self, prompts: Prompt | Iterable[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Prompt | Iterable[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run prompts to completion together (continuous batching); outputs in prompt order."""
-        prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        single = isinstance(prompts, str) or _is_token_list(prompts)
+        prompts = [prompts] if single else list(prompts)
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
             try:
@@ -265,7 +268,8 @@ class LLM:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in self.eos_ids and not seq.params.ignore_eos:
             return "stop"
-        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        too_long = seq.num_tokens >= self.max_model_len
+        if len(seq.output_token_ids) >= seq.params.max_tokens or too_long:
             return "length"
         return None
 

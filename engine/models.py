@@ -97,8 +97,16 @@ def _never() -> bool:
     return False
 
 
+_last_printed: list = [None, -1]
+
+
 def _print_progress(message: str, fraction: float | None) -> None:
-    print(message, file=sys.stderr, flush=True)
+    # One line per message and per tenth of progress, not one per chunk.
+    tenth = -1 if fraction is None else int(fraction * 10)
+    if [message, tenth] != _last_printed:
+        _last_printed[:] = [message, tenth]
+        suffix = "" if fraction is None else f" {fraction:.0%}"
+        print(message + suffix, file=sys.stderr, flush=True)
 
 
 def _marker(target: Path) -> Path:

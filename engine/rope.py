@@ -12,7 +12,8 @@ from engine.config import ModelConfig, ModelError
 def inv_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """Per-pair inverse frequencies (float32, [head_dim / 2]) under the model's rope scaling."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":

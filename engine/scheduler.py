@@ -111,7 +111,7 @@ class Scheduler:
             budget -= n
 
     def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and queue it first, to be recomputed (vLLM's recompute)."""
+        """Free a running sequence's blocks and queue it first, to be recomputed later."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0

@@ -45,7 +45,7 @@ class SamplingParams:
 
 @dataclass
 class RequestMetrics:
-    """Timestamps from the engine's clock (time.perf_counter seconds) and figures derived from them."""
+    """Timestamps from the engine's clock (time.perf_counter seconds) and figures from them."""
 
     arrival: float
     first_scheduled: float | None = None
@@ -87,7 +87,9 @@ class RequestMetrics:
 
     def as_dict(self) -> dict:
         """The figures as plain JSON-able values (milliseconds for times)."""
-        ms = (lambda v: None if v is None else v * 1000.0)
+        def ms(v: float | None) -> float | None:
+            return None if v is None else v * 1000.0
+
         return {
             "ttft_ms": ms(self.ttft_s),
             "tpot_ms": ms(self.tpot_s),

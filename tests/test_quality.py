@@ -1,0 +1,33 @@
+"""The project's own contracts: ruff clean, import-linter layers, and a torch-free start-up path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_ruff_is_clean():
+    result = _run(str(BIN / "ruff"), "check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_import_contracts_hold():
+    result = _run(str(BIN / "lint-imports"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "broken" in result.stdout and ", 0 broken" in result.stdout
+
+
+def test_cli_and_model_cache_do_not_import_torch():
+    code = ("import sys, app.cli, engine, engine.models, engine.config; "
+            "print('torch' in sys.modules)")
+    result = _run(sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
