@@ -179,3 +179,15 @@ def test_bad_sampling_params_are_refused():
         SamplingParams(top_p=0)
     with pytest.raises(RequestError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_memory_estimate_matches_the_loaded_engine(llm, demo_gguf):
+    from engine.memory import device_memory, estimate_memory
+
+    est = estimate_memory(demo_gguf, dtype="float32", context_tokens=llm.kv_cache_tokens,
+                          concurrency=1)
+    assert est.parameters == 134_515_008
+    assert est.weight_bytes == llm.weight_bytes
+    assert est.kv_bytes == llm.kv_cache_bytes
+    cpu = device_memory()[0]
+    assert cpu.kind == "cpu" and 0 < cpu.free_bytes <= cpu.total_bytes

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig
 from engine.models import name_for_path, resolve_model
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch is imported only when weights are read (fast CLI and app start)
+    import torch
 
 __all__ = ["Checkpoint", "load_checkpoint"]
 
@@ -26,8 +28,11 @@ class Checkpoint:
     format: str
 
 
-def load_checkpoint(model: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_checkpoint(model: str | Path, dtype: torch.dtype | None = None) -> Checkpoint:
     """Load a GGUF file, a Hugging Face folder or a known model name (see engine.models)."""
+    import torch
+
+    dtype = dtype or torch.float32
     path = resolve_model(model)
     if path.is_dir():
         from engine.loader.hf import load_hf

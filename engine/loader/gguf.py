@@ -5,15 +5,18 @@ from __future__ import annotations
 import re
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
-import torch
 
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelError
 from engine.tokenizer import Tokenizer, byte_level_bpe, end_of_turn_ids, sentencepiece_bpe
 
 # Errors the gguf reader raises on truncated or foreign files (bad magic, short arrays, ...).
+if TYPE_CHECKING:  # torch is imported only when tensors are read
+    import torch
+
 _READ_ERRORS = (
     ValueError,
     IndexError,
@@ -49,7 +52,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PERMUTED_ARCHITECTURES = ("llama",)
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32):
+def load_gguf(path: Path, dtype: torch.dtype):
     """Read a GGUF file into a Checkpoint (tensors dequantized to `dtype`)."""
     from engine.loader import Checkpoint
 
@@ -197,6 +200,8 @@ def read_tensors(
     reader: gguf.GGUFReader, config: ModelConfig, path: Path, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Dequantized tensors under HF names in the rotate_half rope convention."""
+    import torch
+
     permuted = field(reader, "general.architecture") in _PERMUTED_ARCHITECTURES
     heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     tensors: dict[str, torch.Tensor] = {}

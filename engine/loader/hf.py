@@ -5,20 +5,22 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 from tokenizers import Tokenizer as Backend
 
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelError
 from engine.tokenizer import Tokenizer
 
+if TYPE_CHECKING:  # torch is imported only when tensors are read
+    import torch
+
 # Every supported architecture has these; qwen2 always has q/k/v biases.
 _ALWAYS_BIASED = ("qwen2",)
 
 
-def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
+def load_hf(folder: Path, dtype: torch.dtype):
     """Read a Hugging Face model folder into a Checkpoint."""
     from engine.loader import Checkpoint
 
@@ -146,6 +148,8 @@ def weight_files(folder: Path) -> list[Path]:
 
 def read_tensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """All tensors of the folder's safetensors files, floating ones cast to `dtype`."""
+    from safetensors.torch import load_file
+
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(folder):
         try:
