@@ -34,17 +34,9 @@ class _Epochs:
 class _EngineWorker(QObject):
     """Owns the engine.LLM; every slot runs on the engine thread."""
 
-    load_progress = Signal(float, str)
-    loaded = Signal(object)
-    load_failed = Signal(str)
-    load_cancelled = Signal()
-    unloaded = Signal()
-    reply_finished = Signal(object)
-    reply_failed = Signal(str)
-    bench_progress = Signal(float, str)
-    bench_finished = Signal(object)
-    bench_failed = Signal(str)
-    bench_cancelled = Signal()
+    # One queued signal to the host: (name of the host signal to emit, its payload). Receivers
+    # must live on the GUI thread; a plain callable connected here would run on this thread.
+    event = Signal(str, object)
 
     def __init__(self, epochs: _Epochs, buffer: StreamBuffer, meter: RateMeter) -> None:
         super().__init__()
@@ -54,29 +46,32 @@ class _EngineWorker(QObject):
         self._llm: Any = None
         self.stats: Any = None
 
+    def _emit(self, name: str, *payload: Any) -> None:
+        self.event.emit(name, payload)
+
     @Slot(object, int)
     def load(self, request: LoadRequest, epoch: int) -> None:
         self._release_llm()
         started = time.perf_counter()
-        self.load_progress.emit(0.05, "Starting PyTorch")
+        self._emit("load_progress", 0.05, "Starting PyTorch")
         try:
             from engine import LLM
 
             if self._epochs.load != epoch:
-                self.load_cancelled.emit()
+                self._emit("load_cancelled")
                 return
-            self.load_progress.emit(0.3, f"Loading {request.model} onto {request.device}")
+            self._emit("load_progress", 0.3, f"Loading {request.model} onto {request.device}")
             llm = LLM(request.model, **request.llm_kwargs())
         except Exception as exc:  # every load failure is reported, the app stays usable
-            self.load_failed.emit(describe_load_error(request, exc))
+            self._emit("load_failed", describe_load_error(request, exc))
             return
         if self._epochs.load != epoch:
             llm.close()
-            self.load_cancelled.emit()
+            self._emit("load_cancelled")
             return
         self._llm = llm
         self.stats = None
-        self.loaded.emit(EngineInfo.from_llm(llm, time.perf_counter() - started))
+        self._emit("loaded", EngineInfo.from_llm(llm, time.perf_counter() - started))
 
     @Slot()
     def unload(self) -> None:
@@ -86,7 +81,7 @@ class _EngineWorker(QObject):
     def generate(self, messages: list[dict[str, str]], sampling: SamplingSettings,
                  epoch: int) -> None:
         if self._llm is None:
-            self.reply_failed.emit("No model is loaded: load one in the Engine pane first.")
+            self._emit("reply_failed", "No model is loaded: load one in the Engine pane first.")
             return
         try:
             from engine import SamplingParams
@@ -94,9 +89,9 @@ class _EngineWorker(QObject):
             params = SamplingParams(**sampling.as_kwargs())
             output = self._stream(messages, params, epoch)
         except Exception as exc:  # a generation error ends the reply, not the app
-            self.reply_failed.emit(f"Generation failed: {type(exc).__name__}: {exc}")
+            self._emit("reply_failed", f"Generation failed: {type(exc).__name__}: {exc}")
             return
-        self.reply_finished.emit(None if output is None else ReplyFigures.from_output(output))
+        self._emit("reply_finished", None if output is None else ReplyFigures.from_output(output))
 
     def _stream(self, messages: list[dict[str, str]], params: Any, epoch: int) -> Any:
         stream = self._llm.stream(messages, params)
@@ -122,17 +117,17 @@ class _EngineWorker(QObject):
     @Slot(bool, int)
     def benchmark(self, quick: bool, epoch: int) -> None:
         if self._llm is None:
-            self.bench_failed.emit("No model is loaded: load one before running the benchmark.")
+            self._emit("bench_failed", "No model is loaded: load one before running the benchmark.")
             return
         try:
             result = self._run_benchmark(quick, epoch)
         except Exception as exc:  # reported in the pane; the model stays loaded
-            self.bench_failed.emit(f"Benchmark failed: {type(exc).__name__}: {exc}")
+            self._emit("bench_failed", f"Benchmark failed: {type(exc).__name__}: {exc}")
             return
         if result is None:
-            self.bench_cancelled.emit()
+            self._emit("bench_cancelled")
         else:
-            self.bench_finished.emit(result)
+            self._emit("bench_finished", result)
 
     def _run_benchmark(self, quick: bool, epoch: int) -> dict | None:
         from engine.bench import iter_benchmark, save_result
@@ -142,7 +137,7 @@ class _EngineWorker(QObject):
         try:
             for event in events:
                 self.stats = self._llm.last_stats
-                self.bench_progress.emit(float(event.fraction), str(event.message))
+                self._emit("bench_progress", float(event.fraction), str(event.message))
                 result = event.result if event.result is not None else result
                 if self._epochs.bench != epoch:
                     return None
@@ -166,7 +161,7 @@ class _EngineWorker(QObject):
         llm, self._llm = self._llm, None
         self.stats = None
         llm.close()
-        self.unloaded.emit()
+        self._emit("unloaded")
 
 
 def describe_load_error(request: LoadRequest, exc: BaseException) -> str:
@@ -181,10 +176,25 @@ def describe_load_error(request: LoadRequest, exc: BaseException) -> str:
     return f"Loading {request.model} failed ({type(exc).__name__}: {exc})."
 
 
+_TERMINAL_EVENTS = frozenset({"loaded", "load_failed", "load_cancelled", "reply_finished",
+                              "reply_failed", "bench_finished", "bench_failed", "bench_cancelled"})
+
+
 class EngineHost(QObject):
     """GUI-side handle on the engine thread: requests go in queued, results come back as signals."""
 
     state_changed = Signal(str)
+    load_progress = Signal(float, str)
+    loaded = Signal(object)
+    load_failed = Signal(str)
+    load_cancelled = Signal()
+    unloaded = Signal()
+    reply_finished = Signal(object)
+    reply_failed = Signal(str)
+    bench_progress = Signal(float, str)
+    bench_finished = Signal(object)
+    bench_failed = Signal(str)
+    bench_cancelled = Signal()
     _load_requested = Signal(object, int)
     _unload_requested = Signal()
     _generate_requested = Signal(object, object, int)
@@ -212,11 +222,7 @@ class EngineHost(QObject):
         self._unload_requested.connect(w.unload)
         self._generate_requested.connect(w.generate)
         self._bench_requested.connect(w.benchmark)
-        w.loaded.connect(self._on_loaded)
-        w.unloaded.connect(self._on_unloaded)
-        for signal in (w.load_failed, w.load_cancelled, w.reply_finished, w.reply_failed,
-                       w.bench_finished, w.bench_failed, w.bench_cancelled):
-            signal.connect(self._on_idle)
+        w.event.connect(self._on_event)
 
     # ---- requests (GUI thread)
     def load(self, request: LoadRequest) -> None:
@@ -259,6 +265,10 @@ class EngineHost(QObject):
         """Stop the benchmark at its next progress event."""
         self._epochs.bench += 1
 
+    def is_running(self) -> bool:
+        """Whether the engine thread is running (it stops only in shutdown)."""
+        return self._thread.isRunning()
+
     def stats(self) -> Any:
         """The engine's latest StepStats, or None before the first step."""
         return self.worker.stats
@@ -272,20 +282,18 @@ class EngineHost(QObject):
         self._thread.wait()
 
     # ---- results (GUI thread)
-    def _on_loaded(self, info: EngineInfo) -> None:
-        self.info = info
-        self._on_idle()
-
-    def _on_unloaded(self) -> None:
-        self.info = None
-        if self._pending == 0:
-            self._set_state("no model")
-
-    def _on_idle(self, *_: object) -> None:
-        # Requests queue on the engine thread, so the state settles only when the last one ends.
-        self._pending = max(0, self._pending - 1)
-        if self._pending == 0:
+    def _on_event(self, name: str, payload: tuple) -> None:
+        if name == "loaded":
+            self.info = payload[0]
+        elif name == "unloaded":
+            self.info = None
+        if name in _TERMINAL_EVENTS:
+            self._pending = max(0, self._pending - 1)
+        # Requests queue on the engine thread, so the state settles only when the last one ends;
+        # it settles before the event goes out, so receivers see the state that follows it.
+        if self._pending == 0 and name != "load_progress" and name != "bench_progress":
             self._set_state("ready" if self.info is not None else "no model")
+        getattr(self, name).emit(*payload)
 
     def _set_state(self, state: str) -> None:
         if state != self.state:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before anything imports Qt
+# Before anything imports Qt. The screen file gives the offscreen platform a 1600x1000 screen
+# (its default is 800x800, smaller than the window, which would clamp restored geometry).
+_SCREEN = os.path.join(os.path.dirname(__file__), "offscreen-screen.json")
+if os.environ.get("QT_QPA_PLATFORM", "offscreen") == "offscreen":
+    os.environ["QT_QPA_PLATFORM"] = f"offscreen:configfile={_SCREEN}"
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -92,7 +96,7 @@ def load_model(qtbot, window, model: Path | str, context: int = 512, concurrency
     pane.load_panel.context_spin.setValue(context)
     pane.load_panel.concurrency_spin.setValue(concurrency)
     pane.load_panel.device_combo.setCurrentIndex(pane.load_panel.device_combo.findData("cpu"))
-    with qtbot.waitSignal(pane.host.worker.loaded, timeout=LOAD_TIMEOUT_MS):
+    with qtbot.waitSignal(pane.host.loaded, timeout=LOAD_TIMEOUT_MS):
         pane.load_panel.load_button.click()
     qtbot.waitUntil(lambda: pane.host.state == "ready")
 

@@ -94,8 +94,8 @@ class ChatPanel(QWidget):
             lambda *_: self._settings.set("chat/splitter", self.splitter.saveState()))
         self._frame.timeout.connect(self._paint_frame)
         self._host.state_changed.connect(self.set_state)
-        self._host.worker.reply_finished.connect(self._on_reply_finished)
-        self._host.worker.reply_failed.connect(self._on_reply_failed)
+        self._host.reply_finished.connect(self._on_reply_finished)
+        self._host.reply_failed.connect(self._on_reply_failed)
 
     # ---- public API (also the targets of the window's shortcuts)
     def send(self) -> None:

@@ -84,7 +84,7 @@ class ModelPicker(QGroupBox):
     def __init__(self, current: str = "", parent: QWidget | None = None) -> None:
         super().__init__("Model", parent)
         self._wanted = current
-        self.combo = QComboBox(minimumContentsLength=30)
+        self.combo = QComboBox(minimumContentsLength=20)
         self.combo.setToolTip("Models in the cache and the ones you opened")
         self.open_file_button = QPushButton("Open GGUF…")
         self.open_folder_button = QPushButton("Open HF folder…")

@@ -60,12 +60,12 @@ class EnginePane(QWidget):
         self.load_panel.unload_requested.connect(self.host.unload)
         self.host.state_changed.connect(self.load_panel.set_state)
         self.host.state_changed.connect(lambda _state: self.live_view.refresh())
-        w = self.host.worker
-        w.load_progress.connect(self.load_panel.set_progress)
-        w.loaded.connect(self._on_loaded)
-        w.load_failed.connect(lambda message: self.notify.emit("error", message))
-        w.load_cancelled.connect(lambda: self.notify.emit("info", "The load was cancelled."))
-        w.unloaded.connect(self.live_view.refresh)
+        self.host.load_progress.connect(self.load_panel.set_progress)
+        self.host.loaded.connect(self._on_loaded)
+        self.host.load_failed.connect(lambda message: self.notify.emit("error", message))
+        self.host.load_cancelled.connect(
+            lambda: self.notify.emit("info", "The load was cancelled."))
+        self.host.unloaded.connect(self.live_view.refresh)
 
     def _make_actions(self) -> list[QAction]:
         specs = [

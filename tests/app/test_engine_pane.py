@@ -1,0 +1,181 @@
+"""The Engine pane driven with the real demo model: load, stream, stop, close mid-way, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtGui import QGuiApplication
+
+from tests.app.conftest import LOAD_TIMEOUT_MS, load_model
+
+REPLY_TIMEOUT_MS = 120_000
+
+
+def _send(qtbot, pane, text: str, max_tokens: int, temperature: float = 0.0) -> None:
+    pane.chat.sampling.max_tokens.setValue(max_tokens)
+    pane.chat.sampling.temperature.setValue(temperature)
+    pane.chat.input.setPlainText(text)
+    pane.chat.send_button.click()
+    assert pane.chat.session.streaming
+
+
+def _levels(window) -> list[tuple[str, str]]:
+    return [(n.level, n.message) for n in window.notifications.notifications()]
+
+
+def test_load_chat_and_figures(loaded_window, qtbot) -> None:
+    window = loaded_window
+    pane = window.pane("engine")
+    assert window.state_label.text() == "engine: ready"
+    assert window.model_label.text().startswith("model: ")
+    assert window.device_label.text().startswith("device: cpu")
+    assert "loaded in" in pane.load_panel.status_label.text()
+    with qtbot.waitSignal(pane.chat.reply_done, timeout=REPLY_TIMEOUT_MS):
+        _send(qtbot, pane, "What is the capital of France?", max_tokens=12)
+    turn = pane.chat.session.turns[-1]
+    assert turn.role == "assistant" and turn.content.strip()
+    figures = turn.figures
+    assert figures is not None and figures.ttft_s > 0
+    assert figures.prefill_tokens_per_s > 0 and figures.decode_tokens_per_s > 0
+    assert 0 < figures.generated_tokens <= 12 and figures.prompt_tokens > 5
+    assert "TTFT" in pane.chat.transcript.toPlainText()
+    assert pane.live_view.kv_bar.maximum() == window.host.info.num_kv_blocks
+
+    pane.chat.copy_reply()
+    assert QGuiApplication.clipboard().text() == turn.content
+    with qtbot.waitSignal(pane.chat.reply_done, timeout=REPLY_TIMEOUT_MS):
+        pane.chat.regenerate_button.click()
+    assert [t.role for t in pane.chat.session.turns] == ["user", "assistant"]
+    assert pane.chat.session.turns[-1].content == turn.content  # greedy: the same reply
+    pane.chat.clear_button.click()
+    assert pane.chat.transcript.toPlainText() == ""
+
+
+def test_tokens_stream_in_and_stop_mid_way(loaded_window, qtbot) -> None:
+    pane = loaded_window.pane("engine")
+    _send(qtbot, pane, "Write a long story about a lighthouse keeper.", max_tokens=400,
+          temperature=0.8)
+    session = pane.chat.session
+    qtbot.waitUntil(lambda: len(session.turns[-1].content) > 20, timeout=REPLY_TIMEOUT_MS)
+    assert session.streaming  # text is on screen before the reply is done
+    assert session.turns[-1].content[:10] in pane.chat.transcript.toPlainText()
+    with qtbot.waitSignal(pane.chat.reply_done, timeout=REPLY_TIMEOUT_MS):
+        pane.chat.stop_button.click()
+    turn = session.turns[-1]
+    assert not session.streaming and turn.content
+    if turn.figures is not None:
+        assert turn.figures.finish_reason == "abort"
+        assert turn.figures.generated_tokens < 400
+    assert loaded_window.host.state == "ready"
+    assert pane.chat.send_button.isEnabled()
+
+
+def test_closing_during_generation_exits_cleanly(loaded_window, qtbot) -> None:
+    window = loaded_window
+    pane = window.pane("engine")
+    _send(qtbot, pane, "Count from one to one thousand.", max_tokens=500)
+    qtbot.waitUntil(lambda: pane.chat.session.turns[-1].content != "", timeout=REPLY_TIMEOUT_MS)
+    window.close()
+    assert not window.host.is_running()
+    assert window.host.worker._llm is None  # released on the engine thread
+
+
+def test_closing_during_loading_exits_cleanly(make_window, qtbot, demo_gguf: Path) -> None:
+    window = make_window()
+    pane = window.pane("engine")
+    assert pane.picker.add_path(str(demo_gguf))
+    pane.load_panel.load_button.click()
+    assert window.host.state == "loading"
+    window.close()
+    assert not window.host.is_running()
+    assert window.host.worker._llm is None
+
+
+def test_cancel_a_load_then_load_again(make_window, qtbot, demo_gguf: Path) -> None:
+    window = make_window()
+    pane = window.pane("engine")
+    assert pane.picker.add_path(str(demo_gguf))
+    with qtbot.waitSignal(pane.host.load_cancelled, timeout=LOAD_TIMEOUT_MS):
+        pane.load_panel.load_button.click()
+        pane.load_panel.cancel_button.click()
+        assert window.host.state == "cancelling"
+    qtbot.waitUntil(lambda: window.host.state == "no model")
+    assert ("info", "The load was cancelled.") in _levels(window)
+    assert pane.host.info is None and pane.load_panel.load_button.isEnabled()
+    load_model(qtbot, window, demo_gguf)
+    assert window.host.state == "ready"
+
+
+def test_corrupt_gguf_is_reported_and_the_app_stays_usable(make_window, qtbot, tmp_path: Path,
+                                                           demo_gguf: Path) -> None:
+    window = make_window()
+    pane = window.pane("engine")
+    corrupt = tmp_path / "broken.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    assert pane.picker.add_path(str(corrupt))
+    with qtbot.waitSignal(pane.host.load_failed, timeout=LOAD_TIMEOUT_MS):
+        pane.load_panel.load_button.click()
+    qtbot.waitUntil(lambda: window.host.state == "no model")
+    errors = [m for level, m in _levels(window) if level == "error"]
+    assert errors and "broken.gguf" in errors[-1]
+    assert "Traceback" not in errors[-1]
+    not_a_model = tmp_path / "notes.txt"
+    not_a_model.write_text("hello")
+    assert not pane.picker.add_path(str(not_a_model))
+    assert "notes.txt" in _levels(window)[-1][1]
+    load_model(qtbot, window, demo_gguf)
+
+
+def test_a_model_too_large_for_the_device_is_refused(make_window, qtbot,
+                                                     demo_gguf: Path) -> None:
+    window = make_window()
+    pane = window.pane("engine")
+    panel = pane.load_panel
+    qtbot.waitUntil(lambda: panel._devices != [], timeout=60_000)
+    assert pane.picker.add_path(str(demo_gguf))
+    panel.device_combo.setCurrentIndex(panel.device_combo.findData("cpu"))
+    panel.context_spin.setValue(131072)
+    panel.concurrency_spin.setValue(256)
+    assert "lower the context" in panel.estimate_label.text()
+    panel.load_button.click()
+    assert window.host.state == "no model"
+    level, message = _levels(window)[-1]
+    assert level == "error" and "will not fit" in message
+
+
+def test_a_generation_error_is_reported(make_window, qtbot, demo_gguf: Path) -> None:
+    window = make_window()
+    load_model(qtbot, window, demo_gguf, context=64)
+    pane = window.pane("engine")
+    with qtbot.waitSignal(pane.chat.reply_done, timeout=REPLY_TIMEOUT_MS):
+        _send(qtbot, pane, "Please summarise this. " * 40, max_tokens=8)
+    assert pane.chat.session.turns[-1].error
+    level, message = _levels(window)[-1]
+    assert level == "error" and "context" in message
+    assert window.host.state == "ready" and pane.chat.send_button.isEnabled()
+
+
+def test_benchmark_runs_in_the_background_and_is_saved(loaded_window, qtbot) -> None:
+    from engine.bench import load_results
+
+    pane = loaded_window.pane("engine")
+    pane.bench.quick_box.setChecked(True)
+    with qtbot.waitSignal(pane.host.bench_finished, timeout=300_000) as blocker:
+        pane.bench.run_button.click()
+        assert loaded_window.host.state == "benchmarking"
+    result = blocker.args[0]
+    assert result["decode_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0
+    assert pane.bench.table.rowCount() == 1
+    assert pane.bench.table.item(0, 2).text() == "cpu"
+    saved = load_results()
+    assert len(saved) == 1 and saved[0]["ttft_ms"] == result["ttft_ms"]
+    qtbot.waitUntil(lambda: loaded_window.host.state == "ready")
+
+
+def test_unload_frees_the_model(loaded_window, qtbot) -> None:
+    pane = loaded_window.pane("engine")
+    with qtbot.waitSignal(pane.host.unloaded, timeout=30_000):
+        pane.load_panel.unload_button.click()
+    qtbot.waitUntil(lambda: loaded_window.host.state == "no model")
+    assert loaded_window.model_label.text() == "model: none"
+    assert not pane.chat.send_button.isEnabled()
