@@ -1,0 +1,77 @@
+"""The command line as a user runs it: JSON on stdout, progress on stderr, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def servescope(*args: str, tmp_path=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if tmp_path is not None:
+        env["SERVESCOPE_DATA_DIR"] = str(tmp_path)
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+def test_generate_json(demo_gguf):
+    r = servescope("generate", "--model", str(demo_gguf), "--prompt", "The capital of France is",
+                   "--max-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["text"].startswith(" Paris")
+    assert len(out["token_ids"]) == 8 and out["finish_reason"] == "length"
+    assert out["ttft_ms"] > 0 and out["tpot_ms"] > 0 and out["tokens_per_s"] > 0
+    assert "loaded" in r.stderr
+
+
+def test_generate_by_name_with_chat_template(demo_gguf):
+    r = servescope("generate", "--model", "smollm2-135m-instruct", "--chat", "--prompt",
+                   "What is the capital of France? Answer in one word.", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert "Paris" in out["text"] and out["finish_reason"] == "stop"
+
+
+def test_models_list_json_shows_the_demo(demo_gguf):
+    r = servescope("models", "list", "--json")
+    assert r.returncode == 0, r.stderr
+    models = {m["name"]: m for m in json.loads(r.stdout)["models"]}
+    demo = models["smollm2-135m-instruct"]
+    assert demo["format"] == "gguf" and demo["architecture"] == "llama"
+    assert demo["size_bytes"] == demo_gguf.stat().st_size
+
+
+@pytest.mark.parametrize("model,needle", [
+    ("/no/such/model.gguf", "does not exist"),
+    ("no-such-model", "not found"),
+])
+def test_bad_model_is_one_clear_error(model, needle, tmp_path):
+    r = servescope("generate", "--model", model, "--prompt", "hi", "--json")
+    assert r.returncode == 2
+    assert json.loads(r.stdout)["error"]
+    assert needle in r.stderr.lower() and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_corrupt_gguf_is_one_clear_error(demo_gguf, tmp_path):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(demo_gguf.read_bytes()[: 5_000_000])
+    r = servescope("generate", "--model", str(bad), "--prompt", "hi")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "cut.gguf" in r.stderr
+
+
+def test_bench_quick_json(demo_gguf, tmp_path):
+    r = servescope("bench", "--model", str(demo_gguf), "--quick", "--json", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
+    assert set(out["throughput_tokens_per_s"]) == {"1", "4"}
+    assert out["machine"]["cpus"] >= 1
+    saved = (tmp_path / "bench_results.jsonl").read_text().splitlines()
+    assert json.loads(saved[-1])["ttft_ms"] == out["ttft_ms"]
