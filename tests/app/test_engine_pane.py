@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
 from tests.app.conftest import LOAD_TIMEOUT_MS, load_model
@@ -30,8 +31,14 @@ def test_load_chat_and_figures(loaded_window, qtbot) -> None:
     assert window.model_label.text().startswith("model: ")
     assert window.device_label.text().startswith("device: cpu")
     assert "loaded in" in pane.load_panel.status_label.text()
+    pane.chat.sampling.max_tokens.setValue(12)
+    pane.chat.sampling.temperature.setValue(0.0)
+    pane.chat.input.setPlainText("What is the capital of France?")
+    window.activateWindow()
+    qtbot.waitActive(window)
     with qtbot.waitSignal(pane.chat.reply_done, timeout=REPLY_TIMEOUT_MS):
-        _send(qtbot, pane, "What is the capital of France?", max_tokens=12)
+        # The Ctrl+Enter shortcut sends, even with the focus in the message box.
+        qtbot.keyClick(pane.chat.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
     turn = pane.chat.session.turns[-1]
     assert turn.role == "assistant" and turn.content.strip()
     figures = turn.figures
@@ -179,3 +186,27 @@ def test_unload_frees_the_model(loaded_window, qtbot) -> None:
     qtbot.waitUntil(lambda: loaded_window.host.state == "no model")
     assert loaded_window.model_label.text() == "model: none"
     assert not pane.chat.send_button.isEnabled()
+
+
+def test_fetch_demo_model_from_the_picker(make_window, qtbot, demo_gguf: Path) -> None:
+    window = make_window()
+    picker = window.pane("engine").picker
+    qtbot.waitUntil(lambda: not picker.is_busy())
+    picker.fetch_button.click()  # already in the cache: verified and listed, no download
+    qtbot.waitUntil(lambda: ("info", "The demo model is ready to load.") in _levels(window),
+                    timeout=60_000)
+    qtbot.waitUntil(lambda: picker.current_model() == str(demo_gguf))
+    assert picker.fetch_button.isEnabled() and not picker.fetch_cancel.isVisible()
+
+
+def test_cancel_the_demo_fetch(make_window, qtbot, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SERVESCOPE_CACHE_DIR", str(tmp_path / "empty-cache"))
+    window = make_window()
+    picker = window.pane("engine").picker
+    qtbot.waitUntil(lambda: not picker.is_busy())
+    picker.fetch_button.click()
+    assert picker.fetch_cancel.isVisible()
+    picker.fetch_cancel.click()
+    qtbot.waitUntil(lambda: picker.fetch_button.isEnabled(), timeout=30_000)
+    assert any(level == "info" and "cancelled" in m for level, m in _levels(window))
+    assert not list((tmp_path / "empty-cache").glob("*.gguf"))

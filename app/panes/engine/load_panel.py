@@ -108,7 +108,7 @@ class LoadPanel(QGroupBox):
         self.concurrency_spin.valueChanged.connect(self._on_choice_changed)
         self.load_button.clicked.connect(self.request_load)
         self.cancel_button.clicked.connect(self.cancel_requested)
-        self.unload_button.clicked.connect(self.unload_requested)
+        self.unload_button.clicked.connect(self.request_unload)
         self._prober.succeeded.connect(self._on_devices)
         self._prober.failed.connect(lambda msg: self.notify.emit("warning",
                                     f"Could not list the devices ({msg}); the CPU is available."))
@@ -132,6 +132,8 @@ class LoadPanel(QGroupBox):
 
     def request_load(self) -> None:
         """Ask for a load, unless the estimate shows the model cannot fit at all."""
+        if not self._idle:
+            return  # the shortcut reaches here too; one load or reply at a time
         if not self._model:
             self.notify.emit("error", "Choose a model first: fetch the demo model or open one.")
             return
@@ -142,6 +144,11 @@ class LoadPanel(QGroupBox):
         if level == "warning":
             self.notify.emit("warning", sentence)
         self.load_requested.emit(self.current_request())
+
+    def request_unload(self) -> None:
+        """Ask to free the model, when one is loaded and idle."""
+        if self.unload_button.isEnabled():
+            self.unload_requested.emit()
 
     def set_state(self, state: str) -> None:
         """Enable the buttons that make sense in the engine's ``state``."""

@@ -73,7 +73,7 @@ class EnginePane(QWidget):
             ("Open Hugging Face folder…", "Ctrl+Shift+O", self.picker.open_folder),
             ("Fetch demo model", "Ctrl+Shift+D", self.picker.fetch_demo),
             ("Load model", "Ctrl+L", self.load_panel.request_load),
-            ("Unload model", "Ctrl+U", self.host.unload),
+            ("Unload model", "Ctrl+U", self.load_panel.request_unload),
             ("Send message", "Ctrl+Return", self.chat.send),
             ("Stop generating", "Esc", self.chat.stop),
             ("Regenerate reply", "Ctrl+R", self.chat.regenerate),
