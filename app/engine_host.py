@@ -104,11 +104,8 @@ class _EngineWorker(QObject):
                 if delta.output is not None:
                     return delta.output
                 if self._epochs.generate != epoch and not aborted:
-                    request_id = getattr(delta, "request_id", None)
-                    if request_id is None:
-                        return None  # closing the stream below aborts the request
                     # Aborting (rather than closing) still yields the final output and its figures.
-                    self._llm.abort(request_id)
+                    self._llm.abort(delta.request_id)
                     aborted = True
         finally:
             stream.close()

@@ -317,7 +317,7 @@ def _delta(seq: Sequence) -> StreamDelta:
     """Text and tokens not yet streamed; text that may start a stop string is held back."""
     hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
     visible = max(seq.emitted_text_len, len(seq.text) - hold)
-    delta = StreamDelta(seq.text[seq.emitted_text_len : visible],
+    delta = StreamDelta(seq.request_id, seq.text[seq.emitted_text_len : visible],
                         seq.output_token_ids[seq.emitted_token_len :])
     seq.emitted_text_len = visible
     seq.emitted_token_len = len(seq.output_token_ids)

@@ -127,6 +127,7 @@ class RequestOutput:
 class StreamDelta:
     """New text and tokens of one request since the previous delta; `output` is set at the end."""
 
+    request_id: str
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
