@@ -55,13 +55,24 @@ class _EngineWorker(QObject):
         started = time.perf_counter()
         self._emit("load_progress", 0.05, "Starting PyTorch")
         try:
-            from engine import LLM
+            from engine import LLM, LoadCancelled
 
             if self._epochs.load != epoch:
                 self._emit("load_cancelled")
                 return
-            self._emit("load_progress", 0.3, f"Loading {request.model} onto {request.device}")
-            llm = LLM(request.model, **request.llm_kwargs())
+            message = f"Loading {request.model} onto {request.device}"
+
+            def progress(fraction: float) -> None:
+                # Called between tensors: a cancel stops the load there, not after it.
+                if self._epochs.load != epoch:
+                    raise LoadCancelled("The load was cancelled.")
+                self._emit("load_progress", 0.3 + 0.6 * fraction, message)
+
+            progress(0.0)
+            llm = LLM(request.model, progress=progress, **request.llm_kwargs())
+        except LoadCancelled:
+            self._emit("load_cancelled")
+            return
         except Exception as exc:  # every load failure is reported, the app stays usable
             self._emit("load_failed", describe_load_error(request, exc))
             return

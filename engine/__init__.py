@@ -1,8 +1,9 @@
 """The embedded PyTorch inference engine: paged KV cache, continuous batching, a real model."""
 
-from engine.config import ModelConfig, ModelError
+from engine.config import LoadCancelled, ModelConfig, ModelError
 
-__all__ = ["LLM", "SamplingParams", "ModelConfig", "ModelError", "RequestOutput", "StepStats"]
+__all__ = ["LLM", "SamplingParams", "ModelConfig", "ModelError", "LoadCancelled", "RequestOutput",
+           "StepStats"]
 
 
 def __getattr__(name: str):

@@ -11,6 +11,10 @@ class ModelError(ValueError):
     """A model input the user can fix: a bad path, a corrupt file, an unsupported architecture."""
 
 
+class LoadCancelled(ModelError):
+    """Loading was cancelled by the caller's progress callback; nothing stays loaded."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture and hyper-parameters of a Llama-family decoder."""

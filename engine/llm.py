@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -56,12 +56,14 @@ class LLM:
     def __init__(self, model: str, *, device: str = "auto", dtype: str | torch.dtype | None = None,
                  max_num_seqs: int = 64, kv_cache_tokens: int | None = None,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 block_size: int = 16, kernel_backend: str | None = None) -> None:
+                 block_size: int = 16, kernel_backend: str | None = None,
+                 progress: Callable[[float], None] | None = None) -> None:
+        """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled."""
         from engine.loader import load_checkpoint
 
         self.device, self.fallback_reason = resolve_device(device)
         self._dtype = resolve_dtype(dtype, self.device)
-        ckpt = load_checkpoint(model, dtype=torch.float32)
+        ckpt = load_checkpoint(model, dtype=torch.float32, progress=progress)
         self.config: ModelConfig = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.model_name = ckpt.name

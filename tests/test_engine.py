@@ -191,3 +191,18 @@ def test_memory_estimate_matches_the_loaded_engine(llm, demo_gguf):
     assert est.kv_bytes == llm.kv_cache_bytes
     cpu = device_memory()[0]
     assert cpu.kind == "cpu" and 0 < cpu.free_bytes <= cpu.total_bytes
+
+
+def test_load_reports_progress_and_can_be_cancelled(demo_gguf):
+    from engine import LoadCancelled
+
+    seen: list[float] = []
+
+    def cancel_half_way(fraction: float) -> None:
+        seen.append(fraction)
+        if fraction > 0.5:
+            raise LoadCancelled("cancelled by the test")
+
+    with pytest.raises(LoadCancelled):
+        LLM(str(demo_gguf), device="cpu", progress=cancel_half_way)
+    assert seen == sorted(seen) and 0.5 < seen[-1] < 0.6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,7 +14,9 @@ from engine.tokenizer import Tokenizer
 if TYPE_CHECKING:  # torch is imported only when weights are read (fast CLI and app start)
     import torch
 
-__all__ = ["Checkpoint", "load_checkpoint"]
+__all__ = ["Checkpoint", "Progress", "load_checkpoint"]
+
+Progress = Callable[[float], None]
 
 
 @dataclass
@@ -28,8 +31,12 @@ class Checkpoint:
     format: str
 
 
-def load_checkpoint(model: str | Path, dtype: torch.dtype | None = None) -> Checkpoint:
-    """Load a GGUF file, a Hugging Face folder or a known model name (see engine.models)."""
+def load_checkpoint(model: str | Path, dtype: torch.dtype | None = None,
+                    progress: Progress | None = None) -> Checkpoint:
+    """Load a GGUF file, a Hugging Face folder or a known model name (see engine.models).
+
+    `progress(fraction)` is called as tensors are read; it may raise LoadCancelled to stop.
+    """
     import torch
 
     dtype = dtype or torch.float32
@@ -37,10 +44,10 @@ def load_checkpoint(model: str | Path, dtype: torch.dtype | None = None) -> Chec
     if path.is_dir():
         from engine.loader.hf import load_hf
 
-        checkpoint = load_hf(path, dtype)
+        checkpoint = load_hf(path, dtype, progress)
     else:
         from engine.loader.gguf import load_gguf
 
-        checkpoint = load_gguf(path, dtype)
+        checkpoint = load_gguf(path, dtype, progress)
     checkpoint.name = name_for_path(path)
     return checkpoint

@@ -52,13 +52,13 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PERMUTED_ARCHITECTURES = ("llama",)
 
 
-def load_gguf(path: Path, dtype: torch.dtype):
+def load_gguf(path: Path, dtype: torch.dtype, progress=None):
     """Read a GGUF file into a Checkpoint (tensors dequantized to `dtype`)."""
     from engine.loader import Checkpoint
 
     reader = open_gguf(path)
     config = read_config(reader, path)
-    tensors = read_tensors(reader, config, path, dtype)
+    tensors = read_tensors(reader, config, path, dtype, progress)
     tokenizer = read_tokenizer(reader, path)
     name = path.stem.lower()
     return Checkpoint(config, tensors, tokenizer, path, name, "gguf")
@@ -197,7 +197,7 @@ def dequantize(tensor) -> np.ndarray:
 
 
 def read_tensors(
-    reader: gguf.GGUFReader, config: ModelConfig, path: Path, dtype: torch.dtype
+    reader: gguf.GGUFReader, config: ModelConfig, path: Path, dtype: torch.dtype, progress=None
 ) -> dict[str, torch.Tensor]:
     """Dequantized tensors under HF names in the rotate_half rope convention."""
     import torch
@@ -205,7 +205,9 @@ def read_tensors(
     permuted = field(reader, "general.architecture") in _PERMUTED_ARCHITECTURES
     heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for index, tensor in enumerate(reader.tensors):
+        if progress is not None:
+            progress(index / len(reader.tensors))
         name = hf_name(tensor.name)
         if name is None:
             continue

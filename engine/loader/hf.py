@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # torch is imported only when tensors are read
 _ALWAYS_BIASED = ("qwen2",)
 
 
-def load_hf(folder: Path, dtype: torch.dtype):
+def load_hf(folder: Path, dtype: torch.dtype, progress=None):
     """Read a Hugging Face model folder into a Checkpoint."""
     from engine.loader import Checkpoint
 
@@ -28,7 +28,7 @@ def load_hf(folder: Path, dtype: torch.dtype):
         raise ModelError(f"Model folder {folder} does not exist: check the path.")
     raw = read_json(folder / "config.json", folder, required=True)
     config = read_config(raw, folder)
-    tensors = read_tensors(folder, dtype)
+    tensors = read_tensors(folder, dtype, progress)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     tokenizer = read_tokenizer(folder, config)
@@ -146,12 +146,17 @@ def weight_files(folder: Path) -> list[Path]:
     return shards
 
 
-def read_tensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_tensors(
+    folder: Path, dtype: torch.dtype, progress=None
+) -> dict[str, torch.Tensor]:
     """All tensors of the folder's safetensors files, floating ones cast to `dtype`."""
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
-    for path in weight_files(folder):
+    files = weight_files(folder)
+    for index, path in enumerate(files):
+        if progress is not None:
+            progress(index / len(files))
         try:
             part = load_file(path)
         except (SafetensorError, OSError, ValueError) as exc:
