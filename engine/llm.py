@@ -71,7 +71,7 @@ class LLM:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.model = LlamaModel(self.config, ckpt.tensors, self.device, self._dtype,
-                                self.max_model_len)
+                                self.max_model_len, kernel_backend)
         del ckpt
         self.block_size = block_size
         tokens = kv_cache_tokens or kv_budget_tokens(self.config, self.device, self._dtype,
@@ -80,7 +80,7 @@ class LLM:
         self.block_manager = BlockManager(self.num_kv_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs,
                                    max(max_num_batched_tokens, block_size))
-        self.runner = ModelRunner(self.model, self.block_manager, kernel_backend)
+        self.runner = ModelRunner(self.model, self.block_manager)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -41,29 +42,40 @@ class DeviceMemory:
 
 
 def estimate_memory(model: str | Path, dtype: str = "float32", context_tokens: int = 2048,
-                    concurrency: int = 1, max_num_batched_tokens: int = 2048) -> MemoryEstimate:
+                    concurrency: int = 1, max_num_batched_tokens: int = 2048,
+                    device: str = "cpu") -> MemoryEstimate:
     """Estimate from the model's header only: weights are dequantized to `dtype` at load."""
-    config, parameters = read_header(resolve_model(model))
+    path = resolve_model(model)
+    config, parameters = read_header(path, path.stat().st_mtime_ns)
     return estimate_for(config, parameters, dtype, context_tokens, concurrency,
-                        max_num_batched_tokens)
+                        max_num_batched_tokens, device)
 
 
 def estimate_for(config: ModelConfig, parameters: int, dtype: str, context_tokens: int,
-                 concurrency: int, max_num_batched_tokens: int = 2048) -> MemoryEstimate:
+                 concurrency: int, max_num_batched_tokens: int = 2048,
+                 device: str = "cpu") -> MemoryEstimate:
     """The estimate for a known config and parameter count."""
     size = DTYPE_BYTES[dtype]
+    weights = parameters * size
+    if device == "cpu" and dtype == "float32" and config.tie_word_embeddings:
+        # The CPU engine keeps a oneDNN-packed copy of a tied LM head (kernels/onednn.py).
+        weights += config.vocab_size * config.hidden_size * size
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * size
     blocks = concurrency * -(-context_tokens // BLOCK_SIZE)
     # The widest activations of one step: the MLP's fused gate/up output plus float32 logits
     # for every sequence sampled.
     activations = (max_num_batched_tokens * 2 * config.intermediate_size * size
                    + concurrency * config.vocab_size * 4)
-    return MemoryEstimate(parameters * size, blocks * BLOCK_SIZE * per_token, activations,
-                          parameters, per_token)
+    return MemoryEstimate(weights, blocks * BLOCK_SIZE * per_token, activations, parameters,
+                          per_token)
 
 
-def read_header(path: Path) -> tuple[ModelConfig, int]:
-    """The config and parameter count of a GGUF file or Hugging Face folder, without weights."""
+@functools.lru_cache(maxsize=16)
+def read_header(path: Path, mtime_ns: int = 0) -> tuple[ModelConfig, int]:
+    """The config and parameter count of a GGUF file or Hugging Face folder, without weights.
+
+    Cached per path and modification time: the app re-estimates on every setting change.
+    """
     if path.is_dir():
         from engine.loader import hf
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig, ModelError
 from engine.rope import cos_sin_tables, inv_frequencies
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, ops_for
 
 
 @dataclass
@@ -33,25 +33,39 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, max_positions: int) -> None:
+                 device: torch.device, dtype: torch.dtype, max_positions: int,
+                 kernel_backend: str | None = None) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.ops = ops_for(device.type, dtype, kernel_backend)
         take = _Taker(tensors, device, dtype)
         self.embed = take("model.embed_tokens.weight")
         self.layers = [_layer(take, config, i) for i in range(config.num_layers)]
         self.norm = take("model.norm.weight")
-        self.lm_head = self.embed if "lm_head.weight" not in tensors else take("lm_head.weight")
+        head = self.embed if "lm_head.weight" not in tensors else take("lm_head.weight")
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in take.kept)
+        self._prepare_linears(head)
         freq_factors = tensors.get("rope_freqs.weight")
         cos, sin = cos_sin_tables(inv_frequencies(config, freq_factors), max_positions)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
         self.scale = config.head_dim ** -0.5
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in take.kept)
+
+    def _prepare_linears(self, head: torch.Tensor) -> None:
+        """Put every matmul weight in the layout the kernel backend wants."""
+        prep = self.ops.prepare_linear
+        for layer in self.layers:
+            layer.qkv, layer.o = prep(layer.qkv), prep(layer.o)
+            layer.gate_up, layer.down = prep(layer.gate_up), prep(layer.down)
+        self.lm_head = prep(head)
+        if self.lm_head is not head and head is self.embed:
+            # A tied head re-laid out is a second copy: the embedding lookup needs the original.
+            self.weight_bytes += head.numel() * head.element_size()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states after the final norm for every token of the flat batch ([N, hidden])."""
-        c = self.config
+        c, ops = self.config, self.ops
         n = input_ids.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.cos[positions], self.sin[positions]
@@ -59,22 +73,22 @@ class LlamaModel:
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x, residual = ops.rms_norm(h, layer.input_norm, c.rms_norm_eps, residual)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q, k = ops.rotary(q.view(n, c.num_heads, c.head_dim),
                               k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
             ops.store_kv(k, v.view(n, c.num_kv_heads, c.head_dim), k_cache, v_cache,
                          meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h = F.linear(attn.reshape(n, q_size), layer.o)
+            h = ops.linear(attn.reshape(n, q_size), layer.o)
             x, residual = ops.rms_norm(h, layer.post_norm, c.rms_norm_eps, residual)
-            h = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            h = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
         h, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits in float32 for the given hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.ops.linear(hidden, self.lm_head).float()
 
 
 class _Taker:

@@ -7,18 +7,16 @@ import torch
 from engine.block_manager import BlockManager
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
-from kernels import AttentionMetadata, PrefillChunk, ops_for
+from kernels import AttentionMetadata, PrefillChunk
 
 
 class ModelRunner:
     """Runs one engine step: input ids, positions and attention metadata, then the forward pass."""
 
-    def __init__(self, model: LlamaModel, block_manager: BlockManager,
-                 kernel_backend: str | None = None) -> None:
+    def __init__(self, model: LlamaModel, block_manager: BlockManager) -> None:
         self.model = model
         self.block_manager = block_manager
         self.device = model.device
-        self.ops = ops_for(model.device.type, kernel_backend)
         c = model.config
         slots = block_manager.num_blocks * block_manager.block_size
         shape = (c.num_layers, 2, slots, c.num_kv_heads, c.head_dim)
@@ -38,7 +36,7 @@ class ModelRunner:
         """
         input_ids, positions, rows = self._inputs(scheduled)
         meta = self._metadata(scheduled)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, self.ops)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if not all_logits:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         return self.model.logits(hidden)

@@ -8,6 +8,16 @@ import torch.nn.functional as F
 from kernels.metadata import AttentionMetadata
 
 
+def prepare_linear(weight: torch.Tensor) -> torch.Tensor:
+    """The layout `linear` wants; the reference uses the weight as it is."""
+    return weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias."""
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,13 +106,14 @@ def _prefill_attention(
 ) -> torch.Tensor:
     k = _gather(k_cache, chunk.slots).transpose(0, 1)
     v = _gather(v_cache, chunk.slots).transpose(0, 1)
-    qh = q.transpose(0, 1)
+    # A leading batch dimension: with 3-D inputs the CPU falls back to the slow math kernel.
+    qh, k, v = q.transpose(0, 1)[None], k[None], v[None]
     if chunk.mask is None:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=chunk.mask, scale=scale,
                                            enable_gqa=True)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -217,9 +217,11 @@ class LoadPanel(QGroupBox):
         try:
             from engine.memory import estimate_memory
 
+            target = self._target_device()
             self._estimate = estimate_memory(self._model, dtype=self._estimate_dtype(),
                                              context_tokens=self.context_spin.value(),
-                                             concurrency=self.concurrency_spin.value())
+                                             concurrency=self.concurrency_spin.value(),
+                                             device="cpu" if target is None else target.kind)
         except Exception as exc:  # an unreadable header is reported here and again on load
             self.estimate_label.setText(f"No estimate: {exc}")
             return

@@ -1,0 +1,91 @@
+"""Kernel ops against plain dense math: the dispatch point, oneDNN linear, paged attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernels
+from kernels import AttentionMetadata, PrefillChunk, reference
+
+
+def test_dispatch_picks_onednn_for_cpu_float32_only():
+    assert kernels.ops_for("cpu", torch.bfloat16).name == "reference"
+    expected = "onednn" if "onednn" in kernels.available_backends() else "reference"
+    assert kernels.ops_for("cpu", torch.float32).name == expected
+    assert kernels.ops_for("cpu", torch.float32, "reference").name == "reference"
+    with pytest.raises(ValueError, match="not available"):
+        kernels.ops_for("cpu", torch.float32, "nonsense")
+
+
+@pytest.mark.skipif("onednn" not in kernels.available_backends(), reason="no oneDNN in torch")
+@pytest.mark.parametrize("rows,out_f,in_f", [(1, 64, 32), (5, 3072, 576), (77, 576, 1536)])
+def test_onednn_linear_matches_reference(rows, out_f, in_f):
+    ops = kernels.ops_for("cpu", torch.float32, "onednn")
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(out_f, in_f, generator=gen), torch.randn(out_f, generator=gen)
+    x = torch.randn(rows, in_f, generator=gen)
+    got = ops.linear(x, ops.prepare_linear(w), b)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-3, rtol=1e-4)
+
+
+def _dense_attention(q, k, v, start):
+    """Causal attention for one sequence, queries at positions start.., keys 0..len-1."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    qpos = torch.arange(start, start + q.shape[0]).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 4, 4), (9, 3, 16), (8, 1, 5)])
+def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, block_size):
+    gen = torch.Generator().manual_seed(heads * 10 + block_size)
+    dim, slots = 16, 256
+    k_cache = torch.zeros(slots, kv_heads, dim)
+    v_cache = torch.zeros(slots, kv_heads, dim)
+    # (context so far, new tokens): two decodes, a fresh prefill, and a later chunk.
+    seqs = [(10, 1), (3, 1), (0, 7), (9, 4)]
+    free = list(torch.randperm(slots // block_size, generator=gen).tolist())
+    qs, expected, slot_maps, meta_rows, prefills = [], [], [], [], []
+    row = 0
+    for ctx, n in seqs:
+        total = ctx + n
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        seq_slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size
+                                  for p in range(total)])
+        k = torch.randn(total, kv_heads, dim, generator=gen)
+        v = torch.randn(total, kv_heads, dim, generator=gen)
+        k_cache[seq_slots[:ctx]], v_cache[seq_slots[:ctx]] = k[:ctx], v[:ctx]
+        q = torch.randn(n, heads, dim, generator=gen)
+        qs.append((q, k[ctx:], v[ctx:]))
+        expected.append(_dense_attention(q, k, v, ctx))
+        slot_maps.append(seq_slots[ctx:])
+        if n == 1:
+            meta_rows.append((row, seq_slots))
+        else:
+            mask = None if ctx == 0 else (torch.arange(total).unsqueeze(0)
+                                          <= torch.arange(ctx, total).unsqueeze(1))
+            prefills.append(PrefillChunk(row, row + n, seq_slots, mask))
+        row += n
+    q = torch.cat([x[0] for x in qs])
+    reference.store_kv(torch.cat([x[1] for x in qs]), torch.cat([x[2] for x in qs]),
+                       k_cache, v_cache, torch.cat(slot_maps))
+    longest = max(len(s) for _, s in meta_rows)
+    padded = torch.zeros(len(meta_rows), longest, dtype=torch.long)
+    for i, (_, s) in enumerate(meta_rows):
+        padded[i, : len(s)] = s
+    lengths = torch.tensor([len(s) for _, s in meta_rows])
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slot_maps),
+        decode_token_index=torch.tensor([r for r, _ in meta_rows]),
+        decode_slots=padded,
+        decode_mask=(torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1))[:, None, None],
+        prefills=prefills,
+    )
+    out = reference.paged_attention(q, k_cache, v_cache, meta, 1 / math.sqrt(dim))
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
