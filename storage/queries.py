@@ -1,0 +1,145 @@
+"""The reads the panes need: a window of a series, request percentiles, runs and their summaries."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import sqlalchemy as sa
+
+from storage.db import Database
+from storage.models import RequestRow, Rollup1h, Rollup1m, Run, SavedPlan, Series, Source
+from storage.models import Sample as SampleRow
+
+PERCENTILES = (50, 95, 99)
+LATENCY_FIELDS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+def pick_resolution(span_s: float) -> str:
+    """Raw samples up to 2 hours, minute rollups up to 3 days, hour rollups beyond."""
+    if span_s <= 2 * 3600:
+        return "raw"
+    return "1m" if span_s <= 3 * 86400 else "1h"
+
+
+def series_window(db: Database, key: str, start_s: float, end_s: float,
+                  resolution: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+    """Timestamps (s) and values of a series in [start_s, end_s]; rollups give bucket means."""
+    if resolution == "auto":
+        resolution = pick_resolution(end_s - start_s)
+    model = {"raw": SampleRow, "1m": Rollup1m, "1h": Rollup1h}[resolution]
+    t = model.__table__
+    width = {"raw": 1, "1m": 60_000, "1h": 3_600_000}[resolution]
+    # A rollup row is stamped with its bucket's start, so include the bucket holding start_s.
+    start_ms = int(start_s * 1000) // width * width
+    value = t.c.value if model is SampleRow else t.c.total / t.c.count
+    stmt = (sa.select(t.c.ts_ms, value).join(Series.__table__, Series.id == t.c.series_id)
+            .where(Series.key == key, t.c.ts_ms >= start_ms,
+                   t.c.ts_ms <= int(end_s * 1000)).order_by(t.c.ts_ms))
+    with db.engine.connect() as conn:
+        rows = conn.execute(stmt).all()
+    if not rows:
+        return np.empty(0), np.empty(0)
+    data = np.asarray(rows, dtype=float)
+    return data[:, 0] / 1000.0, data[:, 1]
+
+
+def list_series(db: Database, source: str | None = None) -> list[str]:
+    """Every stored series key, optionally of one source."""
+    stmt = sa.select(Series.key).order_by(Series.key)
+    if source is not None:
+        stmt = stmt.join(Source, Source.id == Series.source_id).where(Source.name == source)
+    with db.engine.connect() as conn:
+        return list(conn.execute(stmt).scalars())
+
+
+def describe(values: list[float] | np.ndarray,
+             percentiles: tuple[int, ...] = PERCENTILES) -> dict[str, float | int | None]:
+    """Mean, count and the given percentiles (linear interpolation, as numpy and vLLM do)."""
+    arr = np.asarray(values, dtype=float)
+    arr = arr[np.isfinite(arr)]
+    out: dict[str, float | int | None] = {"count": int(arr.size)}
+    out["mean"] = float(arr.mean()) if arr.size else None
+    for p in percentiles:
+        out[f"p{p}"] = float(np.percentile(arr, p)) if arr.size else None
+    return out
+
+
+def _latency_summary(rows: list[Any]) -> dict[str, dict]:
+    ok = [r for r in rows if r.ok]
+    pooled_itl = [x for r in ok for x in (r.itl_ms or [])]
+    return {
+        "ttft_ms": describe([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        "tpot_ms": describe([r.tpot_ms for r in ok if r.tpot_ms is not None]),
+        "itl_ms": describe(pooled_itl),
+        "e2e_ms": describe([r.e2e_ms for r in ok if r.e2e_ms is not None]),
+    }
+
+
+def request_percentiles(db: Database, start_s: float, end_s: float,
+                        source: str | None = None) -> dict[str, dict]:
+    """TTFT, TPOT, pooled ITL and E2E percentiles of successful requests finished in a window."""
+    t = RequestRow.__table__
+    stmt = sa.select(t).where(t.c.ts_ms >= int(start_s * 1000), t.c.ts_ms <= int(end_s * 1000))
+    if source is not None:
+        stmt = stmt.join(Source.__table__, Source.id == t.c.source_id).where(Source.name == source)
+    with db.engine.connect() as conn:
+        rows = conn.execute(stmt).all()
+    summary = _latency_summary(rows)
+    summary["completed"] = sum(1 for r in rows if r.ok)
+    summary["failed"] = sum(1 for r in rows if not r.ok)
+    return summary
+
+
+def save_run(db: Database, kind: str, name: str, config: dict, summary: dict,
+             started_s: float, finished_s: float | None = None) -> int:
+    """Store a run's configuration and summary; returns its id for its request records."""
+    with db.session() as s:
+        run = Run(kind=kind, name=name, config=config, summary=summary,
+                  started_ms=int(started_s * 1000),
+                  finished_ms=None if finished_s is None else int(finished_s * 1000))
+        s.add(run)
+        s.flush()
+        return run.id
+
+
+def finish_run(db: Database, run_id: int, summary: dict, finished_s: float | None = None) -> None:
+    """Record a run's end time and final summary."""
+    finished_ms = int((finished_s or time.time()) * 1000)
+    with db.engine.begin() as conn:
+        conn.execute(sa.update(Run.__table__).where(Run.id == run_id)
+                     .values(summary=summary, finished_ms=finished_ms))
+
+
+def list_runs(db: Database, kind: str | None = None) -> list[dict]:
+    """Runs, newest first, without their request records."""
+    stmt = sa.select(Run.__table__).order_by(Run.started_ms.desc())
+    if kind is not None:
+        stmt = stmt.where(Run.kind == kind)
+    with db.engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(stmt)]
+
+
+def run_summary(db: Database, run_id: int) -> dict:
+    """A run's stored fields plus latency percentiles recomputed from its request records."""
+    with db.engine.connect() as conn:
+        run = conn.execute(sa.select(Run.__table__).where(Run.id == run_id)).first()
+        if run is None:
+            raise KeyError(f"no run with id {run_id}")
+        rows = conn.execute(sa.select(RequestRow.__table__)
+                            .where(RequestRow.run_id == run_id)).all()
+    out = dict(run._mapping)
+    out["requests"] = _latency_summary(rows)
+    out["completed"] = sum(1 for r in rows if r.ok)
+    out["failed"] = sum(1 for r in rows if not r.ok)
+    return out
+
+
+def save_plan(db: Database, name: str, plan: dict) -> int:
+    """Keep a planner result under a name."""
+    with db.session() as s:
+        row = SavedPlan(name=name, plan=plan, created_ms=int(time.time() * 1000))
+        s.add(row)
+        s.flush()
+        return row.id

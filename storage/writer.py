@@ -1,0 +1,210 @@
+"""The single writer thread: batches samples and requests and inserts them every ~0.5 s."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import sqlalchemy as sa
+
+from storage.db import Database, describe_error
+from storage.models import RequestRow, Series, Source
+from storage.models import Sample as SampleRow
+from storage.records import RequestRecord, Sample
+
+log = logging.getLogger(__name__)
+
+
+def _insert_ignoring_duplicates(db: Database, table: sa.Table) -> sa.Insert:
+    # A source may resend a timestamp (e.g. two scrapes within a millisecond); keep the first.
+    name = db.engine.dialect.name
+    if name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    elif name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        return sa.insert(table)
+    return insert(table).on_conflict_do_nothing()
+
+
+class SeriesIds:
+    """Maps series keys ("source/metric") to ids, creating sources and series on first sight."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._ids: dict[str, int] = {}
+
+    def resolve(self, conn: sa.Connection, keys: Iterable[str]) -> dict[str, int]:
+        missing = sorted({k for k in keys if k not in self._ids})
+        if missing:
+            self._load(conn, missing)
+        return self._ids
+
+    def _load(self, conn: sa.Connection, keys: list[str]) -> None:
+        sources = {k.split("/", 1)[0] for k in keys}
+        source_ids = ensure_sources(conn, sources)
+        rows = [{"key": k, "name": k.split("/", 1)[-1],
+                 "source_id": source_ids[k.split("/", 1)[0]]} for k in keys]
+        ins = _insert_ignoring_duplicates(self._db, Series.__table__)
+        conn.execute(ins, rows)
+        found = conn.execute(sa.select(Series.key, Series.id).where(Series.key.in_(keys)))
+        self._ids.update(dict(found.all()))
+
+
+def ensure_sources(conn: sa.Connection, names: Iterable[str]) -> dict[str, int]:
+    """Ids of the named sources, inserting the ones not yet stored."""
+    names = sorted(set(names))
+    have = dict(conn.execute(sa.select(Source.name, Source.id).where(Source.name.in_(names))).all())
+    new = [{"name": n, "kind": "unknown", "created_ms": int(time.time() * 1000)}
+           for n in names if n not in have]
+    if new:
+        conn.execute(sa.insert(Source.__table__), new)
+        have = dict(conn.execute(
+            sa.select(Source.name, Source.id).where(Source.name.in_(names))).all())
+    return have
+
+
+def request_row(record: RequestRecord, source_id: int) -> dict:
+    """The requests-table row of one record (seconds become milliseconds)."""
+    ms = lambda s: None if s is None else s * 1000.0  # noqa: E731
+    return {"source_id": source_id, "run_id": record.run_id, "ts_ms": int(record.ts * 1000),
+            "ttft_ms": ms(record.ttft_s), "tpot_ms": ms(record.tpot_s), "e2e_ms": ms(record.e2e_s),
+            "itl_ms": [x * 1000.0 for x in record.itl_s] or None,
+            "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
+            "ok": record.ok, "error": record.error}
+
+
+class Writer:
+    """Owns all inserts: callers submit from any thread; one thread writes in batches."""
+
+    def __init__(self, db: Database, *, interval_s: float = 0.5, max_pending: int = 2_000_000,
+                 on_flush: Callable[[float], None] | None = None,
+                 on_error: Callable[[str], None] | None = None,
+                 maintenance: Callable[[Database], None] | None = None,
+                 maintenance_every_s: float = 60.0) -> None:
+        self.db = db
+        self.interval_s = interval_s
+        self.max_pending = max_pending
+        self.on_flush = on_flush
+        self.on_error = on_error
+        self.maintenance = maintenance
+        self.maintenance_every_s = maintenance_every_s
+        self.last_error: str | None = None
+        self.written_samples = 0
+        self.written_requests = 0
+        self.dropped = 0
+        self._samples: deque[Sample] = deque()
+        self._requests: deque[RequestRecord] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = threading.Condition(self._lock)
+        self._stop = False
+        self._series = SeriesIds(db)
+        self._thread: threading.Thread | None = None
+        self._last_maintenance = time.monotonic()
+
+    def start(self) -> Writer:
+        self._thread = threading.Thread(target=self._run, name="servescope-writer", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, samples: Iterable[Sample] = (),
+               requests: Iterable[RequestRecord] = ()) -> None:
+        """Queue records for the next batch; never blocks on the database."""
+        with self._lock:
+            self._samples.extend(samples)
+            self._requests.extend(requests)
+            # Memory stays bounded while the database is unwritable; the oldest unsaved go first.
+            while len(self._samples) > self.max_pending:
+                self._samples.popleft()
+                self.dropped += 1
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._samples) + len(self._requests)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything submitted so far is written; False if it could not be."""
+        deadline = time.monotonic() + timeout
+        self._wake.set()
+        with self._lock:
+            while self._samples or self._requests:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None or not self._thread.is_alive():
+                    return False
+                self._idle.wait(min(left, 0.05))
+                self._wake.set()
+        return True
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Write what is pending and stop the thread; False if something stayed unwritten."""
+        done = self.flush(timeout)
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return done
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            self.write_pending()
+            self._maybe_maintain()
+
+    def write_pending(self) -> None:
+        """Insert one batch of everything queued; on failure keep it queued and report."""
+        with self._lock:
+            samples, requests = list(self._samples), list(self._requests)
+        if not samples and not requests:
+            return
+        try:
+            self._insert(samples, requests)
+        except Exception as exc:  # any driver error: keep the batch, say why once
+            self._report(describe_error(exc, self.db.engine.url))
+            return
+        with self._lock:
+            for _ in range(len(samples)):
+                self._samples.popleft()
+            for _ in range(len(requests)):
+                self._requests.popleft()
+            self._idle.notify_all()
+        self.written_samples += len(samples)
+        self.written_requests += len(requests)
+        self.last_error = None
+        if self.on_flush is not None and samples:
+            self.on_flush(max(s.ts for s in samples))
+
+    def _insert(self, samples: list[Sample], requests: list[RequestRecord]) -> None:
+        with self.db.engine.begin() as conn:
+            if samples:
+                ids = self._series.resolve(conn, {s.series for s in samples})
+                rows = [{"series_id": ids[s.series], "ts_ms": int(s.ts * 1000),
+                         "value": float(s.value)} for s in samples]
+                conn.execute(_insert_ignoring_duplicates(self.db, SampleRow.__table__), rows)
+            if requests:
+                sources = ensure_sources(conn, {r.source for r in requests})
+                conn.execute(sa.insert(RequestRow.__table__),
+                             [request_row(r, sources[r.source]) for r in requests])
+
+    def _report(self, message: str) -> None:
+        if message != self.last_error:
+            log.warning("%s", message)
+            if self.on_error is not None:
+                self.on_error(message)
+        self.last_error = message
+
+    def _maybe_maintain(self) -> None:
+        if self.maintenance is None:
+            return
+        if time.monotonic() - self._last_maintenance < self.maintenance_every_s:
+            return
+        self._last_maintenance = time.monotonic()
+        try:
+            self.maintenance(self.db)
+        except Exception as exc:  # rollups can wait for the next round; data is already stored
+            self._report(describe_error(exc, self.db.engine.url))
