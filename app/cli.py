@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     _models_parser(sub)
     _generate_parser(sub)
     _bench_parser(sub)
+    _serve_parser(sub)
     return p
 
 
@@ -135,14 +136,14 @@ def _generate_parser(sub) -> None:
     p.set_defaults(func=_generate)
 
 
-def _load(args):
+def _load(args, **engine_kwargs):
     from engine import LLM
     from engine.models import DEMO_MODEL, fetch_demo_model
 
     if args.model == DEMO_MODEL:
         fetch_demo_model()
     t = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, **engine_kwargs)
     print(f"loaded {llm.model_name} on {llm.device} ({llm.dtype}) in "
           f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
     if llm.fallback_reason:
@@ -212,6 +213,41 @@ def _print_bench(r: dict) -> None:
     print(f"batch-1 decode: {r['decode_tokens_per_s']:.1f} tok/s")
     for n, v in r["throughput_tokens_per_s"].items():
         print(f"throughput at {n:>3} concurrent: {v:,.1f} tok/s")
+
+
+# ---- serve ----
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server for the engine, with /metrics")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $SERVESCOPE_API_KEY)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-tokens", type=int, default=None)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args) -> int:
+    import os
+
+    from engine.server import Server
+
+    llm = _load(args, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens)
+    api_key = args.api_key or os.environ.get("SERVESCOPE_API_KEY") or None
+    try:
+        server = Server(llm, args.host, args.port, api_key)
+    except OSError as exc:
+        raise OSError(f"Cannot listen on {args.host}:{args.port} ({exc.strerror}): pick another "
+                      "--port or stop what uses it.") from None
+    print(f"serving {llm.model_name} at {server.url}/v1 (metrics at {server.url}/metrics"
+          f"{', API key required' if api_key else ''}); Ctrl+C stops", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.loop.stop()
+        server.server_close()
+    return 0
 
 
 if __name__ == "__main__":

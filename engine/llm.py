@@ -36,6 +36,7 @@ class StepStats:
 
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_generated_tokens: int
     num_running: int
     num_waiting: int
     num_preempted: int
@@ -130,6 +131,15 @@ class LLM:
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         """Run one iteration: schedule, run the model, sample, and report what changed."""
+        updated, stats = self._step()
+        return [seq.to_output() for seq in updated], stats
+
+    def step_deltas(self) -> tuple[list[StreamDelta], StepStats]:
+        """Like step(), as new text per updated request (what a streaming server sends)."""
+        updated, stats = self._step()
+        return [_delta(seq) for seq in updated], stats
+
+    def _step(self) -> tuple[list[Sequence], StepStats]:
         start = time.perf_counter()
         updated = self._apply_aborts()
         plan = self.scheduler.schedule()
@@ -146,12 +156,11 @@ class LLM:
             for s, token in zip(sampling, tokens, strict=True):
                 self._append_token(s.seq, token, now)
                 updated.append(s.seq)
-        outputs = [seq.to_output() for seq in updated]
         for seq in updated:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
         self.last_stats = self._stats(plan, updated, start)
-        return outputs, self.last_stats
+        return updated, self.last_stats
 
     # ---- convenience loops ----
     def generate(
@@ -191,13 +200,8 @@ class LLM:
         seq = self._seqs[rid]
         try:
             while not seq.is_finished:
-                outputs, _ = self.step()
-                delta = _delta(seq)
-                if delta.text or delta.token_ids or seq.is_finished:
-                    if seq.is_finished:
-                        delta.finish_reason = seq.finish_reason
-                        delta.output = seq.to_output()
-                    yield delta
+                deltas, _ = self.step_deltas()
+                yield from (d for d in deltas if d.request_id == rid)
         finally:
             if not seq.is_finished:
                 self.abort(rid)
@@ -295,6 +299,7 @@ class LLM:
         return StepStats(
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_tokens=plan.num_decode_tokens,
+            num_generated_tokens=plan.num_sampled,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preempted=len(plan.preempted),
@@ -323,4 +328,7 @@ def _delta(seq: Sequence) -> StreamDelta:
                         seq.output_token_ids[seq.emitted_token_len :])
     seq.emitted_text_len = visible
     seq.emitted_token_len = len(seq.output_token_ids)
+    if seq.is_finished:
+        delta.finish_reason = seq.finish_reason
+        delta.output = seq.to_output()
     return delta

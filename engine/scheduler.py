@@ -11,15 +11,21 @@ from engine.sequence import Sequence, Status
 
 @dataclass
 class ScheduledSeq:
-    """A sequence and the number of its tokens this step computes (a prefill chunk or 1)."""
+    """A sequence and the number of its tokens this step computes (a prefill chunk or 1).
+
+    `samples` (this step reaches the sequence's last token, so a token is sampled) and
+    `is_decode` are fixed when the step is planned: the sequence itself moves on afterwards.
+    """
 
     seq: Sequence
     num_new_tokens: int
+    samples: bool = field(init=False)
+    is_decode: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        seq, n = self.seq, self.num_new_tokens
+        self.samples = seq.num_computed_tokens + n == seq.num_tokens
+        self.is_decode = n == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)
 
 
 @dataclass
@@ -35,15 +41,15 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if not _is_decode(s))
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if _is_decode(s))
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_decode)
 
-
-def _is_decode(s: ScheduledSeq) -> bool:
-    return s.num_new_tokens == 1 and s.seq.num_computed_tokens >= len(s.seq.prompt_token_ids)
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for s in self.scheduled if s.samples)
 
 
 class Scheduler:

@@ -75,3 +75,30 @@ def test_bench_quick_json(demo_gguf, tmp_path):
     assert out["machine"]["cpus"] >= 1
     saved = (tmp_path / "bench_results.jsonl").read_text().splitlines()
     assert json.loads(saved[-1])["ttft_ms"] == out["ttft_ms"]
+
+
+def test_serve_answers_over_http_and_stops_on_sigint(demo_gguf):
+    import re
+    import signal
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(demo_gguf),
+                             "--port", "0", "--kv-cache-tokens", "1024"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stderr:
+            match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+            if match:
+                url = match.group(1)
+                break
+        assert url, "the server never said where it listens"
+        r = httpx.post(f"{url}/v1/completions", timeout=120,
+                       json={"prompt": "The capital of France is", "max_tokens": 3,
+                             "temperature": 0})
+        assert r.json()["choices"][0]["text"].startswith(" Paris")
+        assert "vllm:time_to_first_token_seconds_count" in httpx.get(f"{url}/metrics").text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) in (0, 130)

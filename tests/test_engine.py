@@ -66,7 +66,7 @@ def test_step_reports_stats_from_the_engine(llm):
     llm.add_request("Hello there", SamplingParams(temperature=0, max_tokens=3))
     outputs, stats = llm.step()
     assert stats.num_prefill_tokens == len(llm.tokenizer.encode("Hello there"))
-    assert stats.num_decode_tokens == 0
+    assert stats.num_decode_tokens == 0 and stats.num_generated_tokens == 1
     assert stats.num_running == 1 and stats.kv_blocks_used == 1
     assert stats.kv_blocks_total == llm.num_kv_blocks and stats.wall_s > 0
     outputs, stats = llm.step()

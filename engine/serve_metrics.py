@@ -1,0 +1,71 @@
+"""The embedded server's /metrics, in vLLM's metric names so dashboards and collectors just work."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.sequence import RequestOutput
+
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so histograms from servescope and vLLM
+# can be compared bucket by bucket.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    """Prometheus series for one served model, updated from the engine's own records."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch",
+                             labels, registry=r).labels(model_name)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled",
+                             labels, registry=r).labels(model_name)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full)", labels,
+                              registry=r).labels(model_name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens computed (including "
+                                     "recomputation after preemption)", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels,
+                                         registry=r).labels(model_name)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions", labels,
+                                   registry=r).labels(model_name)
+        self._success = Counter("vllm:request_success", "Finished requests", labels +
+                                ["finished_reason"], registry=r)
+        self.model_name = model_name
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", labels,
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
+                             labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+
+    def observe_step(self, stats) -> None:
+        """Gauges and token counters from one engine step (engine.llm.StepStats)."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_blocks_used / max(1, stats.kv_blocks_total))
+        self.prompt_tokens.inc(stats.num_prefill_tokens)
+        self.generation_tokens.inc(stats.num_generated_tokens)
+        self.preemptions.inc(stats.num_preempted)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Latency histograms and the success counter from a finished request."""
+        m = output.metrics
+        if m.ttft_s is not None:
+            self.ttft.observe(m.ttft_s)
+        for gap in m.itl_s:
+            self.itl.observe(gap)
+        if m.finished is not None:
+            self.e2e.observe(m.finished - m.arrival)
+        self._success.labels(self.model_name, output.finish_reason or "unknown").inc()
+
+    def exposition(self) -> bytes:
+        """The text exposition format (version 0.0.4)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,161 @@
+"""`servescope serve` for real on 127.0.0.1: the OpenAI API, streaming, batching and /metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import LLM, SamplingParams
+from engine.server import serve
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Water boils at", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def llm(demo_gguf):
+    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def direct(llm) -> dict[str, str]:
+    """Greedy texts from the engine itself, computed before the server's loop owns it."""
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
+    return {p: o.text for p, o in zip(PROMPTS, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def server(llm, direct):
+    srv = serve(llm, "127.0.0.1", 0)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def _complete(client, prompt: str, **extra) -> dict:
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12,
+                                             "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _metric(client, name: str) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    return 0.0
+
+
+def test_models_and_health(client, llm):
+    assert client.get("/health").status_code == 200
+    data = client.get("/v1/models").json()["data"]
+    assert data[0]["id"] == llm.model_name and data[0]["max_model_len"] == llm.max_model_len
+
+
+def test_completion_matches_the_engine(client, direct):
+    out = _complete(client, PROMPTS[0])
+    assert out["object"] == "text_completion"
+    assert out["choices"][0]["text"] == direct[PROMPTS[0]]
+    assert out["usage"]["completion_tokens"] == 12
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_streaming_deltas_add_up(client):
+    whole = _complete(client, PROMPTS[3])["choices"][0]["text"]
+    body = {"prompt": PROMPTS[3], "max_tokens": 12, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    pieces, usage = [], None
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.headers["content-type"] == "text/event-stream"
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            pieces += [c["text"] for c in event["choices"]]
+            usage = event.get("usage", usage)
+    assert "".join(pieces) == whole
+    assert usage["completion_tokens"] == 12
+
+
+def test_chat_whole_and_streamed(client):
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0, "max_tokens": 30}
+    whole = client.post("/v1/chat/completions", json=body).json()
+    text = whole["choices"][0]["message"]["content"]
+    assert "Paris" in text and whole["object"] == "chat.completion"
+    streamed = []
+    with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed += [c["delta"].get("content", "") for c in json.loads(line[6:])["choices"]]
+    assert "".join(streamed) == text
+
+
+def test_concurrent_requests_batch_and_metrics_count_them(client, direct):
+    before = _metric(client, "vllm:time_to_first_token_seconds_count")
+    tokens_before = _metric(client, "vllm:generation_tokens_total")
+    alone = [_complete(client, p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: _complete(client, p), PROMPTS))
+    texts = [o["choices"][0]["text"] for o in together]
+    assert texts == [o["choices"][0]["text"] for o in alone] == [direct[p] for p in PROMPTS]
+    assert _metric(client, "vllm:time_to_first_token_seconds_count") - before == 8
+    sent = sum(o["usage"]["completion_tokens"] for o in alone + together)
+    assert _metric(client, "vllm:generation_tokens_total") - tokens_before == sent
+    assert _metric(client, "vllm:e2e_request_latency_seconds_count") >= 8
+    assert _metric(client, "vllm:num_requests_running") == 0
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"prompt": "x" * 40000, "max_tokens": 4}, 400, "context holds"),
+    ({"prompt": 5}, 400, "'prompt' must be"),
+    ({"messages": "hi"}, 400, "'messages' must be"),
+    ({"prompt": "hi", "temperature": -2}, 400, "temperature"),
+])
+def test_bad_requests_get_openai_errors(client, body, status, needle):
+    url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = client.post(url, json=body)
+    assert r.status_code == status
+    assert needle in r.json()["error"]["message"]
+    assert _complete(client, PROMPTS[0])["choices"][0]["text"]  # still serving
+
+
+def test_invalid_json_and_unknown_route(client):
+    r = client.post("/v1/completions", content=b"{not json", headers={"Content-Type": "x"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert client.get("/v2/nothing").status_code == 404
+
+
+def test_client_leaving_mid_stream_frees_its_blocks(client, llm):
+    body = {"prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        for _ in zip(range(3), r.iter_lines(), strict=False):
+            pass
+    deadline = time.time() + 60
+    while llm.has_unfinished() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not llm.has_unfinished()
+    assert llm.block_manager.num_used_blocks == 0
+
+
+def test_api_key_is_required_when_set(llm):
+    srv = serve(llm, "127.0.0.1", 0, api_key="s3cret")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            assert c.get("/v1/models").status_code == 401
+            ok = c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+            assert ok.status_code == 200
+            assert c.get("/health").status_code == 200
+    finally:
+        srv.close()
