@@ -1,0 +1,272 @@
+"""GPU, model and price catalogs: shipped TOML files extended by the user's own."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "catalogs"
+PRECISIONS = ("bf16", "fp16", "fp8", "int8", "int4")
+KV_PRECISIONS = ("bf16", "fp16", "fp8", "int8")
+
+
+class CatalogError(ValueError):
+    """A catalog or config file a user can fix: the message names the file and the field."""
+
+
+class UnknownNameError(KeyError):
+    """A model or GPU name not in the catalog; the message lists the closest names."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One accelerator: memory, bandwidth, dense FLOP/s per precision, link, power and price."""
+
+    name: str
+    memory_gb: float
+    bandwidth_gbs: float
+    tflops: dict[str, float]
+    interconnect: str
+    link_gbs: float
+    link_latency_us: float
+    power_w: float
+    source: str
+    date: str
+    on_demand: float = 0.0
+    spot: float | None = None
+    price_source: str = ""
+    price_date: str = ""
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("memory_gb", "bandwidth_gbs", "link_gbs", "power_w"):
+            _positive(getattr(self, name), name)
+        if "bf16" not in self.tflops:
+            raise ValueError("tflops needs a bf16 figure")
+        for key, value in self.tflops.items():
+            _positive(value, f"tflops.{key}")
+        if self.spot is not None:
+            _positive(self.spot, "spot")
+
+    def compute_tflops(self, precision: str) -> float:
+        """Peak dense FLOP/s for math at `precision`; int4 and missing fp8 run as bf16 math."""
+        key = "bf16" if precision in ("fp16", "int4") else precision
+        return self.tflops.get(key, self.tflops["bf16"])
+
+    @property
+    def nvlink(self) -> bool:
+        return self.interconnect.lower().startswith(("nvlink", "infinity"))
+
+
+@dataclass(frozen=True)
+class Model:
+    """One transformer's architecture, enough for memory and time estimates (dense, MoE, MLA)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params_b: float
+    source: str
+    date: str
+    hf_id: str = ""
+    active_params_b: float = 0.0
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    moe_intermediate: int = 0
+    moe_layers: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    max_context: int = 4096
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "params_b"):
+            _positive(getattr(self, name), name)
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads")
+        if self.experts and not 0 < self.experts_per_token <= self.experts:
+            raise ValueError("experts_per_token must be between 1 and experts")
+        if self.active_params_b == 0.0:
+            object.__setattr__(self, "active_params_b", self.params_b)
+        if self.active_params_b > self.params_b:
+            raise ValueError("active_params_b cannot exceed params_b")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3.0 * self.hidden * self.moe_intermediate
+
+    @property
+    def embedding_params(self) -> float:
+        return 2.0 * self.vocab * self.hidden
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """The GPUs and models the planner may use, after the user's files are merged in."""
+
+    gpus: dict[str, Gpu]
+    models: dict[str, Model]
+    files: tuple[str, ...] = field(default=())
+
+    def gpu(self, name: str) -> Gpu:
+        return _lookup(self.gpus, name, "GPU")
+
+    def model(self, name: str) -> Model:
+        return _lookup(self.models, name, "model")
+
+    def with_model(self, model: Model) -> Catalog:
+        return Catalog(self.gpus, {**self.models, model.name: model}, self.files)
+
+
+def _positive(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def _lookup(table: dict, name: str, kind: str) -> Any:
+    key = name.strip().lower()
+    for entry in table.values():
+        if key == entry.name.lower() or key in (a.lower() for a in entry.aliases):
+            return entry
+    raise UnknownNameError(f"unknown {kind} {name!r}; " + suggest(name, table))
+
+
+def suggest(name: str, table: dict) -> str:
+    """'did you mean ...' naming the closest catalog names (difflib), or all of them."""
+    names = {n.lower(): n for n in table}
+    for entry in table.values():
+        names.update({a.lower(): entry.name for a in entry.aliases})
+    close = difflib.get_close_matches(name.lower(), list(names), n=5, cutoff=0.4)
+    found = list(dict.fromkeys(names[c] for c in close))
+    if found:
+        return "did you mean " + " or ".join(repr(n) for n in found[:3]) + "?"
+    return "known names: " + ", ".join(sorted(table))
+
+
+def config_dir() -> Path:
+    """The user's config folder: $SERVESCOPE_CONFIG_DIR, else the platform's config dir."""
+    override = os.environ.get("SERVESCOPE_CONFIG_DIR")
+    if override:
+        return Path(override)
+    from platformdirs import user_config_dir
+
+    return Path(user_config_dir("servescope"))
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse a TOML file; a syntax error becomes a CatalogError naming the file and line."""
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except tomllib.TOMLDecodeError as exc:
+        raise CatalogError(f"{path}: not valid TOML ({exc})") from exc
+    except OSError as exc:
+        raise CatalogError(f"{path}: cannot read it ({exc.strerror})") from exc
+
+
+def _sections(path: Path, table: str) -> dict[str, dict[str, Any]]:
+    data = read_toml(path).get(table, {})
+    if not isinstance(data, dict):
+        raise CatalogError(f"{path}: [{table}] must be a table of named entries")
+    for name, entry in data.items():
+        if not isinstance(entry, dict):
+            raise CatalogError(f"{path}: {table}.{name!r} must be a table of fields")
+    return data
+
+
+def _merged(table: str, filename: str, user_dir: Path | None) -> tuple[dict, dict, list[str]]:
+    """Entries of the shipped file overlaid field-by-field with the user's file."""
+    shipped = ASSETS / filename
+    entries = {k: dict(v) for k, v in _sections(shipped, table).items()}
+    origin = {k: shipped for k in entries}
+    used = [str(shipped)]
+    user = (user_dir or config_dir()) / "catalogs" / filename
+    if user.is_file():
+        used.append(str(user))
+        for name, values in _sections(user, table).items():
+            entries.setdefault(name, {}).update(values)
+            origin[name] = user
+    return entries, origin, used
+
+
+def build(cls: type, name: str, values: dict[str, Any], path: Path, table: str) -> Any:
+    """Construct `cls` from a TOML entry; every problem names the file, entry and field."""
+    known = {f.name for f in fields(cls)} - {"name"}
+    where = f"{path}: {table}.{name!r}"
+    extra = sorted(set(values) - known)
+    if extra:
+        raise CatalogError(f"{where} has unknown field {extra[0]!r}")
+    missing = sorted(f.name for f in fields(cls) if f.name in known and f.name not in values
+                     and f.default is MISSING and f.default_factory is MISSING)
+    if missing:
+        raise CatalogError(f"{where} is missing field {missing[0]!r}")
+    args = {k: tuple(v) if k == "aliases" else v for k, v in values.items()}
+    try:
+        return cls(name=name, **args)
+    except (TypeError, ValueError) as exc:
+        raise CatalogError(f"{where}: {exc}") from exc
+
+
+def _attach_price(gpu_values: dict, price: dict | None, where: str) -> None:
+    if price is None:
+        return
+    for key in ("on_demand", "source", "date"):
+        if key not in price:
+            raise CatalogError(f"{where} is missing field {key!r}")
+    gpu_values.update(on_demand=price["on_demand"], spot=price.get("spot"),
+                      price_source=price["source"], price_date=str(price["date"]))
+
+
+def gpu_entries_as_names(entries: dict) -> dict:
+    """Raw entries shaped for `suggest` (objects with a name and aliases)."""
+    return {n: _Named(n, tuple(v.get("aliases", ()))) for n, v in entries.items()}
+
+
+@dataclass(frozen=True)
+class _Named:
+    name: str
+    aliases: tuple[str, ...]
+
+
+def load_catalog(user_dir: Path | None = None) -> Catalog:
+    """The shipped catalogs merged with `<config dir>/catalogs/{gpus,models,prices}.toml`."""
+    gpu_entries, gpu_origin, files = _merged("gpu", "gpus.toml", user_dir)
+    price_entries, price_origin, more = _merged("price", "prices.toml", user_dir)
+    model_entries, model_origin, most = _merged("model", "models.toml", user_dir)
+    for name in price_entries:
+        if name not in gpu_entries:
+            raise CatalogError(f"{price_origin[name]}: price.{name!r} names no GPU in the catalog; "
+                               + suggest(name, gpu_entries_as_names(gpu_entries)))
+    gpus = {}
+    for name, values in gpu_entries.items():
+        values = {k: str(v) if k == "date" else v for k, v in values.items()}
+        where = f"{price_origin.get(name, gpu_origin[name])}: price.{name!r}"
+        _attach_price(values, price_entries.get(name), where)
+        gpus[name] = build(Gpu, name, values, gpu_origin[name], "gpu")
+    models = {}
+    for name, values in model_entries.items():
+        values = {k: str(v) if k == "date" else v for k, v in values.items()}
+        models[name] = build(Model, name, values, model_origin[name], "model")
+    return Catalog(gpus, models, tuple(files + more[1:] + most[1:]))

@@ -1,0 +1,170 @@
+"""Per-iteration time model: a roofline over compute and memory, plus TP and PP communication."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.catalog import Gpu, Model
+from planner.memory import BYTES_PER_PARAM, kv_bytes_per_token_per_gpu
+
+MAX_TP = 8  # one NVLink / PCIe node; TP across nodes is not worth modelling for inference
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of peak; defaults from aiconfigurator (memory 0.8) and llm-analysis
+    (FLOPs up to 0.7 for inference); calibration replaces them with fitted values."""
+
+    flops: float = 0.6
+    memory: float = 0.8
+    link: float = 0.7
+    overhead_ms: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in ("flops", "memory", "link"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"efficiency {name} must be in (0, 1], got {value}")
+        if self.overhead_ms < 0:
+            raise ValueError("overhead_ms must be non-negative")
+
+
+@dataclass(frozen=True)
+class SpecDecode:
+    """Speculative decoding: a draft proposes `draft_len` tokens, each accepted with `acceptance`;
+    `draft_cost` is one draft step's time as a fraction of reading the target's weights."""
+
+    draft_len: int = 4
+    acceptance: float = 0.7
+    draft_cost: float = 0.05
+    method: str = "eagle"
+
+    def __post_init__(self) -> None:
+        if self.draft_len < 1:
+            raise ValueError("draft_len must be at least 1")
+        if not 0.0 <= self.acceptance < 1.0:
+            raise ValueError("acceptance must be in [0, 1)")
+        if self.draft_cost < 0:
+            raise ValueError("draft_cost must be non-negative")
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Expected tokens per verify step (Leviathan et al.): (1 - a^(g+1)) / (1 - a)."""
+        a, g = self.acceptance, self.draft_len
+        return (1.0 - a ** (g + 1)) / (1.0 - a)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One replica's layout: model on GPUs at a precision, parallelism and batch limits."""
+
+    model: Model
+    gpu: Gpu
+    weights: str = "bf16"
+    kv: str = "bf16"
+    tp: int = 1
+    pp: int = 1
+    max_seqs: int = 256
+    max_batched_tokens: int = 2048
+    spec: SpecDecode | None = None
+    prefix_hit: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.tp > MAX_TP:
+            raise ValueError(f"tp must be between 1 and {MAX_TP}, got {self.tp}")
+        if self.pp < 1 or self.pp > self.model.layers:
+            raise ValueError(f"pp must be between 1 and the model's {self.model.layers} layers")
+        if self.max_seqs < 1 or self.max_batched_tokens < 1:
+            raise ValueError("max_seqs and max_batched_tokens must be at least 1")
+        if not 0.0 <= self.prefix_hit < 1.0:
+            raise ValueError("prefix_hit must be in [0, 1)")
+        BYTES_PER_PARAM[self.weights]  # noqa: B018 - raises KeyError on an unknown precision
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+
+def allreduce_seconds(gpu: Gpu, tp: int, message_bytes: float, link_eff: float) -> float:
+    """Ring all-reduce: one hop latency plus 2(N-1)/N of the message over the link."""
+    if tp == 1:
+        return 0.0
+    return gpu.link_latency_us * 1e-6 + 2.0 * (tp - 1) / tp * message_bytes / (
+        gpu.link_gbs * 1e9 * link_eff)
+
+
+class StepCost:
+    """Time of one engine iteration for a deployment, with its constants computed once."""
+
+    __slots__ = ("d", "eff", "flops_per_token", "lm_head_flops", "attn_flops", "dense_bytes",
+                 "expert_bytes", "kv_read", "flops_rate", "bw", "comm_per_token", "comm_fixed",
+                 "stage_layers", "spec_tokens", "draft_fraction")
+
+    def __init__(self, d: Deployment, eff: Efficiency | None = None) -> None:
+        m, g, self.d = d.model, d.gpu, d
+        self.eff = eff or Efficiency()
+        bpp = BYTES_PER_PARAM[d.weights]
+        active = m.active_params_b * 1e9 - m.embedding_params
+        self.flops_per_token = 2.0 * active
+        self.lm_head_flops = 2.0 * m.vocab * m.hidden
+        self.attn_flops = 4.0 * m.layers * m.heads * m.head_dim
+        routed = m.moe_layers * m.experts * m.expert_params if m.is_moe else 0.0
+        self.dense_bytes = (m.params_b * 1e9 - routed) * bpp / d.gpus
+        self.expert_bytes = m.moe_layers * m.expert_params * bpp / d.gpus
+        self.kv_read = kv_bytes_per_token_per_gpu(m, d.kv, d.tp, d.pp)
+        self.flops_rate = g.compute_tflops(d.weights) * 1e12 * self.eff.flops * d.gpus
+        self.bw = g.bandwidth_gbs * 1e9 * self.eff.memory
+        self.stage_layers = m.layers / d.pp
+        # Two all-reduces per layer (after attention and after the MLP) of bf16 activations.
+        hops = 2 * self.stage_layers if d.tp > 1 else 0.0
+        self.comm_fixed = hops * g.link_latency_us * 1e-6
+        self.comm_per_token = hops * 2.0 * (d.tp - 1) / d.tp * 2.0 * m.hidden / (
+            g.link_gbs * 1e9 * self.eff.link)
+        self.spec_tokens = d.spec.draft_len + 1 if d.spec else 1
+        self.draft_fraction = d.spec.draft_len * d.spec.draft_cost if d.spec else 0.0
+
+    def _experts_touched(self, tokens: float) -> float:
+        """Distinct routed experts a layer reads for `tokens` tokens routed uniformly at random."""
+        m = self.d.model
+        if not m.is_moe:
+            return 0.0
+        return m.experts * (1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens)
+
+    def time(self, prefill_tokens: float, prefill_attn: float, decode_seqs: int,
+             decode_ctx: float, sampled: int) -> float:
+        """Seconds for one iteration: `prefill_tokens` prompt tokens whose attention covers
+        `prefill_attn` (query, key) pairs, plus `decode_seqs` decodes over `decode_ctx` cached
+        tokens in all; `sampled` sequences produce logits."""
+        pp = self.d.pp
+        tokens = prefill_tokens + decode_seqs * self.spec_tokens
+        if tokens <= 0:
+            return 0.0
+        micro = min(pp, max(decode_seqs + (1 if prefill_tokens else 0), 1))
+        flops = (tokens * self.flops_per_token + sampled * self.spec_tokens * self.lm_head_flops
+                 + self.attn_flops * (prefill_attn + decode_ctx * self.spec_tokens))
+        weights = self.dense_bytes + self.expert_bytes * self._experts_touched(tokens / micro)
+        kv = (decode_ctx + tokens) * self.kv_read
+        compute = flops / self.flops_rate / micro
+        memory = (weights + kv / micro) / self.bw
+        comm = self.comm_fixed + self.comm_per_token * tokens / micro
+        stage = max(compute, memory) + comm
+        handoff = (pp - 1) * allreduce_seconds(self.d.gpu, 2, 2.0 * self.d.model.hidden
+                                               * tokens / micro, self.eff.link) if pp > 1 else 0.0
+        draft = self.draft_fraction * self.dense_bytes / self.bw * pp if decode_seqs else 0.0
+        return self.eff.overhead_ms * 1e-3 + pp * stage + handoff + draft
+
+    def prefill_seconds(self, input_len: int) -> float:
+        """One prompt alone, in chunks of max_batched_tokens: its TTFT on an idle replica."""
+        budget = self.d.max_batched_tokens
+        start = int(input_len * self.d.prefix_hit)
+        total, done = 0.0, start
+        while done < input_len:
+            chunk = min(budget, input_len - done)
+            total += self.time(chunk, chunk * (done + chunk / 2.0), 0, 0.0, 1)
+            done += chunk
+        return total
+
+    def decode_seconds(self, batch: int, mean_ctx: float) -> float:
+        """One decode iteration for `batch` sequences of `mean_ctx` cached tokens on average."""
+        return self.time(0, 0.0, batch, batch * mean_ctx, batch)
+
