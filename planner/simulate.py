@@ -229,6 +229,9 @@ def simulate(r: Replica, w: Workload, replicas: int = 1) -> SimResult:
     first, finish, arrival = s.first[keep], s.finish[keep], s.arrival[keep]
     out = original_out[take][keep]
     tpot = np.where(out > 1, (finish - first) / np.maximum(out - 1, 1), 0.0)
-    span = float(s.finish.max() - (s.arrival.min() if w.rate is not None else 0.0))
+    span = float(s.finish.max())
+    if w.rate is not None:
+        # Steady state: tokens over the arrival span; overloaded: over the finish span.
+        span = max(float(np.ptp(s.arrival)), float(np.ptp(s.finish)))
     throughput = float(original_out[take].sum()) / span * replicas if span > 0 else math.inf
     return SimResult(first - arrival, tpot, finish - arrival, throughput, preemptions, 0)

@@ -1,0 +1,120 @@
+"""Calibration: fit efficiency factors to measured runs and report the fit error."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from planner.catalog import Catalog, CatalogError
+from planner.timing import Deployment, Efficiency, StepCost
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Efficiency factors per (GPU, weight precision), '*' matching any; plans cite its name."""
+
+    name: str = "default (uncalibrated)"
+    factors: dict[tuple[str, str], Efficiency] = field(default_factory=dict)
+    fit_error_pct: float | None = None
+    points: int = 0
+
+    def efficiency(self, gpu: str, precision: str) -> Efficiency:
+        for key in ((gpu, precision), (gpu, "*"), ("*", precision), ("*", "*")):
+            if key in self.factors:
+                return self.factors[key]
+        return Efficiency()
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A published or measured run: its configuration and what it achieved."""
+
+    model: str
+    gpu: str
+    weights: str
+    kv: str
+    tp: int
+    pp: int
+    batch: int
+    input_len: int
+    output_len: int
+    throughput_tok_s: float
+    mode: str = "static"
+    tpot_ms: float | None = None
+    ttft_ms: float | None = None
+    source: str = ""
+    engine: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("static", "continuous"):
+            raise ValueError("mode must be 'static' or 'continuous'")
+        if self.throughput_tok_s <= 0 or self.batch < 1:
+            raise ValueError("throughput_tok_s must be positive and batch at least 1")
+
+
+def predict(d: Deployment, m: Measurement, eff: Efficiency) -> dict[str, float]:
+    """Closed-loop prediction at fixed batch: 'static' runs every prompt then decodes together
+    (TensorRT-LLM's gptSessionBenchmark); 'continuous' staggers prompts among decodes."""
+    cost = StepCost(d, eff)
+    b, inp, out = m.batch, m.input_len, m.output_len
+    if m.mode == "static":
+        prefill = cost.time(b * inp, b * inp * inp / 2.0, 0, 0.0, b)
+        # Decode time is linear in the context, so the mean context gives the exact sum.
+        decode = (out - 1) * cost.decode_seconds(b, inp + out / 2.0)
+        total = prefill + decode
+        return {"throughput_tok_s": b * out / total, "tpot_ms": decode / max(out - 1, 1) * 1e3,
+                "ttft_ms": prefill * 1e3}
+    per_step_prefill = b * inp / out
+    step = cost.time(per_step_prefill, per_step_prefill * inp / 2.0, b, b * (inp + out / 2.0),
+                     b + b / out)
+    return {"throughput_tok_s": b / step, "tpot_ms": step * 1e3,
+            "ttft_ms": cost.prefill_seconds(inp) * 1e3 + step * 1e3}
+
+
+def deployment_for(m: Measurement, catalog: Catalog) -> Deployment:
+    return Deployment(catalog.model(m.model), catalog.gpu(m.gpu), m.weights, m.kv, m.tp, m.pp,
+                      max_seqs=m.batch, max_batched_tokens=max(2048, m.input_len))
+
+
+def ape(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured * 100.0
+
+
+def fit(measurements: list[Measurement], catalog: Catalog, name: str = "fitted") -> Calibration:
+    """Grid-search one (FLOPs, memory) efficiency pair minimising the median throughput error."""
+    if not measurements:
+        raise ValueError("calibration needs at least one measurement")
+    deployments = [deployment_for(m, catalog) for m in measurements]
+    best: tuple[float, Efficiency] | None = None
+    for flops in np.arange(0.30, 0.951, 0.05):
+        for memory in np.arange(0.50, 0.951, 0.05):
+            eff = Efficiency(flops=float(flops), memory=float(memory))
+            errors = [ape(predict(d, m, eff)["throughput_tok_s"], m.throughput_tok_s)
+                      for d, m in zip(deployments, measurements, strict=True)]
+            score = float(np.median(errors))
+            if best is None or score < best[0]:
+                best = (score, eff)
+    assert best is not None
+    return Calibration(name, {("*", "*"): best[1]}, round(best[0], 2), len(measurements))
+
+
+def load_measurements(path: Path) -> list[Measurement]:
+    """Measurements from a JSON file {"measurements": [...]}; errors name the file and field."""
+    try:
+        data: Any = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CatalogError(f"{path}: cannot read it as JSON ({exc})") from exc
+    rows = data.get("measurements") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise CatalogError(f"{path}: field 'measurements' must be a list")
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(Measurement(**{k: v for k, v in row.items() if k != "note"}))
+        except (TypeError, ValueError) as exc:
+            raise CatalogError(f"{path}: measurements[{i}]: {exc}") from exc
+    return out

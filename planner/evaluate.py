@@ -1,0 +1,92 @@
+"""Evaluate one deployment against a workload: memory fit, simulated latency, throughput, cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.calibrate import Calibration
+from planner.cost import CostOptions, cost_per_hour, cost_per_million
+from planner.memory import MemoryPlan, plan_memory
+from planner.simulate import Replica, SimResult, simulate
+from planner.timing import Deployment, StepCost
+from planner.workload import Workload
+
+
+class InfeasibleError(ValueError):
+    """A plan that cannot run: the message says why and what to relax."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One deployment's predicted behaviour under a workload."""
+
+    deployment: Deployment
+    replicas: int
+    memory: MemoryPlan
+    result: SimResult
+    cost_per_hour: float
+    cost_per_1m_tokens: float
+    calibration: str
+
+
+def max_context(w: Workload) -> int:
+    """Longest request the KV cache must hold (uniform lengths reach 1.5x the mean)."""
+    scale = {"fixed": 1.0, "uniform": 1.5, "lognormal": 3.0}
+    return int(w.input_len * scale[w.input_dist] + w.output_len * scale[w.output_dist])
+
+
+def memory_for(d: Deployment, w: Workload) -> MemoryPlan:
+    return plan_memory(d.model, d.gpu, d.weights, d.kv, d.tp, d.pp, max_context(w),
+                       d.max_batched_tokens)
+
+
+def replica_for(d: Deployment, memory: MemoryPlan, calibration: Calibration) -> Replica:
+    cost = StepCost(d, calibration.efficiency(d.gpu.name, d.weights))
+    tokens = d.spec.tokens_per_step if d.spec else 1.0
+    return Replica(cost.time, d.max_seqs, d.max_batched_tokens, memory.kv_tokens, tokens,
+                   d.prefix_hit)
+
+
+def evaluate(d: Deployment, w: Workload, replicas: int = 1,
+             calibration: Calibration | None = None,
+             cost_opts: CostOptions | None = None) -> Evaluation:
+    """Memory fit, then a simulation of `replicas` replicas; raises InfeasibleError if it
+    cannot fit."""
+    calibration = calibration or Calibration()
+    memory = memory_for(d, w)
+    if not memory.fits:
+        raise InfeasibleError(f"{d.model.name} on {d.gpus}x {d.gpu.name} ({d.weights} weights, "
+                              f"TP{d.tp} PP{d.pp}) does not fit: {memory.reason}")
+    result = simulate(replica_for(d, memory, calibration), w, replicas)
+    hourly = cost_per_hour(d.gpu, d.gpus, replicas, cost_opts or CostOptions())
+    return Evaluation(d, replicas, memory, result, hourly,
+                      cost_per_million(hourly, result.throughput_tok_s), calibration.name)
+
+
+def evaluation_dict(ev: Evaluation) -> dict:
+    """The JSON shape of `servescope plan evaluate --json`."""
+    d = ev.deployment
+    return {
+        "model": d.model.name, "gpu": d.gpu.name, "tp": d.tp, "pp": d.pp,
+        "replicas": ev.replicas, "weights": d.weights, "kv": d.kv, "max_seqs": d.max_seqs,
+        "fits": ev.memory.fits,
+        "memory_gb": {"weights": round(ev.memory.weights_gb, 3),
+                      "activations": round(ev.memory.activations_gb, 3),
+                      "reserve": round(ev.memory.reserve_gb, 3),
+                      "kv_cache": round(ev.memory.kv_gb, 3),
+                      "usable": round(ev.memory.usable_gb, 3),
+                      "kv_tokens": ev.memory.kv_tokens},
+        "throughput_tok_s": round(ev.result.throughput_tok_s, 2),
+        "ttft_ms": _rounded(ev.result.summary("ttft")),
+        "tpot_ms": _rounded(ev.result.summary("tpot")),
+        "e2e_ms": _rounded(ev.result.summary("e2e")),
+        "preemptions": ev.result.preemptions,
+        "cost_per_hour": round(ev.cost_per_hour, 4),
+        "cost_per_1m_tokens": round(ev.cost_per_1m_tokens, 4),
+        "calibration": ev.calibration,
+        "price_source": f"{d.gpu.price_source} ({d.gpu.price_date})",
+    }
+
+
+def _rounded(summary: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 3) for k, v in summary.items()}

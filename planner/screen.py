@@ -1,0 +1,81 @@
+"""Analytic screening: steady-state batch, step time and latency estimates without simulation."""
+
+from __future__ import annotations
+
+import math
+
+from planner.timing import StepCost
+from planner.workload import Workload
+
+FIXED_POINT_ROUNDS = 8
+
+
+def steady_step(cost: StepCost, rate: float, w: Workload, b_max: int) -> tuple[float, float] | None:
+    """(mean seconds between a sequence's tokens, sequences decoding) at `rate` requests/s on
+    one replica; None when the replica cannot keep up. Prompts arrive in lumps: each takes
+    its chunked prefill iterations (decodes ride along) and decode-only steps fill the rest of
+    each second; the batch follows from Little's law (batch = rate x decode time)."""
+    d = cost.d
+    e = d.spec.tokens_per_step if d.spec else 1.0
+    prompt = max(1.0, w.input_len * (1.0 - d.prefix_hit))
+    n_chunks = math.ceil(prompt / d.max_batched_tokens)
+    chunk = prompt / n_chunks
+    ctx = w.input_len + w.output_len / 2.0
+    batch, tpot = 1.0, cost.decode_seconds(1, ctx) / e
+    for _ in range(FIXED_POINT_ROUNDS):
+        b = max(1, round(batch))
+        t_prefill = cost.time(chunk, chunk * (w.input_len - prompt + chunk / 2.0), b, b * ctx,
+                              b + 1)
+        busy = rate * n_chunks * t_prefill
+        if busy >= 1.0:
+            return None
+        steps = rate * n_chunks + (1.0 - busy) / cost.decode_seconds(b, ctx)
+        tpot = 1.0 / (e * steps)
+        batch = rate * w.output_len * tpot
+        if batch > b_max * 1.02:
+            return None
+    return tpot, batch
+
+
+def estimate(cost: StepCost, rate: float, w: Workload,
+             b_max: int) -> tuple[float, float, float] | None:
+    """(TTFT s, TPOT s, batch) at the steady state: a prompt waits like an M/D/1 queue whose
+    service is its own prefill, then pays about one token interval."""
+    state = steady_step(cost, rate, w, b_max)
+    if state is None:
+        return None
+    tpot, batch = state
+    service = cost.prefill_seconds(w.input_len)
+    rho = rate * service
+    if rho >= 1.0:
+        return None
+    wait = rho * service / (2.0 * (1.0 - rho))
+    return service + wait + tpot, tpot, batch
+
+
+def capacity(cost: StepCost, w: Workload, b_max: int) -> float:
+    """Highest rate (requests/s) one replica sustains, by bisection on the steady state."""
+    lo, hi = 0.0, 1.0
+    while steady_step(cost, hi, w, b_max) is not None and hi < 1e6:
+        lo, hi = hi, hi * 2.0
+    for _ in range(14):
+        mid = (lo + hi) / 2.0
+        if steady_step(cost, mid, w, b_max) is None:
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def replicas_for_slo(cost: StepCost, w: Workload, b_max: int, rate: float, ttft_s: float,
+                     tpot_s: float, max_tries: int = 8) -> tuple[int, float, float] | None:
+    """Fewest replicas whose estimated latencies meet the SLOs at `rate` total requests/s."""
+    cap = capacity(cost, w, b_max)
+    if cap <= 0:
+        return None
+    start = max(1, math.ceil(rate / cap))
+    for replicas in range(start, start + max_tries):
+        est = estimate(cost, rate / replicas, w, b_max)
+        if est is not None and est[0] <= ttft_s and est[1] <= tpot_s:
+            return replicas, est[0], est[1]
+    return None

@@ -1,0 +1,296 @@
+"""Search: enumerate deployments, fit memory, screen analytically, simulate the best, rank."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from planner.calibrate import Calibration
+from planner.catalog import Catalog, Model
+from planner.cost import (
+    CostOptions,
+    autoscaled_cost,
+    cost_per_hour,
+    cost_per_million,
+    hourly_replicas,
+)
+from planner.evaluate import InfeasibleError, memory_for, replica_for
+from planner.memory import MemoryPlan
+from planner.screen import capacity, estimate
+from planner.simulate import simulate
+from planner.timing import Deployment, SpecDecode, StepCost
+from planner.workload import Workload
+
+Progress = Callable[[float, str], None]
+
+
+class Cancelled(Exception):
+    """The caller's cancel() returned True between candidates."""
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The options to combine; every combination is one candidate."""
+
+    gpus: tuple[str, ...] = ()
+    weights: tuple[str, ...] = ("bf16", "fp8", "int8", "int4")
+    kv: tuple[str, ...] = ("bf16", "fp8")
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    pp: tuple[int, ...] = (1, 2, 4)
+    max_seqs: tuple[int, ...] = (16, 32, 64, 128, 256)
+    spec: tuple[SpecDecode | None, ...] = (None, SpecDecode())
+    max_batched_tokens: int = 2048
+    prefix_hit: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A ranked option: layout, replicas, predicted p99 latencies and cost."""
+
+    deployment: Deployment
+    replicas: int
+    ttft_p99_ms: float
+    tpot_p99_ms: float
+    e2e_p99_ms: float
+    throughput_tok_s: float
+    cost_per_hour: float
+    cost_per_1m_tokens: float
+    memory: MemoryPlan
+    simulated: bool
+    calibration: str
+
+    def as_dict(self) -> dict:
+        d = self.deployment
+        return {"gpu": d.gpu.name, "tp": d.tp, "pp": d.pp, "replicas": self.replicas,
+                "gpus": d.gpus * self.replicas, "weights": d.weights, "kv": d.kv,
+                "max_seqs": d.max_seqs,
+                "spec_decode": None if d.spec is None else {
+                    "method": d.spec.method, "draft_len": d.spec.draft_len,
+                    "acceptance": d.spec.acceptance},
+                "ttft_p99_ms": round(self.ttft_p99_ms, 3),
+                "tpot_p99_ms": round(self.tpot_p99_ms, 3),
+                "e2e_p99_ms": round(self.e2e_p99_ms, 3),
+                "throughput_tok_s": round(self.throughput_tok_s, 2),
+                "cost_per_hour": round(self.cost_per_hour, 4),
+                "cost_per_1m_tokens": round(self.cost_per_1m_tokens, 4),
+                "memory_gb_per_gpu": round(self.memory.total_gb, 3),
+                "simulated": self.simulated, "calibration": self.calibration}
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Ranked plans meeting every constraint, their Pareto front, and what was looked at."""
+
+    candidates: list[Plan]
+    pareto: list[Plan]
+    evaluated: int
+    fitting: int
+    screened: int
+    simulated: int
+    seconds: float
+    infeasible: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def enumerate_deployments(model: Model, catalog: Catalog, space: SearchSpace) -> list[Deployment]:
+    """Every combination in the space that is a valid layout (heads split evenly over TP)."""
+    gpus = [catalog.gpu(n) for n in space.gpus] if space.gpus else list(catalog.gpus.values())
+    out = []
+    for gpu, w, kv, tp, pp, seqs, spec in itertools.product(
+            gpus, space.weights, space.kv, space.tp, space.pp, space.max_seqs, space.spec):
+        if model.heads % tp or pp > model.layers:
+            continue
+        out.append(Deployment(model, gpu, w, kv, tp, pp, seqs, space.max_batched_tokens, spec,
+                              space.prefix_hit))
+    return out
+
+
+@dataclass
+class _Screened:
+    deployment: Deployment
+    memory: MemoryPlan
+    replicas: int
+    cost: float
+
+
+class _Screen:
+    """Memory fit and analytic replica count per candidate. Candidates differing only in their
+    batch limit share a step-cost model and the steady states computed for each replica count."""
+
+    def __init__(self, w: Workload, calibration: Calibration, opts: CostOptions) -> None:
+        self.w, self.calibration, self.opts = w, calibration, opts
+        self.memory: dict[tuple, MemoryPlan] = {}
+        self.costs: dict[tuple, tuple[StepCost, int, float]] = {}
+        self.states: dict[tuple, tuple[float, float, float] | None] = {}
+        self.best_tpot = float("inf")
+        self.best_ttft = float("inf")
+
+    def memory_of(self, d: Deployment) -> MemoryPlan:
+        key = (d.gpu.name, d.weights, d.kv, d.tp, d.pp)
+        if key not in self.memory:
+            self.memory[key] = memory_for(d, self.w)
+        return self.memory[key]
+
+    def _group(self, d: Deployment, memory: MemoryPlan) -> tuple[tuple, StepCost, int, float]:
+        key = (d.gpu.name, d.weights, d.kv, d.tp, d.pp, d.spec)
+        if key not in self.costs:
+            cost = StepCost(replace(d, max_seqs=memory.max_sequences),
+                            self.calibration.efficiency(d.gpu.name, d.weights))
+            light = estimate(cost, self.w.rate / 1e3, self.w, memory.max_sequences)
+            if light is not None:
+                self.best_ttft = min(self.best_ttft, light[0])
+                self.best_tpot = min(self.best_tpot, light[1])
+            start = max(1, math.ceil(self.w.rate / max(capacity(cost, self.w,
+                                                                memory.max_sequences), 1e-9)))
+            self.costs[key] = (cost, start, light[1] if light else math.inf)
+        cost, start, tpot_light = self.costs[key]
+        return key, cost, start, tpot_light
+
+    def _state(self, key: tuple, cost: StepCost, replicas: int, b_mem: int):
+        if (key, replicas) not in self.states:
+            self.states[key, replicas] = estimate(cost, self.w.rate / replicas, self.w, b_mem)
+        return self.states[key, replicas]
+
+    def __call__(self, d: Deployment, memory: MemoryPlan) -> _Screened | None:
+        w, slo = self.w, self.w.slo
+        key, cost, start, tpot_light = self._group(d, memory)
+        b_max = min(d.max_seqs, memory.max_sequences)
+        # Little's law bounds the replicas from below: each holds at most b_max sequences.
+        start = max(start, math.ceil(w.rate * w.output_len * tpot_light / b_max - 1e-9))
+        for replicas in range(start, start + 8):
+            est = self._state(key, cost, replicas, memory.max_sequences)
+            if (est is not None and est[2] <= b_max * 1.02 and est[0] * 1e3 <= slo.ttft_p99_ms
+                    and est[1] * 1e3 <= slo.tpot_p99_ms):
+                return _Screened(d, memory, replicas, self.hourly(d, cost, b_max, replicas))
+        return None
+
+    def hourly(self, d: Deployment, cost: StepCost, b_max: int, replicas: int) -> float:
+        if not (self.opts.autoscale and self.w.daily_profile):
+            return cost_per_hour(d.gpu, d.gpus, replicas, self.opts)
+        per_replica = min(capacity(cost, self.w, b_max), self.w.rate / replicas)
+        hours = hourly_replicas(replicas, self.w.rate, self.w.daily_profile, per_replica)
+        return autoscaled_cost(d.gpu, d.gpus, hours, self.opts)
+
+
+def _confirm(s: _Screened, w: Workload, calibration: Calibration, opts: CostOptions,
+             extra_replicas: int = 3) -> Plan | None:
+    """Simulate a screened candidate; add replicas until the simulated p99s meet the SLOs."""
+    replica = replica_for(s.deployment, s.memory, calibration)
+    for replicas in range(s.replicas, s.replicas + extra_replicas + 1):
+        result = simulate(replica, w, replicas)
+        ttft, tpot = result.summary("ttft"), result.summary("tpot")
+        if ttft["p99"] <= w.slo.ttft_p99_ms and tpot["p99"] <= w.slo.tpot_p99_ms:
+            hourly = s.cost * replicas / s.replicas
+            served = w.rate * w.output_len
+            return Plan(s.deployment, replicas, ttft["p99"], tpot["p99"],
+                        result.summary("e2e")["p99"], result.throughput_tok_s, hourly,
+                        cost_per_million(hourly, served), s.memory, True, calibration.name)
+    return None
+
+
+def pareto_front(plans: list[Plan]) -> list[Plan]:
+    """Plans no other plan beats on both $/hour and p99 end-to-end latency."""
+    front: list[Plan] = []
+    for p in sorted(plans, key=lambda p: (p.cost_per_hour, p.e2e_p99_ms)):
+        if not front or p.e2e_p99_ms < front[-1].e2e_p99_ms:
+            front.append(p)
+    return front
+
+
+def search(model: Model, w: Workload, catalog: Catalog, space: SearchSpace | None = None,
+           budget_per_hour: float | None = None, calibration: Calibration | None = None,
+           cost_opts: CostOptions | None = None, simulate_top: int = 12,
+           progress: Progress | None = None,
+           cancel: Callable[[], bool] | None = None) -> SearchResult:
+    """Rank deployments of `model` serving open-loop workload `w` within its SLOs and budget."""
+    if w.rate is None:
+        raise ValueError("search needs a workload with a request rate")
+    started = time.perf_counter()
+    space, calibration = space or SearchSpace(), calibration or Calibration()
+    opts = cost_opts or CostOptions()
+    deployments = enumerate_deployments(model, catalog, space)
+    screen = _Screen(w, calibration, opts)
+    fitting, passed = 0, []
+    for n, d in enumerate(deployments):
+        if cancel is not None and n % 256 == 0 and cancel():
+            raise Cancelled("search cancelled")
+        if progress is not None and n % 1024 == 0:
+            progress(0.6 * n / max(1, len(deployments)), f"screening {n}/{len(deployments)}")
+        memory = screen.memory_of(d)
+        if not memory.fits:
+            continue
+        fitting += 1
+        screened = screen(d, memory)
+        if screened is not None and (budget_per_hour is None or screened.cost <= budget_per_hour):
+            passed.append(screened)
+    plans = _simulate_best(passed, w, calibration, opts, simulate_top, progress, cancel)
+    if budget_per_hour is not None:
+        plans = [p for p in plans if p.cost_per_hour <= budget_per_hour]
+    plans.sort(key=lambda p: (p.cost_per_hour, p.e2e_p99_ms))
+    why = "" if plans else explain(model, w, catalog, space, screen, passed, fitting,
+                                   budget_per_hour)
+    return SearchResult(plans, pareto_front(plans), len(deployments), fitting, len(passed),
+                        min(simulate_top, len(passed)), time.perf_counter() - started, why)
+
+
+def _simulate_best(passed: list[_Screened], w: Workload, calibration: Calibration,
+                   opts: CostOptions, top: int, progress: Progress | None,
+                   cancel: Callable[[], bool] | None) -> list[Plan]:
+    plans = []
+    ranked = sorted(passed, key=lambda s: (s.cost, -s.deployment.max_seqs))[:top]
+    for i, s in enumerate(ranked):
+        if cancel is not None and cancel():
+            raise Cancelled("search cancelled")
+        if progress is not None:
+            progress(0.6 + 0.4 * i / max(1, len(ranked)), f"simulating {i + 1}/{len(ranked)}")
+        plan = _confirm(s, w, calibration, opts)
+        if plan is not None:
+            plans.append(plan)
+    return plans
+
+
+def explain(model: Model, w: Workload, catalog: Catalog, space: SearchSpace, screen: _Screen,
+            passed: list, fitting: int, budget: float | None) -> str:
+    """Why nothing qualified, and the nearest relaxation that would."""
+    if fitting == 0:
+        return _memory_relaxation(model, w, catalog, space, screen)
+    if passed and budget is not None:
+        cheapest = min(s.cost for s in passed)
+        return (f"no plan meets the SLOs within ${budget:.2f}/hour; the cheapest meeting them "
+                f"costs ${cheapest:.2f}/hour (raise the budget to that)")
+    if passed:
+        return ("options pass the analytic screen but none meets the p99 SLOs in simulation "
+                "with up to 3 extra replicas; relax the SLOs by about 20%")
+    return (f"no option meets the SLOs: the lowest TTFT any option reaches is "
+            f"{screen.best_ttft * 1e3:.0f} ms (SLO {w.slo.ttft_p99_ms:g} ms) and the lowest "
+            f"TPOT is {screen.best_tpot * 1e3:.1f} ms (SLO {w.slo.tpot_p99_ms:g} ms); relax "
+            f"the SLO to at least those figures plus queueing margin")
+
+
+def _memory_relaxation(model: Model, w: Workload, catalog: Catalog, space: SearchSpace,
+                       screen: _Screen) -> str:
+    from planner.memory import weight_bytes
+
+    lightest = min(space.weights, key=lambda p: weight_bytes(model, p))
+    need = weight_bytes(model, lightest) / 1e9
+    gpus = [catalog.gpu(n) for n in space.gpus] if space.gpus else list(catalog.gpus.values())
+    most = max(space.tp) * max(space.pp)
+    largest = max(g.memory_gb * most for g in gpus)
+    msg = (f"weights need {need:.0f} GB at {lightest}; the largest option holds {largest:.0f} GB "
+           f"({most} GPUs)")
+    wider = replace(space, weights=("int4",), tp=(8,), pp=(1, 2, 4, 8), max_seqs=(16,),
+                    spec=(None,), gpus=())
+    for d in enumerate_deployments(model, catalog, wider):
+        if screen.memory_of(d).fits:
+            return msg + (f"; nearest feasible relaxation: {d.weights} weights on "
+                          f"{d.gpus}x {d.gpu.name} (TP{d.tp} PP{d.pp})")
+    return msg + "; no catalog GPU holds it even at int4 with 32 GPUs per replica"
+
+
+def plan_or_raise(result: SearchResult) -> Plan:
+    if not result.candidates:
+        raise InfeasibleError(result.infeasible)
+    return result.candidates[0]
