@@ -1,0 +1,139 @@
+"""`servescope plan evaluate|search`: argparse wiring and the JSON the command prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from planner.catalog import KV_PRECISIONS, PRECISIONS, Catalog, CatalogError, load_catalog
+from planner.cost import CostOptions
+from planner.evaluate import InfeasibleError, evaluate, evaluation_dict
+from planner.export import sglang_command, vllm_command
+from planner.hf_import import model_from_hf_config
+from planner.search import SearchSpace, search
+from planner.timing import Deployment
+from planner.workload import Slo, Workload
+
+USER_ERRORS = (CatalogError, KeyError, ValueError)
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `plan` with its `evaluate` and `search` sub-commands to an argparse subparsers."""
+    plan = subparsers.add_parser("plan", help="size a deployment against a workload and SLOs")
+    sub = plan.add_subparsers(dest="plan_command", required=True)
+    ev = sub.add_parser("evaluate", help="predict latency, throughput and cost of one layout")
+    _common(ev)
+    ev.add_argument("--gpu", required=True)
+    ev.add_argument("--tp", type=int, default=1)
+    ev.add_argument("--pp", type=int, default=1)
+    ev.add_argument("--replicas", type=int, default=1)
+    ev.add_argument("--weights", choices=PRECISIONS, default="bf16")
+    ev.add_argument("--kv", choices=KV_PRECISIONS, default="bf16")
+    ev.add_argument("--max-seqs", type=int, default=256)
+    load = ev.add_mutually_exclusive_group(required=True)
+    load.add_argument("--offline", action="store_true")
+    load.add_argument("--rate", type=float, help="requests per second (Poisson)")
+    load.add_argument("--concurrency", type=int)
+    ev.set_defaults(func=run_evaluate)
+    se = sub.add_parser("search", help="rank layouts meeting p99 SLOs at a request rate")
+    _common(se)
+    se.add_argument("--rate", type=float, required=True, help="requests per second (Poisson)")
+    se.add_argument("--ttft-p99-ms", type=float, required=True)
+    se.add_argument("--tpot-p99-ms", type=float, required=True)
+    se.add_argument("--gpus", nargs="+", default=[])
+    se.add_argument("--budget-per-hour", type=float)
+    se.add_argument("--spot-share", type=float, default=0.0)
+    se.add_argument("--top", type=int, default=10, help="plans to print")
+    se.set_defaults(func=run_search)
+    return plan
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="catalog name or a Hugging Face config.json")
+    p.add_argument("--input-len", type=int, required=True)
+    p.add_argument("--output-len", type=int, required=True)
+    p.add_argument("--num-requests", type=int, default=600)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _model(catalog: Catalog, name: str):
+    path = Path(name)
+    if path.suffix == ".json" or path.is_dir():
+        return model_from_hf_config(path / "config.json" if path.is_dir() else path)
+    return catalog.model(name)
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    def work() -> dict:
+        catalog = load_catalog()
+        d = Deployment(_model(catalog, args.model), catalog.gpu(args.gpu), args.weights, args.kv,
+                       args.tp, args.pp, args.max_seqs)
+        w = Workload(args.input_len, args.output_len, rate=args.rate,
+                     concurrency=args.concurrency, offline=args.offline,
+                     num_requests=args.num_requests)
+        return evaluation_dict(evaluate(d, w, args.replicas))
+    return _run(args, work, _print_evaluation)
+
+
+def run_search(args: argparse.Namespace) -> int:
+    def work() -> dict:
+        catalog = load_catalog()
+        model = _model(catalog, args.model)
+        w = Workload(args.input_len, args.output_len, rate=args.rate,
+                     num_requests=args.num_requests,
+                     slo=Slo(args.ttft_p99_ms, args.tpot_p99_ms))
+        space = SearchSpace(gpus=tuple(catalog.gpu(g).name for g in args.gpus))
+        result = search(model, w, catalog, space, args.budget_per_hour,
+                        cost_opts=CostOptions(spot_share=args.spot_share),
+                        progress=lambda f, msg: print(f"[plan] {msg}", file=sys.stderr))
+        if not result.candidates:
+            raise InfeasibleError(result.infeasible)
+        best = result.candidates[0]
+        return {"model": model.name, "candidates": [p.as_dict() for p in
+                                                    result.candidates[:args.top]],
+                "pareto": [p.as_dict() for p in result.pareto], "evaluated": result.evaluated,
+                "fitting": result.fitting, "screened": result.screened,
+                "simulated": result.simulated, "seconds": round(result.seconds, 3),
+                "vllm_command": vllm_command(best), "sglang_command": sglang_command(best)}
+    return _run(args, work, _print_search)
+
+
+def _run(args: argparse.Namespace, work: Any, show: Any) -> int:
+    """Run `work`; a user error becomes one sentence on stderr and exit code 2."""
+    try:
+        result = work()
+    except USER_ERRORS as exc:
+        message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        print(f"servescope plan: {message}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": message}))
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        show(result)
+    return 0
+
+
+def _print_evaluation(r: dict) -> None:
+    print(f"{r['model']} on {r['tp'] * r['pp']}x {r['gpu']} x{r['replicas']} replicas "
+          f"({r['weights']} weights, {r['kv']} KV)")
+    print(f"  throughput  {r['throughput_tok_s']:.0f} output tok/s")
+    for key in ("ttft_ms", "tpot_ms"):
+        s = r[key]
+        print(f"  {key[:-3].upper():5} mean {s['mean']:.1f}  p50 {s['p50']:.1f}  "
+              f"p99 {s['p99']:.1f} ms")
+    print(f"  cost        ${r['cost_per_hour']:.2f}/hour, ${r['cost_per_1m_tokens']:.3f} per 1M "
+          f"tokens")
+
+
+def _print_search(r: dict) -> None:
+    print(f"{r['evaluated']} candidates in {r['seconds']:.2f} s; best plans for {r['model']}:")
+    for i, p in enumerate(r["candidates"], 1):
+        print(f"{i:3}. {p['replicas']}x {p['tp'] * p['pp']}x {p['gpu']} {p['weights']}/{p['kv']} "
+              f"TP{p['tp']} PP{p['pp']} seqs {p['max_seqs']}: ${p['cost_per_hour']:.2f}/h, "
+              f"TTFT p99 {p['ttft_p99_ms']:.0f} ms, TPOT p99 {p['tpot_p99_ms']:.1f} ms")
+    print(f"deploy: {r['vllm_command']}")
