@@ -1,0 +1,142 @@
+"""Remote inference servers scraped over HTTP(S): timeouts, a size limit, back-off and a status."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+from monitor.normalize import Normalizer, detect_kind
+from monitor.promtext import MetricsError, parse_metrics
+from monitor.types import Poll, Sample, SourceStatus
+
+MAX_BACKOFF_S = 60.0
+
+
+class FetchError(Exception):
+    """A scrape that failed; the message is one sentence naming the URL."""
+
+
+def resolve_token(ref: str | None) -> str | None:
+    """The bearer token a stored reference points at; only "env:NAME" references exist so far."""
+    if not ref:
+        return None
+    if ref.startswith("env:"):
+        value = os.environ.get(ref[4:])
+        if value is None:
+            raise ValueError(f"the environment variable {ref[4:]} holding the token is not set")
+        return value
+    raise ValueError(f"unknown token reference {ref!r}; use env:VARIABLE")
+
+
+def metrics_url(url: str) -> str:
+    """The metrics endpoint of a server URL: /metrics unless the URL names a path."""
+    parts = urlsplit(url)
+    return url.rstrip("/") + "/metrics" if parts.path in ("", "/") else url
+
+
+@dataclass
+class ServerConfig:
+    """How to reach one server; the token is kept in memory only, never stored."""
+
+    name: str
+    url: str
+    token: str | None = field(default=None, repr=False)
+    kind: str | None = None
+    interval_s: float = 1.0
+    timeout_s: float = 5.0
+    max_bytes: int = 8 * 1024 * 1024
+    dollars_per_hour: float | None = None
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"{self.url!r} is not an http(s) URL; use e.g. http://host:8000")
+        if not self.name or "/" in self.name:
+            raise ValueError(f"server name {self.name!r} must be non-empty and without '/'")
+        if self.interval_s <= 0 or self.timeout_s <= 0 or self.max_bytes <= 0:
+            raise ValueError("interval, timeout and size limit must be positive")
+
+
+def _describe(exc: Exception, url: str, timeout_s: float) -> str:
+    text = str(exc)
+    if isinstance(exc, httpx.TimeoutException):
+        return f"{url} did not answer within {timeout_s:g} s"
+    if "CERTIFICATE_VERIFY_FAILED" in text or "certificate" in text.lower():
+        return f"the TLS certificate of {url} could not be verified ({text})"
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot connect to {url} ({text})"
+    return f"{url} failed: {text or type(exc).__name__}"
+
+
+class PrometheusSource:
+    """Scrapes one server's /metrics and normalises it; never raises from poll()."""
+
+    def __init__(self, config: ServerConfig, window_s: float = 60.0) -> None:
+        self.config = config
+        self.name = config.name
+        self.interval_s = config.interval_s
+        self.url = metrics_url(config.url)
+        self.status = SourceStatus(kind=config.kind or "unknown")
+        self.normalizer = Normalizer(window_s)
+        headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
+        # verify=True: certificates are always checked; there is deliberately no opt-out flag.
+        self.client = httpx.Client(timeout=config.timeout_s, headers=headers, verify=True)
+        self.failures = 0
+        self._next_try = 0.0
+
+    def poll(self, now: float) -> Poll:
+        if now < self._next_try:
+            return Poll()
+        try:
+            scrape = parse_metrics(self.fetch())
+        except MetricsError as exc:
+            self._fail(now, f"{self.url} sent {exc}")
+            return Poll()
+        except (FetchError, httpx.HTTPError, OSError) as exc:
+            message = str(exc) if isinstance(exc, FetchError) else _describe(
+                exc, self.url, self.config.timeout_s)
+            self._fail(now, message)
+            return Poll()
+        if self.config.kind is None and self.status.kind in ("unknown", "prometheus"):
+            # Labelled metrics appear only once observed, so an idle server may look plain.
+            self.status.kind = detect_kind(scrape.names())
+        values = self.normalizer.update(scrape, now)
+        self.failures, self._next_try = 0, 0.0
+        self.status.state, self.status.last_ok, self.status.last_error = "up", now, None
+        self.status.message = f"{len(values)} series from {len(scrape.names())} metrics"
+        return Poll([Sample(f"{self.name}/{series}", now, value) for series, value in values])
+
+    def fetch(self) -> str:
+        """The metrics text, refusing responses over the size limit."""
+        limit = self.config.max_bytes
+        with self.client.stream("GET", self.url) as response:
+            if response.status_code != 200:
+                raise FetchError(f"{self.url} answered HTTP {response.status_code}")
+            chunks, size = [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise FetchError(f"{self.url} sent more than {limit / 2**20:g} MiB of metrics")
+                chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", errors="replace")
+
+    def _fail(self, now: float, message: str) -> None:
+        # Exponential back-off keeps a dead server from costing a timeout every interval.
+        self.failures += 1
+        delay = min(self.interval_s * 2 ** (self.failures - 1), MAX_BACKOFF_S)
+        self._next_try = now + delay
+        self.status.state, self.status.last_error = "down", message
+        self.status.message = f"retrying in {delay:g} s"
+
+    def test_connection(self) -> SourceStatus:
+        """One scrape now, ignoring back-off; the status says what happened."""
+        self._next_try = 0.0
+        self.poll(time.time())
+        return self.status
+
+    def close(self) -> None:
+        self.client.close()

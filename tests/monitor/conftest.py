@@ -1,0 +1,67 @@
+"""Fixtures: small real HTTP servers on 127.0.0.1 for the monitor tests (no mocks of clients)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+
+class TextServer(ThreadingHTTPServer):
+    """Serves `body` with `status` on every GET; optionally demands a bearer token or stalls."""
+
+    daemon_threads = True
+
+    def __init__(self, body: str = "", status: int = 200, token: str | None = None,
+                 delay_s: float = 0.0) -> None:
+        super().__init__(("127.0.0.1", 0), _TextHandler)
+        self.body, self.status, self.token, self.delay_s = body, status, token, delay_s
+        self.auth_headers: list[str | None] = []
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_port}"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class _TextHandler(BaseHTTPRequestHandler):
+    server: TextServer
+
+    def log_message(self, *args) -> None:  # keep test output quiet
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        srv = self.server
+        srv.auth_headers.append(self.headers.get("Authorization"))
+        if srv.delay_s:
+            time.sleep(srv.delay_s)
+        if srv.token and self.headers.get("Authorization") != f"Bearer {srv.token}":
+            self.send_response(401)
+            self.end_headers()
+            return
+        data = srv.body.encode()
+        self.send_response(srv.status)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def serve_text():
+    """Start TextServers (closed at the end of the test): serve_text(body, status=..., ...)."""
+    started: list[TextServer] = []
+
+    def start(body: str = "", **kw) -> TextServer:
+        started.append(TextServer(body, **kw))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.close()
