@@ -51,6 +51,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--spec", default=None,
+                   help="speculative decoding: ngram (prompt lookup), e.g. ngram:k=5; off")
 
 
 # ---- models ----
@@ -143,7 +145,8 @@ def _load(args, **engine_kwargs):
     if args.model == DEMO_MODEL:
         fetch_demo_model()
     t = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, **engine_kwargs)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative=args.spec,
+              **engine_kwargs)
     print(f"loaded {llm.model_name} on {llm.device} ({llm.dtype}) in "
           f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
     if llm.fallback_reason:
@@ -169,7 +172,8 @@ def _generate(args) -> int:
             "ttft_ms": _ms(m.ttft_s), "tpot_ms": _ms(m.tpot_s),
             "tokens_per_s": m.generated_tokens / (m.finished - m.arrival),
             "prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated_tokens,
-            "model": llm.model_name, "device": str(llm.device), "dtype": llm.dtype}))
+            "model": llm.model_name, "device": str(llm.device), "dtype": llm.dtype,
+            "speculative": None if llm.spec is None else llm.spec.summary()}))
     else:
         print(out.text)
         print(f"[{m.generated_tokens} tokens, TTFT {_ms(m.ttft_s):.0f} ms, "
@@ -198,6 +202,7 @@ def _bench(args) -> int:
                            progress=lambda e: print(f"[{e.fraction:4.0%}] {e.message}",
                                                     file=sys.stderr))
     result["machine"] = machine()
+    result["speculative"] = None if llm.spec is None else llm.spec.summary()
     if not args.no_save:
         save_result(result)
     if args.json:

@@ -52,6 +52,12 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take())
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the sequence's blocks beyond those `num_tokens` tokens need (rejected drafts)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            self.release(seq.block_table.pop())
+
     def share(self, seq: Sequence, block_ids: list[int]) -> None:
         """Let the sequence hold blocks another owner already filled (prefix sharing)."""
         for block_id in block_ids:

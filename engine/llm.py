@@ -26,6 +26,9 @@ from engine.sequence import (
     Status,
     StreamDelta,
 )
+from engine.spec import SpecConfig, parse_spec
+from engine.spec.decoder import SpecDecoder
+from engine.spec.verify import verify
 
 Prompt = str | list[int]
 
@@ -37,6 +40,8 @@ class StepStats:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_generated_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
     num_running: int
     num_waiting: int
     num_preempted: int
@@ -58,7 +63,8 @@ class LLM:
                  max_num_seqs: int = 64, kv_cache_tokens: int | None = None,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  block_size: int = 16, kernel_backend: str | None = None,
-                 progress: Callable[[float], None] | None = None) -> None:
+                 progress: Callable[[float], None] | None = None,
+                 speculative: str | SpecConfig | None = None) -> None:
         """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled."""
         from engine.loader import load_checkpoint
 
@@ -83,6 +89,8 @@ class LLM:
                                    max(max_num_batched_tokens, block_size))
         self.runner = ModelRunner(self.model, self.block_manager)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
+        spec = parse_spec(speculative)
+        self.spec = None if spec is None else SpecDecoder(spec)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._abort_lock = threading.Lock()
@@ -142,24 +150,28 @@ class LLM:
     def _step(self) -> tuple[list[Sequence], StepStats]:
         start = time.perf_counter()
         updated = self._apply_aborts()
+        self._propose_drafts()
         plan = self.scheduler.schedule()
         sampling = [s for s in plan.scheduled if s.samples]
+        generated = accepted = 0
         if plan.scheduled:
             for s in plan.scheduled:
                 if s.seq.metrics.first_scheduled is None:
                     s.seq.metrics.first_scheduled = start
             logits = self.runner.run(plan.scheduled)
-            tokens = sample(logits, [s.seq for s in sampling])
+            new_tokens = self._choose_tokens(sampling, logits)
             now = time.perf_counter()
             for s in plan.scheduled:
-                s.seq.num_computed_tokens += s.num_new_tokens
-            for s, token in zip(sampling, tokens, strict=True):
-                self._append_token(s.seq, token, now)
+                # Drafts count as computed only once accepted (see _accept).
+                s.seq.num_computed_tokens += s.num_new_tokens - s.num_draft
+            for s, tokens in zip(sampling, new_tokens, strict=True):
+                generated += self._accept(s, tokens, now)
+                accepted += len(tokens) - 1
                 updated.append(s.seq)
         for seq in updated:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
-        self.last_stats = self._stats(plan, updated, start)
+        self.last_stats = self._stats(plan, updated, start, generated, accepted)
         return updated, self.last_stats
 
     # ---- convenience loops ----
@@ -254,6 +266,42 @@ class LLM:
                 f"new tokens) but the KV pool holds {self.kv_cache_tokens}: lower max_tokens or "
                 "raise kv_cache_tokens.")
 
+    def _propose_drafts(self) -> None:
+        if self.spec is None:
+            return
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = self.spec.propose(seq) if seq.num_uncomputed_tokens == 1 else []
+
+    def _choose_tokens(self, sampling: list, logits: torch.Tensor) -> list[list[int]]:
+        """New tokens per sampling sequence: one sampled, or the verified drafts plus one."""
+        plain = [i for i, s in enumerate(sampling) if not s.num_draft]
+        starts = list(itertools.accumulate((1 + s.num_draft for s in sampling), initial=0))
+        chosen: list[list[int]] = [[] for _ in sampling]
+        if plain:
+            rows = [starts[i] for i in plain]
+            for i, token in zip(plain, sample(logits[rows], [sampling[i].seq for i in plain]),
+                                strict=True):
+                chosen[i] = [token]
+        for i, s in enumerate(sampling):
+            if s.num_draft:
+                rows = logits[starts[i] : starts[i + 1]]
+                chosen[i] = verify(s.seq, rows, s.seq.draft_token_ids[: s.num_draft])
+                self.spec.record(s.seq, s.num_draft, len(chosen[i]) - 1)
+        return chosen
+
+    def _accept(self, s, tokens: list[int], now: float) -> int:
+        """Append verified tokens (how many); rejected drafts' KV goes with the trimmed blocks."""
+        seq = s.seq
+        seq.num_computed_tokens += len(tokens) - 1
+        seq.draft_token_ids = []
+        if s.num_draft:
+            self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+        for count, token in enumerate(tokens, start=1):
+            self._append_token(seq, token, now)
+            if seq.is_finished:
+                return count
+        return len(tokens)
+
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.output_token_ids.append(token)
         m = seq.metrics
@@ -294,12 +342,15 @@ class LLM:
                 aborted.append(seq)
         return aborted
 
-    def _stats(self, plan, updated: list[Sequence], start: float) -> StepStats:
+    def _stats(self, plan, updated: list[Sequence], start: float, generated: int,
+               accepted: int) -> StepStats:
         bm = self.block_manager
         return StepStats(
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decode_tokens=plan.num_decode_tokens,
-            num_generated_tokens=plan.num_sampled,
+            num_generated_tokens=generated,
+            num_draft_tokens=sum(s.num_draft for s in plan.scheduled),
+            num_accepted_tokens=accepted,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preempted=len(plan.preempted),

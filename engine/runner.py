@@ -47,10 +47,13 @@ class ModelRunner:
         rows: list[int] = []
         for s in scheduled:
             start = s.seq.num_computed_tokens
-            ids.extend(s.seq.all_token_ids[start : start + s.num_new_tokens])
+            real = s.num_new_tokens - s.num_draft
+            ids.extend(s.seq.all_token_ids[start : start + real])
+            ids.extend(s.seq.draft_token_ids[: s.num_draft])
             pos.extend(range(start, start + s.num_new_tokens))
             if s.samples:
-                rows.append(len(ids) - 1)
+                # The last real token and every draft: the target's distribution at each.
+                rows.extend(range(len(ids) - 1 - s.num_draft, len(ids)))
         as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), rows
 

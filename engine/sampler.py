@@ -14,26 +14,35 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     tokens = logits.argmax(dim=-1).tolist()
     rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if rows:
-        probs = _filtered_probs(logits[rows], [seqs[i].params for i in rows])
+        probs = filtered_probs(logits[rows], [seqs[i].params for i in rows])
         # One uniform draw per request from its own generator: the token a seed picks does not
         # depend on which other requests share the batch.
-        u = torch.cat([torch.rand(1, generator=_generator(seqs[i])) for i in rows])
-        cdf = probs.cumsum(dim=-1)
-        picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
-        picked = picked.clamp_(max=probs.shape[-1] - 1).tolist()
-        for row, token in zip(rows, picked, strict=True):
+        u = torch.cat([torch.rand(1, generator=generator_for(seqs[i])) for i in rows])
+        for row, token in zip(rows, _inverse_cdf(probs, u), strict=True):
             tokens[row] = token
     return tokens
 
 
-def _generator(seq: Sequence) -> torch.Generator:
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One token from an (unnormalised) distribution [V], with one uniform from `gen`."""
+    return _inverse_cdf(probs.unsqueeze(0), torch.rand(1, generator=gen))[0]
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
+    return picked.clamp_(max=probs.shape[-1] - 1).tolist()
+
+
+def generator_for(seq: Sequence) -> torch.Generator:
+    """The request's own random stream, seeded from its params (or at random) on first use."""
     if seq.generator is None:
         seed = seq.params.seed if seq.params.seed is not None else random.getrandbits(63)
         seq.generator = torch.Generator().manual_seed(seed)
     return seq.generator
 
 
-def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Softmax at each row's temperature, with top-k and top-p mass removed (on the CPU)."""
     logits = logits.float().cpu()
     temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)

@@ -19,11 +19,12 @@ class ScheduledSeq:
 
     seq: Sequence
     num_new_tokens: int
+    num_draft: int = 0  # of the new tokens, how many are unverified drafts at the end
     samples: bool = field(init=False)
     is_decode: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        seq, n = self.seq, self.num_new_tokens
+        seq, n = self.seq, self.num_new_tokens - self.num_draft
         self.samples = seq.num_computed_tokens + n == seq.num_tokens
         self.is_decode = n == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids)
 
@@ -46,10 +47,6 @@ class SchedulerOutput:
     @property
     def num_decode_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled if s.is_decode)
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(1 for s in self.scheduled if s.samples)
 
 
 class Scheduler:
@@ -89,6 +86,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            # Drafts ride along as extra query tokens when the budget has room for them.
+            drafts = len(seq.draft_token_ids) if n == seq.num_uncomputed_tokens == 1 else 0
+            drafts = min(drafts, budget - n)
+            n += drafts
             while not bm.can_append(seq, n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -97,7 +98,7 @@ class Scheduler:
                     break
             else:
                 bm.append_slots(seq, n)
-                out.scheduled.append(ScheduledSeq(seq, n))
+                out.scheduled.append(ScheduledSeq(seq, n, drafts))
                 budget -= n
                 i += 1
         return budget
@@ -121,6 +122,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

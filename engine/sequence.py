@@ -155,6 +155,9 @@ class Sequence:
         self.read_offset = 0
         self.emitted_text_len = 0
         self.emitted_token_len = 0
+        self.draft_token_ids: list[int] = []  # proposed, not yet verified
+        self.spec_rate = 1.0  # running acceptance estimate, optimistic at first
+        self.spec_cooldown = 0
 
     @property
     def num_tokens(self) -> int:

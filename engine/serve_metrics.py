@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from engine.sequence import RequestOutput
 
@@ -19,8 +20,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class ServerMetrics:
     """Prometheus series for one served model, updated from the engine's own records."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, spec_counters=None) -> None:
         self.registry = CollectorRegistry()
+        if spec_counters is not None:
+            self.registry.register(_SpecCollector(model_name, spec_counters))
         labels = ["model_name"]
         r = self.registry
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch",
@@ -69,3 +72,27 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         """The text exposition format (version 0.0.4)."""
         return generate_latest(self.registry)
+
+
+class _SpecCollector:
+    """vLLM's speculative-decoding counters, read from the engine's SpecCounters at scrape time."""
+
+    def __init__(self, model_name: str, counters) -> None:
+        self.model_name, self.counters = model_name, counters
+
+    def collect(self):
+        c, name = self.counters, self.model_name
+        for metric, value, doc in (
+            ("vllm:spec_decode_num_drafts", c.drafts, "Verification steps with drafts"),
+            ("vllm:spec_decode_num_draft_tokens", c.draft_tokens, "Draft tokens proposed"),
+            ("vllm:spec_decode_num_accepted_tokens", c.accepted_tokens, "Draft tokens accepted"),
+        ):
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by position",
+                                      labels=["model_name", "position"])
+        for position, value in enumerate(list(c.accepted_per_pos)):
+            per_pos.add_metric([name, str(position)], value)
+        yield per_pos

@@ -35,7 +35,8 @@ class Server(ThreadingHTTPServer):
         super().__init__((host, port), Handler)
         self.llm = llm
         self.api_key = api_key
-        self.metrics = ServerMetrics(llm.model_name)
+        spec = getattr(llm, "spec", None)
+        self.metrics = ServerMetrics(llm.model_name, None if spec is None else spec.counters)
         self.loop = EngineLoop(llm, self.metrics).start()
 
     @property

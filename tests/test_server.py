@@ -159,3 +159,20 @@ def test_api_key_is_required_when_set(llm):
             assert c.get("/health").status_code == 200
     finally:
         srv.close()
+
+
+def test_spec_decode_counters_on_metrics(demo_gguf):
+    spec_llm = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024, speculative="ngram")
+    srv = serve(spec_llm, "127.0.0.1", 0)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            text = "one two three four five six seven eight nine ten " * 3
+            out = _complete(c, text, max_tokens=24)
+            assert out["usage"]["completion_tokens"] == 24
+            drafts = _metric(c, "vllm:spec_decode_num_draft_tokens_total")
+            accepted = _metric(c, "vllm:spec_decode_num_accepted_tokens_total")
+            assert drafts == spec_llm.spec.counters.draft_tokens > 0
+            assert 0 < accepted <= drafts
+            assert _metric(c, "vllm:spec_decode_num_drafts_total") == spec_llm.spec.counters.drafts
+    finally:
+        srv.close()

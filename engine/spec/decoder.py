@@ -1,0 +1,90 @@
+"""The engine's speculative-decoding state: proposals per sequence, adaptive length, counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+from engine.spec.config import SpecConfig
+from engine.spec.ngram import propose_ngram
+
+# Acceptance is tracked per sequence as an exponential moving average; below OFF_BELOW the
+# sequence stops drafting for COOLDOWN steps (drafts that are rejected only cost verification).
+EMA_DECAY = 0.7
+FULL_AT = 0.5
+OFF_BELOW = 0.15
+COOLDOWN = 8
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters (drafts, draft tokens, accepted, per position)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return None if not self.draft_tokens else self.accepted_tokens / self.draft_tokens
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """1 + accepted / drafts: tokens emitted per verification step (vLLM's definition)."""
+        return None if not self.drafts else 1 + self.accepted_tokens / self.drafts
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        while len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos.append(0)
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+
+class SpecDecoder:
+    """Proposes drafts for decoding sequences and learns how long they should be."""
+
+    def __init__(self, config: SpecConfig) -> None:
+        self.config = config
+        self.counters = SpecCounters()
+
+    def propose(self, seq: Sequence) -> list[int]:
+        """Draft tokens for a sequence about to decode (possibly none)."""
+        k = self.draft_length(seq)
+        if k == 0:
+            return []
+        c = self.config
+        return propose_ngram(seq.all_token_ids, k, c.ngram_max, c.ngram_min)
+
+    def draft_length(self, seq: Sequence) -> int:
+        """The configured maximum, scaled down as the sequence's acceptance falls."""
+        k_max = self.config.num_draft_tokens
+        if not self.config.adaptive:
+            return k_max
+        if seq.spec_cooldown > 0:
+            seq.spec_cooldown -= 1
+            return 0
+        if seq.spec_rate < OFF_BELOW:
+            seq.spec_cooldown = COOLDOWN
+            seq.spec_rate = FULL_AT / 2  # try again after the cooldown, with short drafts
+            return 0
+        return max(1, min(k_max, round(k_max * seq.spec_rate / FULL_AT)))
+
+    def summary(self) -> dict:
+        """The configuration and counters as plain values (for --json and the bench result)."""
+        c = self.counters
+        return {"method": self.config.method, "max_draft_tokens": self.config.num_draft_tokens,
+                "adaptive": self.config.adaptive, "drafts": c.drafts,
+                "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
+                "accepted_per_position": list(c.accepted_per_pos),
+                "acceptance_rate": c.acceptance_rate,
+                "mean_accepted_length": c.mean_accepted_length}
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """Count a verification and update the sequence's acceptance estimate."""
+        self.counters.add(proposed, accepted)
+        rate = accepted / proposed
+        seq.spec_rate = EMA_DECAY * seq.spec_rate + (1 - EMA_DECAY) * rate

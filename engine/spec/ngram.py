@@ -1,0 +1,20 @@
+"""Prompt lookup: propose the tokens that followed the latest earlier occurrence of the tail."""
+
+from __future__ import annotations
+
+
+def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Up to k tokens continuing the longest tail n-gram (n_max..n_min) seen earlier in `tokens`.
+
+    The most recent earlier match wins: in copy-heavy text the latest occurrence is the one
+    being copied. A deterministic proposer, so verification treats its draft as p_draft = 1.
+    """
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        tail = tokens[size - n :]
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                follow = tokens[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []
