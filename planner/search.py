@@ -127,6 +127,7 @@ class _Screen:
         self.states: dict[tuple, tuple[float, float, float] | None] = {}
         self.best_tpot = float("inf")
         self.best_ttft = float("inf")
+        self.over_budget = float("inf")
 
     def memory_of(self, d: Deployment) -> MemoryPlan:
         key = (d.gpu.name, d.weights, d.kv, d.tp, d.pp)
@@ -224,8 +225,12 @@ def search(model: Model, w: Workload, catalog: Catalog, space: SearchSpace | Non
             continue
         fitting += 1
         screened = screen(d, memory)
-        if screened is not None and (budget_per_hour is None or screened.cost <= budget_per_hour):
+        if screened is None:
+            continue
+        if budget_per_hour is None or screened.cost <= budget_per_hour:
             passed.append(screened)
+        else:
+            screen.over_budget = min(screen.over_budget, screened.cost)
     plans = _simulate_best(passed, w, calibration, opts, simulate_top, progress, cancel)
     if budget_per_hour is not None:
         plans = [p for p in plans if p.cost_per_hour <= budget_per_hour]
@@ -257,10 +262,9 @@ def explain(model: Model, w: Workload, catalog: Catalog, space: SearchSpace, scr
     """Why nothing qualified, and the nearest relaxation that would."""
     if fitting == 0:
         return _memory_relaxation(model, w, catalog, space, screen)
-    if passed and budget is not None:
-        cheapest = min(s.cost for s in passed)
+    if budget is not None and screen.over_budget < float("inf"):
         return (f"no plan meets the SLOs within ${budget:.2f}/hour; the cheapest meeting them "
-                f"costs ${cheapest:.2f}/hour (raise the budget to that)")
+                f"costs ${screen.over_budget:.2f}/hour (raise the budget to that)")
     if passed:
         return ("options pass the analytic screen but none meets the p99 SLOs in simulation "
                 "with up to 3 extra replicas; relax the SLOs by about 20%")

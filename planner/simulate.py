@@ -195,13 +195,12 @@ def run_replica(r: Replica, arrivals: np.ndarray, inputs: np.ndarray, outputs: n
         preemptions += n
         if any(s.computed[i] < s.prompt[i] for i in running):
             t, _ = _mixed_step(s, r, running, t)
-            kv_used = float(s.reserved[running].sum()) if running else 0.0
         else:
             can_join = order and order[0] < released and len(running) < r.max_seqs
             horizon = s.arrival[order[0]] if can_join else math.inf
             t, _ = _decode_run(s, r, running, t, horizon, kv_used)
-        running, freed = _retire(s, running, t)
-        kv_used -= freed
+        running, _ = _retire(s, running, t)
+        kv_used = float(s.reserved[running].sum()) if running else 0.0
         done_now = int(np.count_nonzero(~np.isnan(s.finish))) - finished
         finished += done_now
         if closed_loop:
