@@ -65,3 +65,13 @@ def serve_text():
     yield start
     for server in started:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def fuzz_servers():
+    """A well-behaved vLLM-like server and one whose body a test changes at will."""
+    good = TextServer("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 4\n")
+    bad = TextServer("")
+    yield good, bad
+    good.close()
+    bad.close()

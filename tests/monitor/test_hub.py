@@ -1,0 +1,162 @@
+"""The hub with real sources: rings, writer, fuzzed metrics, alerts, cost, NVML, engine."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.sequence import RequestMetrics
+from monitor.alerts import AlertEvaluator, AlertRule
+from monitor.cost import CostSource, cost_per_million_tokens
+from monitor.engine_source import EngineSource
+from monitor.hub import Hub, RingBuffer
+from monitor.nvml import NvmlSource
+from monitor.promtext import MetricsError, parse_metrics
+from monitor.remote import PrometheusSource, ServerConfig
+from monitor.types import Poll, Sample, SourceStatus
+from storage import queries
+from storage.db import open_database
+from storage.writer import Writer
+
+
+class Ramp:
+    """A source whose value is its poll count, to check the order the hub keeps."""
+
+    def __init__(self, name: str, interval_s: float = 0.0) -> None:
+        self.name, self.interval_s, self.n = name, interval_s, 0
+        self.status = SourceStatus(state="up")
+
+    def poll(self, now: float) -> Poll:
+        self.n += 1
+        return Poll([Sample(f"{self.name}/v", now, float(self.n)),
+                     Sample("intruder/v", now, -1.0)])
+
+    def close(self) -> None:
+        pass
+
+
+class Broken(Ramp):
+    def poll(self, now: float) -> Poll:
+        raise RuntimeError("sensor fell off")
+
+
+def test_ring_buffer_keeps_the_newest_points_in_order():
+    ring = RingBuffer(4)
+    for i in range(6):
+        ring.append(float(i), i * 10.0)
+    ts, values = ring.view()
+    assert ts.tolist() == [2.0, 3.0, 4.0, 5.0] and values.tolist() == [20.0, 30.0, 40.0, 50.0]
+    assert ring.view(since=4.0)[1].tolist() == [40.0, 50.0]
+
+
+def test_hub_polls_when_due_isolates_failures_and_feeds_the_writer(tmp_path):
+    db = open_database(f"sqlite:///{tmp_path / 'hub.db'}")
+    writer = Writer(db).start()
+    hub = Hub([Ramp("a"), Ramp("slow", interval_s=10.0), Broken("bad")], writer, capacity=3)
+    for t in range(5):
+        hub.tick(100.0 + t)
+    assert hub.series("a/v")[1].tolist() == [3.0, 4.0, 5.0]
+    assert hub.series("slow/v")[1].tolist() == [1.0]          # due again only at t=110
+    assert "intruder/v" not in hub.series_keys()                    # sources write only their own
+    assert hub.statuses()["bad"].last_error == "RuntimeError: sensor fell off"
+    assert writer.close()
+    assert queries.series_window(db, "a/v", 0, 200, "raw")[1].tolist() == [1.0, 2, 3, 4, 5]
+    db.close()
+
+
+def test_hub_thread_runs_and_stops():
+    source = Ramp("t", interval_s=0.02)
+    hub = Hub([source], tick_s=0.01).start()
+    time.sleep(0.3)
+    hub.stop()
+    assert source.n >= 5 and len(hub.series("t/v")[0]) == source.n
+
+
+_line = st.one_of(
+    st.text(max_size=60),
+    st.sampled_from(['x{le="+Inf"} 1', "# TYPE x histogram", "# TYPE y counter", "y_total -3",
+                     'x_bucket{le="0.1"} NaN', 'x_bucket{le="abc"} 2', "z{a=\"b\"", "z 1 2 3",
+                     "vllm:num_requests_running Inf", "\x00", "# HELP", "# EOF"]),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lines=st.lists(_line, max_size=12))
+def test_parser_and_hub_survive_malformed_exposition_text(fuzz_servers, lines):
+    text = "\n".join(lines)
+    with contextlib.suppress(MetricsError):  # the only exception the parser may raise
+        parse_metrics(text)
+    good, bad = fuzz_servers
+    bad.body = text
+    hub = Hub([PrometheusSource(ServerConfig("good", good.url)),
+               PrometheusSource(ServerConfig("fuzz", bad.url))])
+    hub.tick(1.0)
+    hub.tick(3.0)
+    assert hub.series("good/requests_running")[1].tolist() == [4.0, 4.0]
+    assert hub.statuses()["good"].state == "up"
+    hub.stop()
+
+
+def test_alert_fires_after_the_duration_and_clears():
+    hub = Hub()
+    rule = AlertRule("ttft p99", "s/ttft", threshold=0.5, window_s=10, percentile=99, for_s=2)
+    events = []
+    alerts = AlertEvaluator([rule], on_event=events.append)
+    for t, value in [(0, 0.1), (1, 0.9), (2, 0.9), (3, 0.9), (4, 0.9)]:
+        hub._store([Sample("s/ttft", float(t), value)], [])
+        alerts.evaluate(hub, float(t))
+    assert [(e.state, e.ts) for e in events] == [("firing", 3.0)]  # breached from t=1, 2 s later
+    assert alerts.firing == ["ttft p99"]
+    assert events[0].value == pytest.approx(np.percentile([0.1, 0.9, 0.9, 0.9], 99))
+    alerts.evaluate(hub, 30.0)  # the window is empty again: the breach is over
+    assert [e.state for e in events] == ["firing", "cleared"] and alerts.firing == []
+    with pytest.raises(ValueError):
+        AlertRule("bad", "s/x", 1.0, percentile=120)
+
+
+def test_cost_per_million_tokens_from_price_and_throughput():
+    assert cost_per_million_tokens(3.6, 1000.0) == pytest.approx(1.0)  # 3.6 M tokens per hour
+    assert cost_per_million_tokens(2.0, 0.0) is None
+    hub = Hub()
+    hub._store([Sample("v/generation_tokens_per_s", 10.0, 500.0),
+                Sample("v/generation_tokens_per_s", 11.0, 1500.0)], [])
+    cost = CostSource(hub, "v", dollars_per_hour=7.2)
+    assert cost.poll(11.0).samples == [Sample("v-cost/usd_per_1m_tokens", 11.0,
+                                              pytest.approx(2.0))]
+
+
+def test_without_a_driver_nvml_reports_zero_gpus_and_a_status_line():
+    source = NvmlSource()
+    if source.handles:
+        pytest.skip("this machine has an NVIDIA driver; benchmarks/gpu_check.py covers it")
+    assert source.poll(0.0).samples == []
+    assert source.status.state == "unavailable"
+    assert source.status.message.startswith("0 GPUs: NVML is not available")
+    source.close()
+
+
+def test_engine_source_reads_step_stats_and_finished_requests():
+    stats = SimpleNamespace(num_prefill_tokens=96, num_decode_tokens=4, num_running=4,
+                            num_waiting=2, num_preempted=0, num_finished=1, kv_blocks_used=30,
+                            kv_blocks_total=120, wall_s=0.05, timestamp=12.5)
+    engine = SimpleNamespace(last_stats=stats)
+    source = EngineSource(engine)
+    m = RequestMetrics(arrival=1.0, first_scheduled=1.01, first_token=1.2, finished=1.5,
+                       token_times=[1.2, 1.3, 1.5], prompt_tokens=7)
+    source.add_finished([SimpleNamespace(metrics=m, finish_reason="stop")])
+    poll = source.poll(100.0)
+    values = {s.series: s.value for s in poll.samples}
+    assert values["engine/kv_cache_usage"] == 0.25
+    assert values["engine/step_tokens_per_s"] == pytest.approx(2000.0)
+    assert values["engine/requests_waiting"] == 2
+    (record,) = poll.requests
+    assert record.ttft_s == pytest.approx(0.2) and record.tpot_s == pytest.approx(0.15)
+    assert record.e2e_s == pytest.approx(0.5) and record.output_tokens == 3
+    assert record.itl_s == pytest.approx([0.1, 0.2])
+    assert source.poll(101.0).samples == []  # the same step is not reported twice
