@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _bench_parser(sub)
     _serve_parser(sub)
+    from planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 

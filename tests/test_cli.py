@@ -102,3 +102,18 @@ def test_serve_answers_over_http_and_stops_on_sigint(demo_gguf):
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) in (0, 130)
+
+
+def test_plan_evaluate_and_search_are_wired_in():
+    r = servescope("plan", "evaluate", "--model", "llama-3.1-8b", "--gpu", "h100-sxm",
+                   "--input-len", "512", "--output-len", "128", "--rate", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["fits"] and out["ttft_ms"]["p99"] >= out["ttft_ms"]["p50"] > 0
+    assert out["cost_per_hour"] > 0 and out["throughput_tok_s"] > 0
+    r = servescope("plan", "search", "--model", "llama-3.1-8b", "--rate", "5", "--input-len",
+                   "512", "--output-len", "128", "--ttft-p99-ms", "2000", "--tpot-p99-ms", "100",
+                   "--json")
+    assert r.returncode == 0, r.stderr
+    found = json.loads(r.stdout)
+    assert found["evaluated"] > 100 and found["candidates"]
