@@ -84,6 +84,12 @@ class _EngineWorker(QObject):
         self.stats = None
         self._emit("loaded", EngineInfo.from_llm(llm, time.perf_counter() - started))
 
+    def spec_summary(self) -> dict | None:
+        # Read from the GUI thread: the summary copies plain counters, so no lock is needed.
+        llm = self._llm
+        spec = None if llm is None else llm.spec
+        return None if spec is None else spec.summary()
+
     @Slot()
     def unload(self) -> None:
         self._release_llm()
@@ -280,6 +286,10 @@ class EngineHost(QObject):
     def stats(self) -> Any:
         """The engine's latest StepStats, or None before the first step."""
         return self.worker.stats
+
+    def spec_summary(self) -> dict | None:
+        """Speculative-decoding counters of the loaded engine, or None when it is off."""
+        return self.worker.spec_summary()
 
     def shutdown(self) -> None:
         """Cancel everything, then stop the engine thread: flag, quit(), wait()."""

@@ -18,6 +18,7 @@ DEFAULTS: dict[str, Any] = {
     "engine/dtype": "auto",
     "engine/context_tokens": 2048,
     "engine/concurrency": 4,
+    "engine/speculative": "off",
     "chat/system_prompt": "You are a helpful assistant.",
     "chat/temperature": 0.7,
     "chat/top_p": 0.95,

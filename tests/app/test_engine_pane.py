@@ -210,3 +210,18 @@ def test_cancel_the_demo_fetch(make_window, qtbot, tmp_path: Path, monkeypatch) 
     qtbot.waitUntil(lambda: picker.fetch_button.isEnabled(), timeout=30_000)
     assert any(level == "info" and "cancelled" in m for level, m in _levels(window))
     assert not list((tmp_path / "empty-cache").glob("*.gguf"))
+
+
+def test_speculative_toggle_drafts_and_shows_acceptance(make_window, qtbot, demo_gguf: Path):
+    window = make_window()
+    pane = window.pane("engine")
+    combo = pane.load_panel.spec_combo
+    combo.setCurrentIndex(combo.findData("ngram:k=5"))
+    load_model(qtbot, window, demo_gguf)
+    with qtbot.waitSignal(pane.chat.reply_done, timeout=REPLY_TIMEOUT_MS):
+        _send(qtbot, pane, "Repeat exactly: one two three four five six seven eight nine ten "
+                           "one two three four five six seven eight nine ten", max_tokens=24)
+    summary = pane.host.spec_summary()
+    assert summary["method"] == "ngram" and summary["draft_tokens"] > 0
+    pane.live_view.refresh()
+    assert "accepted" in pane.live_view.spec_label.text()

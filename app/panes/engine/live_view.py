@@ -21,10 +21,14 @@ class LiveView(QGroupBox):
         self.kv_bar = QProgressBar()
         self.kv_bar.setFormat("%v / %m blocks")
         self.rate_label = QLabel("—")
+        self.spec_label = QLabel("off")
+        self.spec_label.setToolTip("Share of draft tokens accepted, and tokens emitted per "
+                                   "verification step (1 + accepted / drafts)")
         form = QFormLayout(self)
         form.addRow("Requests", self.requests_label)
         form.addRow("KV cache", self.kv_bar)
         form.addRow("Tokens/s", self.rate_label)
+        form.addRow("Speculative", self.spec_label)
         # Spyder's lesson: a hidden status widget must not keep polling.
         self._timer = QTimer(self, interval=POLL_MS)
         self._timer.timeout.connect(self.refresh)
@@ -43,6 +47,7 @@ class LiveView(QGroupBox):
             self._set_kv(stats.kv_blocks_used, stats.kv_blocks_total)
         busy = self._host.state in ("generating", "benchmarking")
         self.rate_label.setText(f"{self._host.meter.rate():,.1f}" if busy else "idle")
+        self.spec_label.setText(_spec_text(self._host.spec_summary()))
 
     def _set_kv(self, used: int, total: int) -> None:
         self.kv_bar.setRange(0, max(total, 1))
@@ -56,3 +61,13 @@ class LiveView(QGroupBox):
     def hideEvent(self, event: QHideEvent) -> None:  # noqa: N802 (Qt override)
         self._timer.stop()
         super().hideEvent(event)
+
+
+def _spec_text(summary: dict | None) -> str:
+    """'off', 'no drafts yet', or the acceptance rate and mean accepted length."""
+    if summary is None:
+        return "off"
+    if not summary["drafts"]:
+        return f"{summary['method']}: no drafts yet"
+    return (f"{summary['method']}: {summary['acceptance_rate']:.0%} accepted, "
+            f"{summary['mean_accepted_length']:.2f} tokens per step")

@@ -55,6 +55,7 @@ class LoadPanel(QGroupBox):
         self.dtype_combo = QComboBox()
         self.context_spin = QSpinBox(minimum=64, maximum=131072, singleStep=256)
         self.concurrency_spin = QSpinBox(minimum=1, maximum=256)
+        self.spec_combo = QComboBox()
         self.estimate_label = QLabel(wordWrap=True)
         self.load_button = QPushButton("Load")
         self.cancel_button = QPushButton("Cancel load")
@@ -77,11 +78,16 @@ class LoadPanel(QGroupBox):
         self.context_spin.setSuffix(" tokens")
         self.context_spin.setToolTip("Longest conversation one request may hold (max_model_len)")
         self.concurrency_spin.setToolTip("Requests the KV cache must hold at full context at once")
+        self.spec_combo.addItem("Off", "off")
+        self.spec_combo.addItem("Prompt lookup (n-gram), up to 5 draft tokens", "ngram:k=5")
+        self.spec_combo.setToolTip("Speculative decoding: lossless; pays off when replies copy "
+                                   "from the prompt (edits, summaries, code)")
         form = QFormLayout()
         form.addRow("Device", self.device_combo)
         form.addRow("Dtype", self.dtype_combo)
         form.addRow("Context", self.context_spin)
         form.addRow("Concurrency", self.concurrency_spin)
+        form.addRow("Speculative", self.spec_combo)
         form.addRow("Memory", self.estimate_label)
         buttons = QHBoxLayout()
         for button in (self.load_button, self.cancel_button, self.unload_button):
@@ -100,12 +106,14 @@ class LoadPanel(QGroupBox):
         self._select(self.device_combo, s.get("engine/device"))
         self.context_spin.setValue(s.get("engine/context_tokens"))
         self.concurrency_spin.setValue(s.get("engine/concurrency"))
+        self._select(self.spec_combo, s.get("engine/speculative"))
 
     def _connect(self) -> None:
         self.device_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.dtype_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.context_spin.valueChanged.connect(self._on_choice_changed)
         self.concurrency_spin.valueChanged.connect(self._on_choice_changed)
+        self.spec_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.load_button.clicked.connect(self.request_load)
         self.cancel_button.clicked.connect(self.cancel_requested)
         self.unload_button.clicked.connect(self.request_unload)
@@ -128,7 +136,7 @@ class LoadPanel(QGroupBox):
         """The load the controls describe (ValueError when no model is chosen)."""
         return LoadRequest(self._model, self.device_combo.currentData(),
                            self.dtype_combo.currentData(), self.context_spin.value(),
-                           self.concurrency_spin.value())
+                           self.concurrency_spin.value(), self.spec_combo.currentData())
 
     def request_load(self) -> None:
         """Ask for a load, unless the estimate shows the model cannot fit at all."""
@@ -188,6 +196,7 @@ class LoadPanel(QGroupBox):
         s.set("engine/dtype", self.dtype_combo.currentData())
         s.set("engine/context_tokens", self.context_spin.value())
         s.set("engine/concurrency", self.concurrency_spin.value())
+        s.set("engine/speculative", self.spec_combo.currentData())
 
     def shutdown(self) -> None:
         """Stop the device probe (flag, quit, wait)."""

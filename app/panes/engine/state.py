@@ -18,6 +18,7 @@ class LoadRequest:
     dtype: str = "auto"
     context_tokens: int = 2048
     concurrency: int = 4
+    speculative: str = "off"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -32,6 +33,7 @@ class LoadRequest:
             "dtype": None if self.dtype == "auto" else self.dtype,
             "max_model_len": self.context_tokens,
             "kv_cache_tokens": self.context_tokens * self.concurrency,
+            "speculative": None if self.speculative == "off" else self.speculative,
         }
 
 
