@@ -1,0 +1,222 @@
+"""`servescope record` and `servescope loadtest`: the monitor without a window."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from storage.db import StorageError
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs; the message is one sentence."""
+
+
+def _fail(args: argparse.Namespace, message: str) -> int:
+    print(message, file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message}))
+    return 2
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    name = getattr(args, "token_env", None)
+    if not name:
+        return None
+    if name not in os.environ:
+        raise UserError(f"the environment variable {name} (from --token-env) is not set")
+    return os.environ[name]
+
+
+def _server_configs(args: argparse.Namespace) -> list:
+    from monitor.remote import ServerConfig
+
+    configs = []
+    for i, spec in enumerate(args.server or []):
+        name, _, url = spec.rpartition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        try:
+            configs.append(ServerConfig(name or f"server{i + 1}", url, token=_token(args),
+                                        interval_s=args.interval))
+        except ValueError as exc:
+            raise UserError(f"--server {spec}: {exc}") from exc
+    return configs
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    """Sample the chosen sources into the database until --duration or Ctrl+C."""
+    from monitor.hub import Hub
+    from monitor.nvml import NvmlSource
+    from monitor.remote import PrometheusSource
+    from storage.db import open_database
+    from storage.rollup import Maintenance
+    from storage.writer import Writer
+
+    try:
+        if args.duration is not None and args.duration <= 0:
+            raise UserError("--duration must be positive")
+        sources = [PrometheusSource(c) for c in _server_configs(args)]
+        if args.gpus:
+            sources.append(NvmlSource(interval_s=args.interval))
+        if not sources:
+            raise UserError("nothing to record; give --gpus and/or --server URL")
+        db = open_database(args.db)
+    except (UserError, StorageError) as exc:
+        return _fail(args, str(exc))
+    for s in sources:
+        if s.status.message:
+            print(f"{s.name}: {s.status.message}", file=sys.stderr)
+    writer = Writer(db, on_error=lambda m: print(m, file=sys.stderr),
+                    on_flush=_flush_reporter(args), maintenance=Maintenance()).start()
+    hub = Hub(sources, writer).start()
+    try:
+        deadline = None if args.duration is None else time.monotonic() + args.duration
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        pass
+    hub.stop()
+    stored = writer.close()
+    summary = {"db": db.url, "samples": writer.written_samples, "dropped": writer.dropped,
+               "sources": {n: s.state for n, s in hub.statuses().items()} or
+               {s.name: s.status.state for s in sources}}
+    db.close()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"recorded {writer.written_samples} samples into {summary['db']}", file=sys.stderr)
+    return 0 if stored else 1
+
+
+def _flush_reporter(args: argparse.Namespace):
+    if not getattr(args, "report_flushes", False):
+        return None
+    return lambda ts: print(f"flushed {ts!r}", file=sys.stderr, flush=True)
+
+
+def _read_lengths(path: str) -> list[tuple[int, int]]:
+    try:
+        with open(path) as f:
+            rows = [line.replace(",", " ").split() for line in f if line.strip()]
+        pairs = [(int(a), int(b)) for a, b in rows]
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--lengths-file {path}: expected lines 'input output' ({exc})") from exc
+    if not pairs:
+        raise UserError(f"--lengths-file {path} holds no lengths")
+    return pairs
+
+
+def _load_spec(args: argparse.Namespace):
+    from monitor.loadgen import LoadSpec
+
+    slo = {k: v for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms),
+                             ("e2e", args.slo_e2e_ms)) if v is not None}
+    lengths = _read_lengths(args.lengths_file) if args.lengths_file else None
+    try:
+        return LoadSpec(url=args.url, endpoint=args.endpoint, model=args.model, rate=args.rate,
+                        arrival=args.arrival, burstiness=args.burstiness,
+                        concurrency=args.concurrency, requests=args.requests,
+                        duration_s=args.duration, input_len=args.input_len,
+                        output_len=args.output_len, length_spread=args.length_spread,
+                        lengths=lengths, token=_token(args), seed=args.seed, slo_ms=slo)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    """Load an endpoint, print the figures, and store the run when --db is given."""
+    from monitor.loadgen import run_load, store_run
+
+    try:
+        spec = _load_spec(args)
+        db = None
+        if args.db:
+            from storage.db import open_database
+
+            db = open_database(args.db)
+    except (UserError, StorageError) as exc:
+        return _fail(args, str(exc))
+
+    def progress(done: int, total: int) -> None:
+        print(f"\r{done}/{total}", end="", file=sys.stderr)
+
+    result = run_load(spec, progress=None if args.json else progress)
+    summary = dict(result.summary)
+    if result.summary["completed"] == 0:
+        return _fail(args, f"no request to {spec.url} succeeded: "
+                           f"{(summary.get('errors') or ['no answer'])[0]}")
+    if db is not None:
+        try:
+            summary["run_id"] = store_run(db, result)
+        except (StorageError, RuntimeError) as exc:
+            return _fail(args, str(exc))
+        finally:
+            db.close()
+    print(json.dumps(summary) if args.json else _table(summary))
+    return 0
+
+
+def _table(s: dict) -> str:
+    lines = [f"{'':8}{'p50':>10}{'p95':>10}{'p99':>10}{'mean':>10}"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        row = [s[key][k] for k in ("p50", "p95", "p99", "mean")]
+        lines.append(f"{key:8}" + "".join("       n/a" if v is None else f"{v:10.2f}"
+                                          for v in row))
+    lines.append(f"completed {s['completed']}, failed {s['failed']}, "
+                 f"{s['request_throughput']:.2f} req/s, {s['output_tokens_per_s']:.1f} tok/s"
+                 + ("" if s["goodput"] is None else f", goodput {s['goodput']:.2f} req/s"))
+    return "\n".join(lines)
+
+
+def add_monitor_parsers(subparsers) -> None:
+    """Add `record` and `loadtest` to servescope's sub-command parsers."""
+    rec = subparsers.add_parser("record", help="sample GPUs and servers into the database")
+    rec.add_argument("--db", help="SQLAlchemy URL (default: SQLite in the user's data folder)")
+    rec.add_argument("--gpus", action="store_true", help="sample local NVIDIA GPUs")
+    rec.add_argument("--server", action="append", metavar="[NAME=]URL",
+                     help="a server's base or /metrics URL; repeat for several")
+    rec.add_argument("--token-env", help="environment variable holding a bearer token")
+    rec.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl+C)")
+    rec.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
+    rec.add_argument("--json", action="store_true", help="print one JSON summary at the end")
+    rec.add_argument("--report-flushes", action="store_true", help=argparse.SUPPRESS)
+    rec.set_defaults(func=cmd_record)
+
+    lt = subparsers.add_parser("loadtest", help="load an OpenAI-compatible endpoint")
+    lt.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    mode = lt.add_mutually_exclusive_group()
+    mode.add_argument("--rate", type=float, help="requests per second (open loop)")
+    mode.add_argument("--concurrency", type=int, help="requests in flight (closed loop)")
+    lt.add_argument("--arrival", choices=("poisson", "gamma", "constant"), default="poisson")
+    lt.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; <1 is burstier")
+    lt.add_argument("--requests", type=int, default=100)
+    lt.add_argument("--duration", type=float, help="stop sending after this many seconds")
+    lt.add_argument("--input-len", type=int, default=128, help="prompt length in words")
+    lt.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
+    lt.add_argument("--length-spread", type=float, default=0.0,
+                    help="uniform lengths within +- this fraction (0 = fixed)")
+    lt.add_argument("--lengths-file", help="file of 'input output' lengths, one pair a line")
+    lt.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    lt.add_argument("--model", help="model name to put in each request")
+    lt.add_argument("--token-env", help="environment variable holding a bearer token")
+    lt.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT SLO in ms")
+    lt.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT SLO in ms")
+    lt.add_argument("--slo-e2e-ms", type=float, help="goodput: end-to-end SLO in ms")
+    lt.add_argument("--seed", type=int, default=0)
+    lt.add_argument("--db", help="store the run in this database (SQLAlchemy URL)")
+    lt.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    lt.set_defaults(func=cmd_loadtest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `record` or `loadtest` on their own (python -m monitor.cli ...)."""
+    parser = argparse.ArgumentParser(prog="servescope")
+    add_monitor_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Load an OpenAI-compatible endpoint; measure TTFT, TPOT, ITL and E2E as vLLM's bench does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+
+from monitor.types import RequestRecord
+from storage.queries import describe
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hum"  # noqa: SIM905
+         .split())
+
+
+@dataclass
+class LoadSpec:
+    """What to send, how often and when to stop; validated at construction."""
+
+    url: str
+    endpoint: str = "completions"  # or "chat"
+    model: str | None = None
+    rate: float | None = None  # requests/s; None with no concurrency = all at once
+    arrival: str = "poisson"  # "poisson", "gamma" (burstiness = shape) or "constant"
+    burstiness: float = 1.0
+    concurrency: int | None = None
+    requests: int = 100
+    duration_s: float | None = None
+    input_len: int = 128
+    output_len: int = 128
+    length_spread: float = 0.0  # 0 = fixed lengths; 0.5 = uniform within +-50 %
+    lengths: list[tuple[int, int]] | None = None  # (input, output) pairs read from a file
+    token: str | None = field(default=None, repr=False)
+    timeout_s: float = 300.0
+    seed: int = 0
+    slo_ms: dict[str, float] = field(default_factory=dict)  # keys ttft, tpot, e2e
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"{self.url!r} is not an http(s) URL; use e.g. http://127.0.0.1:8000")
+        if self.endpoint not in ("completions", "chat"):
+            raise ValueError("endpoint must be 'completions' or 'chat'")
+        if self.arrival not in ("poisson", "gamma", "constant"):
+            raise ValueError("arrival must be poisson, gamma or constant")
+        if self.rate is not None and self.concurrency is not None:
+            raise ValueError("give either a request rate or a concurrency, not both")
+        if (self.rate is not None and self.rate <= 0) or self.burstiness <= 0:
+            raise ValueError("rate and burstiness must be positive")
+        if self.requests < 1 or self.input_len < 1 or self.output_len < 1:
+            raise ValueError("requests, input and output lengths must be at least 1")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if not 0 <= self.length_spread < 1:
+            raise ValueError("length spread must be within [0, 1)")
+        unknown = set(self.slo_ms) - {"ttft", "tpot", "e2e"}
+        if unknown:
+            raise ValueError(f"unknown SLO names {sorted(unknown)}; use ttft, tpot, e2e")
+
+
+def arrival_gaps(spec: LoadSpec, rng: np.random.Generator, n: int) -> np.ndarray:
+    """Seconds between request starts (zeros when there is no rate)."""
+    if spec.rate is None:
+        return np.zeros(n)
+    if spec.arrival == "constant":
+        return np.full(n, 1.0 / spec.rate)
+    shape = 1.0 if spec.arrival == "poisson" else spec.burstiness
+    # A gamma with shape k and scale 1/(k*rate) keeps the mean gap 1/rate; k=1 is Poisson.
+    return rng.gamma(shape, 1.0 / (shape * spec.rate), n)
+
+
+def request_lengths(spec: LoadSpec, rng: np.random.Generator, n: int) -> list[tuple[int, int]]:
+    """(input, output) token counts of each request."""
+    if spec.lengths:
+        return [spec.lengths[i % len(spec.lengths)] for i in range(n)]
+    s = spec.length_spread
+
+    def draw(mean: int) -> np.ndarray:
+        lo, hi = max(1, int(mean * (1 - s))), max(1, int(mean * (1 + s)))
+        return rng.integers(lo, hi + 1, n)
+
+    return list(zip(draw(spec.input_len).tolist(), draw(spec.output_len).tolist(), strict=True))
+
+
+def make_prompt(n_words: int, rng: np.random.Generator) -> str:
+    return " ".join(rng.choice(WORDS, n_words).tolist())
+
+
+def _payload(spec: LoadSpec, prompt: str, max_tokens: int) -> tuple[str, dict]:
+    body: dict = {"max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+                  "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if spec.model:
+        body["model"] = spec.model
+    if spec.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        return "/v1/chat/completions", body
+    body["prompt"] = prompt
+    return "/v1/completions", body
+
+
+def _chunk_text(event: dict) -> str:
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    return c.get("text") or (c.get("delta") or {}).get("content") or ""
+
+
+async def send_one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, prompt_len: int,
+                   max_tokens: int) -> RequestRecord:
+    """One streamed request, timed from send to each content chunk."""
+    path, body = _payload(spec, prompt, max_tokens)
+    start = time.perf_counter()
+    times: list[float] = []
+    usage_tokens = None
+    try:
+        async with client.stream("POST", spec.url.rstrip("/") + path, json=body) as resp:
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode("utf-8", "replace")[:200]
+                raise RuntimeError(f"HTTP {resp.status_code}: {detail}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if _chunk_text(event):
+                    times.append(time.perf_counter())
+                usage_tokens = (event.get("usage") or {}).get("completion_tokens", usage_tokens)
+    except Exception as exc:  # any failure is this request's result, not the run's
+        return RequestRecord("loadgen", time.time(), prompt_tokens=prompt_len, ok=False,
+                             error=f"{type(exc).__name__}: {exc}"[:300])
+    end = time.perf_counter()
+    if not times:
+        return RequestRecord("loadgen", time.time(), prompt_tokens=prompt_len, ok=False,
+                             error="the stream ended without any output")
+    n_out = usage_tokens or len(times)
+    ttft, e2e = times[0] - start, end - start
+    # vLLM's TPOT: (latency - TTFT) / (output tokens - 1), i.e. the first token excluded.
+    tpot = (e2e - ttft) / (n_out - 1) if n_out > 1 else None
+    return RequestRecord("loadgen", time.time(), ttft_s=ttft, tpot_s=tpot, e2e_s=e2e,
+                         itl_s=[b - a for a, b in zip(times, times[1:], strict=False)],
+                         prompt_tokens=prompt_len, output_tokens=n_out)
+
+
+@dataclass
+class LoadResult:
+    """The records of a finished run and its summary (the --json output)."""
+
+    spec: LoadSpec
+    records: list[RequestRecord]
+    started: float
+    duration_s: float
+    summary: dict
+
+
+def _met_slo(r: RequestRecord, slo_ms: dict[str, float]) -> bool:
+    got = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2e": r.e2e_s}
+    return r.ok and all(got[k] is not None and got[k] * 1000 <= v for k, v in slo_ms.items())
+
+
+def summarize(records: list[RequestRecord], duration_s: float,
+              slo_ms: dict[str, float]) -> dict:
+    """vLLM bench serve's figures: percentiles in ms, throughput, goodput, completed, failed."""
+    ok = [r for r in records if r.ok]
+    ms = lambda xs: [x * 1000.0 for x in xs if x is not None]  # noqa: E731
+    out: dict = {}
+    for name, values in (("ttft_ms", ms(r.ttft_s for r in ok)),
+                         ("tpot_ms", ms(r.tpot_s for r in ok)),
+                         ("itl_ms", ms(x for r in ok for x in r.itl_s)),
+                         ("e2e_ms", ms(r.e2e_s for r in ok))):
+        d = describe(values)
+        out[name] = {k: d[k] for k in ("p50", "p95", "p99", "mean")}
+    dur = max(duration_s, 1e-9)
+    out["request_throughput"] = len(ok) / dur
+    out["output_tokens_per_s"] = sum(r.output_tokens for r in ok) / dur
+    out["goodput"] = sum(_met_slo(r, slo_ms) for r in ok) / dur if slo_ms else None
+    out["completed"], out["failed"] = len(ok), len(records) - len(ok)
+    out["duration_s"] = duration_s
+    errors = sorted({r.error for r in records if r.error})
+    if errors:
+        out["errors"] = errors[:5]
+    return out
+
+
+async def _run(spec: LoadSpec, progress: Callable[[int, int], None] | None) -> LoadResult:
+    rng = np.random.default_rng(spec.seed)
+    gaps = arrival_gaps(spec, rng, spec.requests)
+    lengths = request_lengths(spec, rng, spec.requests)
+    prompts = [make_prompt(n_in, rng) for n_in, _ in lengths]
+    headers = {"Authorization": f"Bearer {spec.token}"} if spec.token else {}
+    limits = httpx.Limits(max_connections=spec.concurrency or spec.requests)
+    gate = asyncio.Semaphore(spec.concurrency or spec.requests)
+    records: list[RequestRecord] = []
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        async with gate:
+            records.append(await send_one(client, spec, prompts[i], lengths[i][0],
+                                          lengths[i][1]))
+        if progress is not None:
+            progress(len(records), spec.requests)
+
+    started, t0 = time.time(), time.perf_counter()
+    async with httpx.AsyncClient(timeout=spec.timeout_s, headers=headers, limits=limits) as c:
+        tasks = []
+        for i in range(spec.requests):
+            if spec.duration_s is not None and time.perf_counter() - t0 >= spec.duration_s:
+                break
+            if spec.concurrency is not None:
+                await gate.acquire()  # closed loop: the next request starts when one ends
+                gate.release()
+            tasks.append(asyncio.create_task(one(i, c)))
+            if gaps[i] > 0:
+                await asyncio.sleep(gaps[i])
+        await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    return LoadResult(spec, records, started, duration,
+                      summarize(records, duration, spec.slo_ms))
+
+
+def run_load(spec: LoadSpec, progress: Callable[[int, int], None] | None = None) -> LoadResult:
+    """Run a load test to completion (blocking) and return its records and summary."""
+    return asyncio.run(_run(spec, progress))
+
+
+def store_run(db, result: LoadResult, name: str = "") -> int:
+    """Save a load test as a run with its request records; returns the run id."""
+    from storage.queries import finish_run, save_run
+    from storage.writer import Writer
+
+    config = {k: v for k, v in asdict(result.spec).items() if k != "token"}
+    run_id = save_run(db, "loadtest", name or result.spec.url, config, result.summary,
+                      result.started)
+    for r in result.records:
+        r.run_id = run_id
+    writer = Writer(db).start()
+    writer.submit(requests=result.records)
+    if not writer.close():
+        raise RuntimeError(writer.last_error or "the request records could not be stored")
+    finish_run(db, run_id, result.summary, result.started + result.duration_s)
+    return run_id

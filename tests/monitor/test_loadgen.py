@@ -1,0 +1,197 @@
+"""The load generator and the record / loadtest commands against real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from monitor.cli import main
+from monitor.loadgen import LoadSpec, arrival_gaps, run_load
+from storage import queries
+from storage.db import open_database
+
+TTFT_S, GAP_S = 0.03, 0.01
+
+
+class OpenAIServer(ThreadingHTTPServer):
+    """A tiny OpenAI-compatible streaming server: TTFT_S before the first chunk, GAP_S after."""
+
+    daemon_threads = True
+
+    def __init__(self, fail_every: int = 0) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.fail_every, self.seen, self.bodies = fail_every, 0, []
+        self.lock = threading.Lock()
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_port}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: OpenAIServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.server.lock:
+            self.server.seen += 1
+            self.server.bodies.append(body)
+            fail = self.server.fail_every and self.server.seen % self.server.fail_every == 0
+        if fail:
+            self.send_response(500)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"boom")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        time.sleep(TTFT_S)
+        chat = self.path.endswith("/chat/completions")
+        for i in range(body["max_tokens"]):
+            if i:
+                time.sleep(GAP_S)
+            choice = {"delta": {"content": " tok"}} if chat else {"text": " tok"}
+            self._event({"choices": [choice]})
+        self._event({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+        self.close_connection = True
+
+    def _event(self, obj: dict) -> None:
+        self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+        self.wfile.flush()
+
+
+@pytest.fixture
+def openai_server():
+    server = OpenAIServer()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_closed_loop_figures_follow_the_servers_timing(openai_server):
+    spec = LoadSpec(openai_server.url, concurrency=4, requests=12, input_len=8, output_len=5,
+                    slo_ms={"ttft": 10_000})
+    s = run_load(spec).summary
+    assert (s["completed"], s["failed"]) == (12, 0)
+    assert s["ttft_ms"]["p50"] >= TTFT_S * 1000
+    assert GAP_S * 1000 <= s["tpot_ms"]["mean"] < GAP_S * 1000 * 3
+    assert s["e2e_ms"]["p50"] >= (TTFT_S + 4 * GAP_S) * 1000
+    assert s["goodput"] == pytest.approx(s["request_throughput"])
+    assert s["output_tokens_per_s"] == pytest.approx(5 * s["request_throughput"])
+    body = openai_server.bodies[0]
+    assert body["stream"] is True and body["max_tokens"] == 5 and len(body["prompt"].split()) == 8
+
+
+def test_open_loop_rate_chat_endpoint_failures_and_strict_slo():
+    server = OpenAIServer(fail_every=3)
+    try:
+        spec = LoadSpec(server.url, endpoint="chat", rate=40.0, arrival="constant", requests=9,
+                        output_len=3, slo_ms={"ttft": 1.0})
+        result = run_load(spec)
+    finally:
+        server.shutdown()
+        server.server_close()
+    s = result.summary
+    assert (s["completed"], s["failed"]) == (6, 3)
+    assert s["errors"] == ["RuntimeError: HTTP 500: boom"]
+    assert s["goodput"] == 0.0                   # no TTFT can beat 1 ms here
+    assert result.duration_s >= 8 / 40.0         # nine starts 25 ms apart
+    assert len([x for r in result.records if r.ok for x in r.itl_s]) == 6 * 2
+
+
+def test_arrival_processes_keep_the_mean_rate():
+    rng = np.random.default_rng(1)
+    poisson = arrival_gaps(LoadSpec("http://h", rate=10.0), rng, 20_000)
+    bursty = arrival_gaps(LoadSpec("http://h", rate=10.0, arrival="gamma", burstiness=0.25),
+                          rng, 20_000)
+    assert poisson.mean() == pytest.approx(0.1, rel=0.05)
+    assert bursty.mean() == pytest.approx(0.1, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)  # CV = 1/sqrt(shape)
+    assert arrival_gaps(LoadSpec("http://h", rate=4.0, arrival="constant"), rng, 3).tolist() == [
+        0.25, 0.25, 0.25]
+    with pytest.raises(ValueError, match="either a request rate or a concurrency"):
+        LoadSpec("http://h", rate=1.0, concurrency=2)
+
+
+def test_loadtest_command_prints_one_json_object_and_stores_the_run(openai_server, tmp_path,
+                                                                    capsys):
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    code = main(["loadtest", "--url", openai_server.url, "--concurrency", "2", "--requests",
+                 "4", "--output-len", "3", "--json", "--db", url])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert {"ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "request_throughput",
+            "output_tokens_per_s", "goodput", "completed", "failed"} <= set(out)
+    assert set(out["ttft_ms"]) == {"p50", "p95", "p99", "mean"}
+    db = open_database(url)
+    stored = queries.run_summary(db, out["run_id"])
+    db.close()
+    assert stored["completed"] == 4 and stored["config"]["concurrency"] == 2
+    assert stored["requests"]["ttft_ms"]["p99"] == pytest.approx(out["ttft_ms"]["p99"])
+
+
+def test_user_errors_are_one_sentence_and_exit_2(capsys):
+    assert main(["loadtest", "--url", "ftp://nowhere", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"error": captured.err.strip()}
+    assert "not an http(s) URL" in captured.err and captured.err.count("\n") == 1
+    assert main(["record", "--duration", "1"]) == 2
+    assert "nothing to record" in capsys.readouterr().err
+    assert main(["loadtest", "--url", "http://127.0.0.1:9", "--requests", "1", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"].startswith("no request to")
+
+
+def test_record_command_samples_a_server_into_the_database(serve_text, tmp_path, capsys):
+    text = ("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 7\n")
+    server = serve_text(text)
+    url = f"sqlite:///{tmp_path / 'rec.db'}"
+    code = main(["record", "--db", url, "--server", f"vllm-a={server.url}", "--duration", "1.2",
+                 "--interval", "0.2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["sources"] == {"vllm-a": "up"} and out["samples"] >= 4
+    db = open_database(url)
+    _, values = queries.series_window(db, "vllm-a/requests_running", 0, 2e10, "raw")
+    db.close()
+    assert len(values) == out["samples"] and set(values.tolist()) == {7.0}
+
+
+def test_sigkilled_recorder_leaves_every_flushed_sample(serve_text, tmp_path):
+    server = serve_text("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\n")
+    path = tmp_path / "killed.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monitor.cli", "record", "--db", f"sqlite:///{path}", "--server",
+         f"v={server.url}", "--interval", "0.05", "--report-flushes"],
+        stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    flushed = []
+    while len(flushed) < 3:
+        line = proc.stderr.readline()
+        assert line, "the recorder exited early"
+        if line.startswith("flushed "):
+            flushed.append(float(line.split()[1]))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(5)
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        stamps = [r[0] for r in conn.execute("SELECT ts_ms FROM samples ORDER BY ts_ms")]
+    assert stamps[-1] >= int(flushed[-1] * 1000)
+    # Polls are 50 ms apart: no gap in what was stored up to the last flush.
+    assert max(np.diff(stamps)) < 500
