@@ -66,16 +66,3 @@ def capacity(cost: StepCost, w: Workload, b_max: int) -> float:
             lo = mid
     return lo
 
-
-def replicas_for_slo(cost: StepCost, w: Workload, b_max: int, rate: float, ttft_s: float,
-                     tpot_s: float, max_tries: int = 8) -> tuple[int, float, float] | None:
-    """Fewest replicas whose estimated latencies meet the SLOs at `rate` total requests/s."""
-    cap = capacity(cost, w, b_max)
-    if cap <= 0:
-        return None
-    start = max(1, math.ceil(rate / cap))
-    for replicas in range(start, start + max_tries):
-        est = estimate(cost, rate / replicas, w, b_max)
-        if est is not None and est[0] <= ttft_s and est[1] <= tpot_s:
-            return replicas, est[0], est[1]
-    return None
