@@ -42,9 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _bench_parser(sub)
     _serve_parser(sub)
+    from monitor.cli import add_monitor_parsers
     from planner.cli import add_plan_parser
 
     add_plan_parser(sub)
+    add_monitor_parsers(sub)
     return p
 
 

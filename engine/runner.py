@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.block_manager import BlockManager
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
 from kernels import AttentionMetadata, PrefillChunk
+
+
+@dataclass
+class RunItem:
+    """One sequence's share of a forward pass: its new tokens from position `start` on."""
+
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    logit_rows: int  # how many of the last new tokens need logits (0 = none)
+
+    @classmethod
+    def from_scheduled(cls, s: ScheduledSeq) -> RunItem:
+        seq, start = s.seq, s.seq.num_computed_tokens
+        real = s.num_new_tokens - s.num_draft
+        tokens = seq.all_token_ids[start : start + real] + seq.draft_token_ids[: s.num_draft]
+        # The last real token and every draft: the model's distribution at each.
+        return cls(tokens, start, seq.block_table, 1 + s.num_draft if s.samples else 0)
 
 
 class ModelRunner:
@@ -19,52 +39,57 @@ class ModelRunner:
         self.device = model.device
         c = model.config
         slots = block_manager.num_blocks * block_manager.block_size
-        shape = (c.num_layers, 2, slots, c.num_kv_heads, c.head_dim)
+        # One extra slot, kept at zero, that padded attention rows point at: masked keys get
+        # weight 0, but 0 * NaN from a never-written slot would still poison the output.
+        self.null_slot = slots
+        shape = (c.num_layers, 2, slots + 1, c.num_kv_heads, c.head_dim)
         # torch.empty: on the CPU the OS commits pages only as the cache fills.
         self.kv = torch.empty(shape, dtype=model.dtype, device=self.device)
+        self.kv[:, :, self.null_slot].zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(c.num_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        """Bytes of the KV pool (the one zeroed padding slot, a few KiB, is not counted)."""
+        return self.kv[:, :, : self.null_slot].numel() * self.kv.element_size()
 
-    @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
-        """Run the step; logits ([S, V] float32) for the sequences that sample, in order.
+        """Run the step; logits ([rows, V] float32) for the sequences that sample, in order.
 
         With `all_logits` every token's logits are returned instead (used by prompt_logits).
         """
-        input_ids, positions, rows = self._inputs(scheduled)
-        meta = self._metadata(scheduled)
+        return self.run_items([RunItem.from_scheduled(s) for s in scheduled], all_logits)
+
+    @torch.inference_mode()
+    def run_items(self, items: list[RunItem], all_logits: bool = False) -> torch.Tensor:
+        """The forward pass over any batch of run items (the target's step or a draft's)."""
+        input_ids, positions, rows = self._inputs(items)
+        meta = self._metadata(items)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if not all_logits:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         return self.model.logits(hidden)
 
-    def _inputs(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, list]:
+    def _inputs(self, items: list[RunItem]) -> tuple[torch.Tensor, torch.Tensor, list]:
         ids: list[int] = []
         pos: list[int] = []
         rows: list[int] = []
-        for s in scheduled:
-            start = s.seq.num_computed_tokens
-            real = s.num_new_tokens - s.num_draft
-            ids.extend(s.seq.all_token_ids[start : start + real])
-            ids.extend(s.seq.draft_token_ids[: s.num_draft])
-            pos.extend(range(start, start + s.num_new_tokens))
-            if s.samples:
-                # The last real token and every draft: the target's distribution at each.
-                rows.extend(range(len(ids) - 1 - s.num_draft, len(ids)))
+        for item in items:
+            ids.extend(item.tokens)
+            pos.extend(range(item.start, item.start + len(item.tokens)))
+            rows.extend(range(len(ids) - item.logit_rows, len(ids)))
         as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), rows
 
-    def _metadata(self, scheduled: list[ScheduledSeq]) -> AttentionMetadata:
+    def _metadata(self, items: list[RunItem]) -> AttentionMetadata:
         bs = self.block_manager.block_size
-        context = [s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled]
-        slots = _slot_table([s.seq.block_table for s in scheduled], max(context), bs, self.device)
+        context = [item.start + len(item.tokens) for item in items]
+        slots = _slot_table([item.block_table for item in items], context, bs, self.null_slot,
+                            self.device)
         slot_mapping, decode_rows, decode_idx, prefills = [], [], [], []
         row = 0
-        for i, s in enumerate(scheduled):
-            n, ctx = s.num_new_tokens, context[i]
+        for i, item in enumerate(items):
+            n, ctx = len(item.tokens), context[i]
             slot_mapping.append(slots[i, ctx - n : ctx])
             if n == 1:
                 decode_rows.append(i)
@@ -90,16 +115,19 @@ class ModelRunner:
             meta.decode_mask = valid[:, None, None, :]
 
 
-def _slot_table(block_tables: list[list[int]], max_len: int, block_size: int,
-                device: torch.device) -> torch.Tensor:
-    """Cache slot of every position < max_len for each sequence ([S, max_len]; padding -> 0)."""
+def _slot_table(block_tables: list[list[int]], lengths: list[int], block_size: int,
+                null_slot: int, device: torch.device) -> torch.Tensor:
+    """Cache slot of each sequence's positions ([S, max(lengths)]); past a sequence's length,
+    the zeroed null slot (its own block's tail may hold another request's stale values)."""
+    max_len = max(lengths)
     width = -(-max_len // block_size)
     table = torch.zeros((len(block_tables), width), dtype=torch.long)
     for i, blocks in enumerate(block_tables):
         table[i, : min(width, len(blocks))] = torch.tensor(blocks[:width], dtype=torch.long)
     t = torch.arange(max_len)
     slots = table[:, t // block_size] * block_size + t % block_size
-    return slots.to(device)
+    valid = t.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    return torch.where(valid, slots, null_slot).to(device)
 
 
 def _chunk_mask(n: int, ctx: int, device: torch.device) -> torch.Tensor | None:

@@ -206,3 +206,11 @@ def test_load_reports_progress_and_can_be_cancelled(demo_gguf):
     with pytest.raises(LoadCancelled):
         LLM(str(demo_gguf), device="cpu", progress=cancel_half_way)
     assert seen == sorted(seen) and 0.5 < seen[-1] < 0.6
+
+
+def test_stale_values_in_the_kv_pool_never_reach_the_output(llm, alone):
+    # Blocks are reused without clearing; padded attention rows must not read them (a NaN
+    # times a zero attention weight is still NaN).
+    llm.runner.kv[:, :, : llm.runner.null_slot].fill_(float("nan"))
+    together = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in together] == alone
