@@ -89,13 +89,23 @@ class LLM:
                                    max(max_num_batched_tokens, block_size))
         self.runner = ModelRunner(self.model, self.block_manager)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
-        spec = parse_spec(speculative)
-        self.spec = None if spec is None else SpecDecoder(spec)
+        self.spec = self._spec_decoder(parse_spec(speculative))
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._abort_lock = threading.Lock()
         self._to_abort: set[str] = set()
         self.last_stats: StepStats | None = None
+
+    def _spec_decoder(self, config: SpecConfig | None) -> SpecDecoder | None:
+        if config is None:
+            return None
+        draft = None
+        if config.method == "draft":
+            from engine.spec.draft import DraftModel
+
+            draft = DraftModel(config.draft_model, self.tokenizer, self.config.vocab_size,
+                               self.device, self._dtype, self.block_manager, self.max_model_len)
+        return SpecDecoder(config, draft)
 
     # ---- properties the app and the benchmarks read ----
     @property
@@ -269,8 +279,12 @@ class LLM:
     def _propose_drafts(self) -> None:
         if self.spec is None:
             return
+        decoding = []
         for seq in self.scheduler.running:
-            seq.draft_token_ids = self.spec.propose(seq) if seq.num_uncomputed_tokens == 1 else []
+            seq.draft_token_ids = []
+            if seq.num_uncomputed_tokens == 1:
+                decoding.append(seq)
+        self.spec.propose_all(decoding)
 
     def _choose_tokens(self, sampling: list, logits: torch.Tensor) -> list[list[int]]:
         """New tokens per sampling sequence: one sampled, or the verified drafts plus one."""
@@ -285,7 +299,9 @@ class LLM:
         for i, s in enumerate(sampling):
             if s.num_draft:
                 rows = logits[starts[i] : starts[i + 1]]
-                chosen[i] = verify(s.seq, rows, s.seq.draft_token_ids[: s.num_draft])
+                q = s.seq.draft_probs[: s.num_draft] if s.seq.draft_probs else None
+                chosen[i] = verify(s.seq, rows, s.seq.draft_token_ids[: s.num_draft],
+                                   None if q is None else torch.stack(q))
                 self.spec.record(s.seq, s.num_draft, len(chosen[i]) - 1)
         return chosen
 
@@ -293,9 +309,10 @@ class LLM:
         """Append verified tokens (how many); rejected drafts' KV goes with the trimmed blocks."""
         seq = s.seq
         seq.num_computed_tokens += len(tokens) - 1
-        seq.draft_token_ids = []
         if s.num_draft:
+            self.spec.after_verify(seq, seq.num_tokens, len(seq.draft_token_ids), len(tokens) - 1)
             self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+        seq.draft_token_ids, seq.draft_probs = [], None
         for count, token in enumerate(tokens, start=1):
             self._append_token(seq, token, now)
             if seq.is_finished:

@@ -156,6 +156,8 @@ class Sequence:
         self.emitted_text_len = 0
         self.emitted_token_len = 0
         self.draft_token_ids: list[int] = []  # proposed, not yet verified
+        self.draft_probs: list | None = None  # the draft model's distributions, when sampled
+        self.draft_computed = 0  # tokens whose keys the draft model has cached
         self.spec_rate = 1.0  # running acceptance estimate, optimistic at first
         self.spec_cooldown = 0
 

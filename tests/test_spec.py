@@ -132,3 +132,58 @@ def test_sampled_speculation_is_reproducible_and_reports_stats(engines):
         generated += stats.num_generated_tokens
     assert drafted > 0 and accepted <= drafted
     assert generated == len(outputs[0].token_ids) and outputs[0].request_id == rid
+
+
+def test_parse_draft_paths_with_commas_and_options():
+    cfg = parse_spec("draft:/models/a,b/draft.gguf,k=3")
+    assert cfg.method == "draft" and cfg.draft_model == "/models/a,b/draft.gguf"
+    assert cfg.num_draft_tokens == 3
+    with pytest.raises(ValueError, match="needs a model"):
+        parse_spec("draft:")
+
+
+def _tiny_draft(folder, tokenizer, vocab: int):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save(folder)
+    return folder
+
+
+def test_draft_model_speculation_is_lossless(demo_gguf, engines, tmp_path):
+    plain, _ = engines
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    # The demo model drafting for itself accepts (nearly) everything; a random tiny draft
+    # sharing its tokenizer accepts almost nothing. Both must leave the output unchanged.
+    same = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048,
+               speculative=f"draft:{demo_gguf},k=4")
+    assert [o.token_ids for o in same.generate(PROMPTS, params)] == expected
+    assert [same.generate([p], params)[0].token_ids for p in PROMPTS] == expected
+    assert same.spec.counters.acceptance_rate > 0.95
+    assert same.spec.counters.mean_accepted_length > 4
+    tiny = _tiny_draft(tmp_path / "tiny", plain.tokenizer, plain.config.vocab_size)
+    weak = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, speculative=f"draft:{tiny}")
+    assert [o.token_ids for o in weak.generate(PROMPTS, params)] == expected
+    assert weak.spec.counters.acceptance_rate < 0.5
+    sampled = SamplingParams(temperature=0.9, max_tokens=16, seed=11, ignore_eos=True)
+    assert (same.generate([PROMPTS[2]], sampled)[0].token_ids
+            == same.generate([PROMPTS[2]], sampled)[0].token_ids)
+    assert same.block_manager.num_used_blocks == 0
+
+
+def test_a_draft_with_another_tokenizer_is_refused(demo_gguf, tmp_path):
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+
+    from engine.config import ModelError
+    from engine.tokenizer import Tokenizer
+
+    vocab = {f"w{i}": i for i in range(256)}
+    other = Tokenizer(Backend(WordLevel(vocab, unk_token="w0")), eos_token_ids=[1])
+    folder = _tiny_draft(tmp_path / "other", other, 256)
+    with pytest.raises(ModelError, match="different tokenizer"):
+        LLM(str(demo_gguf), device="cpu", kv_cache_tokens=512, speculative=f"draft:{folder}")

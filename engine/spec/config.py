@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -16,8 +17,11 @@ class SpecConfig:
     ngram_max: int = 4
     ngram_min: int = 2
     adaptive: bool = True
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("A draft model goes with method 'draft' only: use draft:PATH.")
         if self.method not in METHODS:
             raise ValueError(f"Unknown speculative method '{self.method}': use one of "
                              f"{', '.join(METHODS)}.")
@@ -28,13 +32,22 @@ class SpecConfig:
 
 
 def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
-    """`None`/"off" -> None; "ngram" or "ngram:k=6,adaptive=0" -> SpecConfig."""
+    """`None`/"off" -> None; "ngram", "ngram:k=6,adaptive=0" or "draft:PATH[,k=4]" -> SpecConfig.
+
+    A draft model's PATH may itself hold ',' or ':', so only trailing ",key=value" options
+    that name a known option are split off it.
+    """
     if value is None or isinstance(value, SpecConfig):
         return value
     if value in ("", "off", "none"):
         return None
     method, _, options = value.partition(":")
     fields: dict = {"method": method}
+    if method == "draft":
+        path, options = _split_trailing_options(options)
+        if not path:
+            raise ValueError("--spec draft needs a model: draft:PATH (a GGUF file or HF folder).")
+        fields["draft_model"] = path
     names = {"k": "num_draft_tokens", "n": "ngram_max", "min": "ngram_min",
              "adaptive": "adaptive"}
     for item in filter(None, options.split(",")):
@@ -44,3 +57,11 @@ def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
                              f"{', '.join(names)}.")
         fields[names[key]] = raw not in ("0", "false", "off") if key == "adaptive" else int(raw)
     return SpecConfig(**fields)
+
+
+def _split_trailing_options(text: str) -> tuple[str, str]:
+    parts = text.split(",")
+    cut = len(parts)
+    while cut > 1 and re.fullmatch(r"(k|adaptive)=\w+", parts[cut - 1]):
+        cut -= 1
+    return ",".join(parts[:cut]), ",".join(parts[cut:])

@@ -47,12 +47,21 @@ class SpecCounters:
 class SpecDecoder:
     """Proposes drafts for decoding sequences and learns how long they should be."""
 
-    def __init__(self, config: SpecConfig) -> None:
+    def __init__(self, config: SpecConfig, draft=None) -> None:
         self.config = config
+        self.draft = draft  # a DraftModel for method "draft"
         self.counters = SpecCounters()
 
+    def propose_all(self, seqs: list[Sequence]) -> None:
+        """Set `draft_token_ids` (possibly empty) of every sequence about to decode."""
+        if self.draft is not None:
+            self.draft.propose([(seq, self.draft_length(seq)) for seq in seqs])
+            return
+        for seq in seqs:
+            seq.draft_token_ids = self.propose(seq)
+
     def propose(self, seq: Sequence) -> list[int]:
-        """Draft tokens for a sequence about to decode (possibly none)."""
+        """Prompt-lookup draft tokens for one sequence (possibly none)."""
         k = self.draft_length(seq)
         if k == 0:
             return []
@@ -76,12 +85,19 @@ class SpecDecoder:
     def summary(self) -> dict:
         """The configuration and counters as plain values (for --json and the bench result)."""
         c = self.counters
-        return {"method": self.config.method, "max_draft_tokens": self.config.num_draft_tokens,
+        return {"method": self.config.method, "draft_model": self.config.draft_model,
+                "max_draft_tokens": self.config.num_draft_tokens,
                 "adaptive": self.config.adaptive, "drafts": c.drafts,
                 "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
                 "accepted_per_position": list(c.accepted_per_pos),
                 "acceptance_rate": c.acceptance_rate,
                 "mean_accepted_length": c.mean_accepted_length}
+
+    def after_verify(self, seq: Sequence, old_num_tokens: int, drafted: int,
+                     accepted: int) -> None:
+        """Let a draft model know which of its cached keys are still valid."""
+        if self.draft is not None:
+            self.draft.after_verify(seq, old_num_tokens, drafted, accepted)
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Count a verification and update the sequence's acceptance estimate."""
