@@ -1,0 +1,1 @@
+"""The Planner pane: size a deployment against a workload and present it."""

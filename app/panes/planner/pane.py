@@ -1,0 +1,341 @@
+"""The Planner pane: workload form, cancellable search, ranking, charts, scenarios and report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QFont, QKeySequence
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QScrollArea,
+    QSplitter,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.panes.planner.charts import ChartView
+from app.panes.planner.figures import ChartSpec, all_charts
+from app.panes.planner.form import WorkloadForm
+from app.panes.planner.report_writer import write_report
+from app.panes.planner.results import PlanTable, ScenarioTable, WhatIfPanel
+from app.panes.planner.state import Outcome, Scenarios, WhatIf, load_form, plan_label, save_form
+from app.panes.planner.tasks import USER_ERRORS, Failure, detail_task, search_task, user_message
+from app.workers import Progress, TaskRunner
+from planner.catalog import load_catalog
+from planner.evaluate import Evaluation
+from planner.export import kubernetes_yaml, sglang_command, vllm_command
+from planner.search import Plan
+
+# Edits arrive in bursts (a spin box held down); wait this long for the burst to end.
+DEBOUNCE_MS = 300
+PRESENTATION_SCALE = 1.8
+CHART_KEYS = ("pareto", "ttft", "tpot", "day_cost", "memory")
+
+
+class PlannerPane(QWidget):
+    """Sizes a deployment for a workload and presents it: ranking, charts, what-ifs, report."""
+
+    pane_id = "planner"
+    title = "Planner"
+    notify = Signal(str, str)
+    outcome_ready = Signal(object)
+    detail_ready = Signal(object)
+
+    def __init__(self, form_folder: Path | None = None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._form_folder = form_folder
+        self.outcome: Outcome | None = None
+        self.chosen: Plan | None = None
+        self.detail: Evaluation | None = None
+        self.scenarios = Scenarios()
+        self._pending = False
+        self._base_font = QFont(self.font())
+        catalog, self._catalog_error = None, ""
+        try:
+            catalog = load_catalog()
+        except USER_ERRORS as exc:
+            self._catalog_error = user_message(exc)
+        self.form = WorkloadForm(catalog)
+        self.form.set_state(load_form(form_folder))
+        self.runner = TaskRunner(self)
+        self.detail_runner = TaskRunner(self)
+        self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
+        self._build()
+        self._connect()
+        self._actions = self._make_actions()
+
+    # ---- construction
+    def _build(self) -> None:
+        self.status = QLabel("Fill in the workload; the ranking follows every change.")
+        self.progress = QProgressBar(maximum=1000, textVisible=False, maximumWidth=180)
+        self.cancel_button = QPushButton("Cancel", enabled=False)
+        self.scenario_button = QPushButton("Keep as scenario")
+        self.report_button = QPushButton("Export report…")
+        self.present_button = QPushButton("Presentation", checkable=True)
+        bar = QHBoxLayout()
+        bar.addWidget(self.status, 1)
+        for w in (self.progress, self.cancel_button, self.scenario_button, self.report_button,
+                  self.present_button):
+            bar.addWidget(w)
+        self.recommendation = QLabel("")
+        self.recommendation.setObjectName("planner-recommendation")
+        self.recommendation.setWordWrap(True)
+        self.recommendation.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.table = PlanTable()
+        self.what_if = WhatIfPanel()
+        self.charts = {key: ChartView(ChartSpec("")) for key in CHART_KEYS}
+        grid = QGridLayout()
+        for i, key in enumerate(CHART_KEYS):
+            grid.addWidget(self.charts[key], i // 3, i % 3)
+        grid.addWidget(self.what_if, 1, 2)
+        chart_page = QWidget()
+        chart_page.setLayout(grid)
+        self.scenario_table = ScenarioTable()
+        self.deploy = QPlainTextEdit(readOnly=True)
+        self.deploy.setFont(QFont("monospace"))
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.table, "Ranking")
+        self.tabs.addTab(chart_page, "Charts")
+        self.tabs.addTab(self.scenario_table, "Scenarios")
+        self.tabs.addTab(self.deploy, "Deploy")
+        right = QWidget()
+        column = QVBoxLayout(right)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addLayout(bar)
+        column.addWidget(self.recommendation)
+        column.addWidget(self.tabs, 1)
+        self.form_scroll = QScrollArea(widgetResizable=True)
+        self.form_scroll.setWidget(self.form)
+        self.form_scroll.setMinimumWidth(340)
+        self.splitter = QSplitter()
+        self.splitter.addWidget(self.form_scroll)
+        self.splitter.addWidget(right)
+        self.splitter.setStretchFactor(1, 1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 8, 8, 8)
+        layout.addWidget(self.splitter)
+
+    def _connect(self) -> None:
+        self.form.notify.connect(self.notify)
+        self.form.changed.connect(self._debounce.start)
+        self._debounce.timeout.connect(self.recompute)
+        self.runner.progressed.connect(self._on_progress)
+        self.runner.succeeded.connect(self._on_search_done)
+        self.runner.failed.connect(self._on_failed)
+        self.runner.cancelled.connect(self._on_cancelled)
+        self.runner.finished.connect(self._on_finished)
+        self.detail_runner.succeeded.connect(self._on_detail)
+        self.detail_runner.failed.connect(self._on_failed)
+        self.cancel_button.clicked.connect(self.cancel)
+        self.scenario_button.clicked.connect(self.keep_scenario)
+        self.report_button.clicked.connect(lambda: self.export_report())
+        self.present_button.toggled.connect(self.set_presentation)
+        self.table.plan_selected.connect(self.choose)
+        self.what_if.changed.connect(lambda _w: self._simulate_chosen())
+
+    def _make_actions(self) -> list[QAction]:
+        specs = [
+            ("Recompute plans", "Ctrl+Shift+R", self.recompute),
+            ("Cancel search", "Ctrl+Shift+X", self.cancel),
+            ("Import config.json…", "Ctrl+Shift+I", lambda: self.form.import_config()),
+            ("Keep as scenario", "Ctrl+Shift+S", self.keep_scenario),
+            ("Export report…", "Ctrl+Shift+E", lambda: self.export_report()),
+            ("Presentation mode", "F11", self.present_button.toggle),
+        ]
+        actions = []
+        for text, shortcut, slot in specs:
+            action = QAction(text, self)
+            action.setShortcut(QKeySequence(shortcut))
+            action.triggered.connect(slot)
+            actions.append(action)
+        return actions
+
+    # ---- Pane protocol
+    def widget(self) -> QWidget:
+        """The pane's page."""
+        return self
+
+    def menu_actions(self) -> list[QAction]:
+        """The Planner menu, with shortcuts."""
+        return self._actions
+
+    def start(self) -> None:
+        """After the window shows: report a broken catalog, or rank the saved workload."""
+        if self._catalog_error:
+            self.notify.emit("error", self._catalog_error)
+        self.recompute()
+
+    def save(self) -> None:
+        """Persist the form beside the user's catalogs."""
+        try:
+            save_form(self.form.state(), self._form_folder)
+        except (OSError, ValueError) as exc:
+            self.notify.emit("warning", f"The planner form was not saved: {exc}")
+
+    def shutdown(self) -> None:
+        """Stop the search and the detail simulation (flag, quit, wait)."""
+        self._debounce.stop()
+        self._pending = False
+        self.runner.stop()
+        self.detail_runner.stop()
+
+    # ---- public API
+    def recompute(self) -> None:
+        """Search again for the form's workload; a search still running is cancelled first."""
+        self._debounce.stop()
+        if self.runner.is_running():
+            # Orange's pattern: cancel without blocking the UI; the next start waits for finished.
+            self._pending = True
+            self.runner.cancel()
+            return
+        self._pending = False
+        self.status.setText("Searching…")
+        self.progress.setValue(0)
+        self.cancel_button.setEnabled(True)
+        self.runner.start(search_task(self.form.state(), dict(self.form.imported)))
+
+    def cancel(self) -> None:
+        """Stop the running search; the last ranking stays on screen."""
+        self._pending = False
+        self.runner.cancel()
+
+    def choose(self, plan: Plan) -> None:
+        """Make ``plan`` the one the charts, what-ifs and deploy commands describe."""
+        self.chosen = plan
+        self.deploy.setPlainText("\n\n".join([
+            "# vLLM, one replica", vllm_command(plan), "# SGLang, one replica",
+            sglang_command(plan), "# Kubernetes", kubernetes_yaml(plan)]))
+        self._simulate_chosen()
+
+    def keep_scenario(self) -> None:
+        """Keep the current outcome for the side-by-side comparison (three at most)."""
+        if self.outcome is None:
+            self.notify.emit("warning", "There is no plan yet to keep as a scenario.")
+            return
+        try:
+            label = self.scenarios.keep(self.outcome)
+        except ValueError as exc:
+            self.notify.emit("warning", str(exc))
+            return
+        self.scenario_table.show_scenarios(self.scenarios)
+        self.tabs.setCurrentWidget(self.scenario_table)
+        self.notify.emit("info", f"Kept scenario {label}.")
+
+    def export_report(self, path: str | Path = "") -> list[Path]:
+        """Write the report as HTML and PDF; asks for the file name when none is given."""
+        if self.outcome is None or self.outcome.best is None:
+            self.notify.emit("warning", "Run a search with a feasible plan before exporting.")
+            return []
+        if not path:
+            path, _ = QFileDialog.getSaveFileName(self, "Export the planner report",
+                                                  "servescope-plan.html", "HTML (*.html)")
+            if not path:
+                return []
+        o = self.outcome
+        charts = all_charts(o.result, o.best, o.detail, o.form)
+        try:
+            written = write_report(o, charts, Path(path))
+        except OSError as exc:
+            self.notify.emit("error", f"The report could not be written to {path}: "
+                                      f"{exc.strerror or exc}")
+            return []
+        self.notify.emit("info", f"Report written to {written[0]} and {written[1].name}.")
+        return written
+
+    def set_presentation(self, on: bool) -> None:
+        """Large type and no form, for a meeting room screen."""
+        font = QFont(self._base_font)
+        if on:
+            font.setPointSizeF(self._base_font.pointSizeF() * PRESENTATION_SCALE)
+        self.setFont(font)
+        self.form_scroll.setVisible(not on)
+        if self.present_button.isChecked() != on:
+            self.present_button.setChecked(on)
+
+    # ---- internals
+    def _on_progress(self, progress: Progress) -> None:
+        if progress.fraction is not None:
+            self.progress.setValue(int(progress.fraction * 1000))
+        self.status.setText(progress.message.capitalize() + "…")
+
+    def _on_search_done(self, result: Outcome | Failure | None) -> None:
+        if isinstance(result, Failure):
+            self.status.setText("No plan: see the message above.")
+            self.notify.emit("error", result.message)
+            return
+        if result is None:
+            return
+        self.outcome, self.detail = result, result.detail
+        self.progress.setValue(1000)
+        r = result.result
+        self.status.setText(f"{len(r.candidates)} plans meet every constraint "
+                            f"({r.evaluated} candidates, {r.seconds:.1f} s).")
+        self._show_recommendation(result)
+        self.what_if.reset()
+        self.chosen = None
+        self.table.set_plans(r.candidates)
+        self.table.selectRow(0)
+        self.outcome_ready.emit(result)
+
+    def _show_recommendation(self, o: Outcome) -> None:
+        best = o.best
+        self.recommendation.setText(
+            f"<b>Recommended:</b> {plan_label(best)} — ${best.cost_per_hour:.2f}/hour, "
+            f"${best.cost_per_1m_tokens:.3f} per 1M tokens, p99 TTFT {best.ttft_p99_ms:.0f} ms "
+            f"(≤ {o.form.ttft_p99_ms:g}), p99 TPOT {best.tpot_p99_ms:.1f} ms "
+            f"(≤ {o.form.tpot_p99_ms:g}).")
+
+    def _on_failed(self, message: str) -> None:
+        self.status.setText("The planner failed.")
+        self.notify.emit("error", message)
+
+    def _on_cancelled(self) -> None:
+        if not self._pending:
+            self.status.setText("Search cancelled; the ranking shown is from the last search.")
+
+    def _on_finished(self) -> None:
+        self.cancel_button.setEnabled(False)
+        if self._pending:
+            self.recompute()
+
+    def _simulate_chosen(self) -> None:
+        if self.outcome is None or self.chosen is None:
+            return
+        what_if = self.what_if.what_if()
+        if what_if.is_identity and self.chosen is self.outcome.best and self.outcome.detail:
+            self._on_detail(self.outcome.detail)
+            return
+        self.detail_runner.start(detail_task(self.outcome, self.chosen, what_if))
+
+    def _on_detail(self, detail: Evaluation | Failure) -> None:
+        if isinstance(detail, Failure):
+            self.what_if.verdict.setText(detail.message)
+            self._refresh_charts(None)
+            return
+        self.detail = detail
+        self._refresh_charts(detail)
+        self.what_if.verdict.setText(self._verdict(detail, self.what_if.what_if()))
+        self.detail_ready.emit(detail)
+
+    def _verdict(self, detail: Evaluation, what_if: WhatIf) -> str:
+        form = self.outcome.form
+        ttft, tpot = detail.result.summary("ttft")["p99"], detail.result.summary("tpot")["p99"]
+        meets = ttft <= form.ttft_p99_ms and tpot <= form.tpot_p99_ms
+        return (f"{detail.replicas} replica(s) at {form.rate * what_if.rate_scale:g} req/s: "
+                f"p99 TTFT {ttft:.0f} ms, TPOT {tpot:.1f} ms, ${detail.cost_per_hour:.2f}/hour "
+                f"— {'meets' if meets else 'misses'} the SLOs.")
+
+    def _refresh_charts(self, detail: Evaluation | None) -> None:
+        o, w = self.outcome, self.what_if.what_if()
+        specs = all_charts(o.result, self.chosen, detail, o.form, w.spot_share, w.rate_scale,
+                           w.replicas_delta)
+        for key, spec in specs.items():
+            self.charts[key].set_spec(spec)

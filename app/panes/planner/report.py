@@ -1,0 +1,118 @@
+"""The stakeholder report as HTML (no Qt): recommendation, alternatives, charts, sources, deploy."""
+
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+from string import Template
+
+from app.panes.planner.state import Outcome, day_cost, plan_label
+from planner.cost import CostOptions
+from planner.export import kubernetes_yaml, sglang_command, vllm_command
+from planner.memory import MEMORY_UTILIZATION, RUNTIME_RESERVE_GB
+from planner.search import Plan
+
+TEMPLATE = Path(__file__).with_name("report_template.html")
+CHART_TITLES = {"pareto": "Cost against p99 latency", "ttft": "Simulated TTFT distribution",
+                "tpot": "Simulated TPOT distribution", "day_cost": "Cost over a day",
+                "memory": "Memory per GPU"}
+ALTERNATIVES = 5
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                   for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _plan_row(plan: Plan) -> list[str]:
+    return [plan_label(plan), str(plan.deployment.gpus * plan.replicas),
+            f"{plan.cost_per_hour:.2f}", f"{plan.cost_per_1m_tokens:.3f}",
+            f"{plan.ttft_p99_ms:.0f}", f"{plan.tpot_p99_ms:.1f}"]
+
+
+PLAN_HEADER = ["Plan", "GPUs", "$/hour", "$ per 1M tokens", "p99 TTFT ms", "p99 TPOT ms"]
+
+
+def _summary(o: Outcome, best: Plan) -> str:
+    f = o.form
+    daily = sum(day_cost(best, f))
+    rows = [
+        ["Model", f"{o.model.name} ({o.model.params_b:.1f} B parameters)"],
+        ["Layout per replica", f"{best.deployment.gpus}x {best.deployment.gpu.name}, TP "
+                               f"{best.deployment.tp}, PP {best.deployment.pp}, "
+                               f"{best.deployment.weights} weights, {best.deployment.kv} KV"],
+        ["Replicas at peak", str(best.replicas)],
+        ["Cost", f"${best.cost_per_hour:.2f}/hour at peak, ${daily:,.0f}/day, "
+                 f"${best.cost_per_1m_tokens:.3f} per 1M output tokens"],
+        ["p99 TTFT", f"{best.ttft_p99_ms:.0f} ms (target {f.ttft_p99_ms:g} ms)"],
+        ["p99 TPOT", f"{best.tpot_p99_ms:.1f} ms (target {f.tpot_p99_ms:g} ms)"],
+        ["Memory per GPU", f"{best.memory.total_gb:.1f} of {best.deployment.gpu.memory_gb:g} GB; "
+                           f"KV cache holds {best.memory.kv_tokens:,} tokens"],
+    ]
+    return _table(["", ""], rows)
+
+
+def _assumptions(o: Outcome) -> str:
+    f = o.form
+    spot = CostOptions().interruption_overhead
+    items = [
+        f"Traffic: {f.rate:g} requests/s at peak, {f.arrival} arrivals, daily profile "
+        f"'{f.profile}'; autoscaling {'on' if f.autoscale else 'off'}.",
+        f"Lengths: input {f.input_len} tokens ({f.input_dist}), output {f.output_len} tokens "
+        f"({f.output_dist}); prefix share {f.prefix_share:.0%}.",
+        f"Targets: p99 TTFT {f.ttft_p99_ms:g} ms, p99 TPOT {f.tpot_p99_ms:g} ms; budget "
+        + (f"${f.budget_per_hour:.2f}/hour." if f.budget else "none."),
+        f"Spot share {f.spot_share:.0%} with {spot:.0%} of spot capacity lost to interruptions.",
+        f"Memory: {MEMORY_UTILIZATION:.0%} of each GPU usable, {RUNTIME_RESERVE_GB} GB runtime "
+        "reserve per GPU (plus NCCL buffers when GPUs talk).",
+        f"Latencies from a discrete-event simulation of {f.num_requests} requests per plan "
+        f"(continuous batching, KV-capacity admission, preemption); calibration: "
+        f"{o.best.calibration}.",
+        f"Search: {o.result.evaluated} candidates, {o.result.fitting} fit in memory, "
+        f"{o.result.screened} passed the analytic screen, {o.result.simulated} simulated, "
+        f"{len(o.result.candidates)} met every constraint ({o.result.seconds:.1f} s).",
+    ]
+    return "<ul>" + "".join(f"<li>{html.escape(i)}</li>" for i in items) + "</ul>"
+
+
+def _sources(o: Outcome) -> str:
+    gpus = {p.deployment.gpu.name: p.deployment.gpu for p in o.result.candidates}
+    rows = [[f"model {o.model.name}", o.model.source, o.model.date or "—"]]
+    for gpu in gpus.values():
+        rows.append([f"GPU {gpu.name} specs", gpu.source, gpu.date])
+        rows.append([f"GPU {gpu.name} price ${gpu.on_demand:.2f}/h"
+                     + (f", spot ${gpu.spot:.2f}/h" if gpu.spot else ""),
+                     gpu.price_source, gpu.price_date])
+    files = "".join(f"<li>{html.escape(f)}</li>" for f in o.catalog.files)
+    return _table(["Figure", "Source", "Date"], rows) + f"<p>Catalog files:</p><ul>{files}</ul>"
+
+
+def _deploy(best: Plan) -> str:
+    blocks = [("vLLM, one replica", vllm_command(best)),
+              ("SGLang, one replica", sglang_command(best)),
+              ("Kubernetes Deployment and HorizontalPodAutoscaler", kubernetes_yaml(best))]
+    return "".join(f"<h3>{html.escape(t)}</h3><pre>{html.escape(b)}</pre>" for t, b in blocks)
+
+
+def report_html(o: Outcome, images: dict[str, str]) -> str:
+    """The whole report; ``images`` maps chart keys to <img> sources (data URIs or names)."""
+    best = o.best
+    if best is None:
+        raise ValueError("there is no recommended plan to report")
+    charts = "".join(f"<h3>{html.escape(CHART_TITLES.get(k, k))}</h3>"
+                     f'<p><img src="{html.escape(src)}" width="640"></p>'
+                     for k, src in images.items())
+    alternatives = [_plan_row(p) for p in o.result.candidates[1:1 + ALTERNATIVES]]
+    return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
+        title=html.escape(f"Serving plan: {o.model.name} at {o.form.rate:g} requests/s"),
+        generated=time.strftime("%Y-%m-%d %H:%M"),
+        recommendation=html.escape(f"{plan_label(best)}: ${best.cost_per_hour:.2f}/hour, "
+                                   f"p99 TTFT {best.ttft_p99_ms:.0f} ms, "
+                                   f"p99 TPOT {best.tpot_p99_ms:.1f} ms"),
+        summary=_summary(o, best),
+        alternatives=_table(PLAN_HEADER, alternatives) if alternatives
+        else "<p>No other plan met every constraint.</p>",
+        charts=charts, assumptions=_assumptions(o), sources=_sources(o), deploy=_deploy(best))

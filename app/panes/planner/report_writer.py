@@ -1,0 +1,60 @@
+"""Writes the report: HTML with embedded PNG charts, and PDF by printing the same HTML with Qt."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QMarginsF, QUrl
+from PySide6.QtGui import QImage, QPageLayout, QPageSize, QPdfWriter, QTextDocument
+
+from app.panes.planner.charts import render_png
+from app.panes.planner.figures import ChartSpec
+from app.panes.planner.report import report_html
+from app.panes.planner.state import Outcome
+
+
+def _png_bytes(image: QImage) -> bytes:
+    data = QByteArray()
+    buffer = QBuffer(data)
+    buffer.open(QIODevice.OpenModeFlag.WriteOnly)
+    image.save(buffer, "PNG")
+    buffer.close()
+    return bytes(data.data())
+
+
+def write_html(outcome: Outcome, charts: dict[str, ChartSpec], path: Path) -> Path:
+    """A self-contained HTML file: the charts are embedded as base64 PNG data URIs."""
+    images = {key: "data:image/png;base64," + base64.b64encode(
+        _png_bytes(render_png(spec))).decode("ascii") for key, spec in charts.items()}
+    path = Path(path)
+    path.write_text(report_html(outcome, images), encoding="utf-8")
+    return path
+
+
+def write_pdf(outcome: Outcome, charts: dict[str, ChartSpec], path: Path) -> Path:
+    """An A4 PDF of the same report through QTextDocument and QPdfWriter."""
+    document = QTextDocument()
+    # QTextDocument does not decode data URIs, so the PDF names each chart as a resource.
+    names = {}
+    for key, spec in charts.items():
+        name = f"chart-{key}.png"
+        document.addResource(QTextDocument.ResourceType.ImageResource, QUrl(name),
+                             render_png(spec))
+        names[key] = name
+    document.setHtml(report_html(outcome, names))
+    writer = QPdfWriter(str(path))
+    writer.setPageSize(QPageSize(QPageSize.PageSizeId.A4))
+    writer.setPageMargins(QMarginsF(15, 15, 15, 15), QPageLayout.Unit.Millimeter)
+    writer.setTitle(f"Serving plan: {outcome.model.name}")
+    writer.setCreator("servescope")
+    document.print_(writer)
+    return Path(path)
+
+
+def write_report(outcome: Outcome, charts: dict[str, ChartSpec], path: Path) -> list[Path]:
+    """The HTML report at ``path`` (.html) and, beside it, its PDF twin; returns both paths."""
+    path = Path(path)
+    html_path = path if path.suffix.lower() in (".html", ".htm") else path.with_suffix(".html")
+    return [write_html(outcome, charts, html_path),
+            write_pdf(outcome, charts, html_path.with_suffix(".pdf"))]

@@ -1,0 +1,150 @@
+"""The Planner pane driven end to end: form -> ranking -> report, cancel, bad input, what-ifs."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+
+from app.panes.planner.pane import PlannerPane
+from app.panes.planner.state import FormState, plan_label
+
+SEARCH_MS = 60_000
+SMALL = FormState(model="Llama-3.1-8B", rate=4.0, gpus=("L4", "L40S"), weights=("fp8", "int4"),
+                  kv=("fp8",), speculative=False, num_requests=300)
+DOCS_SHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+
+
+def _pane(qtbot, tmp_path: Path) -> PlannerPane:
+    pane = PlannerPane(form_folder=tmp_path)
+    qtbot.addWidget(pane)
+    return pane
+
+
+def _search(qtbot, pane: PlannerPane, form: FormState) -> None:
+    with qtbot.waitSignal(pane.outcome_ready, timeout=SEARCH_MS):
+        pane.form.set_state(form)
+        pane.recompute()
+
+
+def test_form_to_ranking_to_report(qtbot, tmp_path: Path) -> None:
+    pane = _pane(qtbot, tmp_path)
+    _search(qtbot, pane, SMALL)
+    best = pane.outcome.best
+    assert pane.table.model().rowCount() == len(pane.outcome.result.candidates) > 0
+    assert plan_label(best) in pane.recommendation.text()
+    assert best.deployment.gpu.name in ("L4", "L40S")
+    assert best.ttft_p99_ms <= SMALL.ttft_p99_ms and best.tpot_p99_ms <= SMALL.tpot_p99_ms
+    # Sorting by $/hour descending puts the dearest plan on top.
+    pane.table.sortByColumn(2, Qt.SortOrder.DescendingOrder)
+    costs = [pane.table.plan_at(r).cost_per_hour for r in range(pane.table.model().rowCount())]
+    assert costs == sorted(costs, reverse=True)
+    assert "vllm serve" in pane.deploy.toPlainText()
+    html_path, pdf_path = pane.export_report(tmp_path / "plan.html")
+    text = html_path.read_text(encoding="utf-8")
+    assert plan_label(best) in text and "vllm serve" in text and "data:image/png;base64," in text
+    assert best.deployment.gpu.price_date in text and "Kind: Deployment".lower() in text.lower()
+    pdf = pdf_path.read_bytes()
+    assert pdf.startswith(b"%PDF") and pdf.rstrip().endswith(b"%%EOF")
+    assert pdf.count(b"/Type /Page\n") + pdf.count(b"/Type /Page ") + pdf.count(
+        b"/Type /Page>") >= 2 or len(pdf) > 50_000
+
+
+def test_what_if_and_scenarios(qtbot, tmp_path: Path) -> None:
+    pane = _pane(qtbot, tmp_path)
+    _search(qtbot, pane, SMALL)
+    assert not pane.charts["ttft"].spec.empty and not pane.charts["memory"].spec.empty
+    before = pane.detail.result.summary("ttft")["p99"]
+    with qtbot.waitSignal(pane.detail_ready, timeout=SEARCH_MS):
+        pane.what_if.rate_scale.setValue(3.0)
+    assert "12 req/s" in pane.what_if.verdict.text()
+    assert pane.detail.result.summary("ttft")["p99"] > before
+    pane.keep_scenario()
+    _search(qtbot, pane, replace(SMALL, rate=8.0))
+    pane.keep_scenario()
+    assert pane.scenario_table.columnCount() == 2
+    assert pane.scenario_table.item(0, 0).text() == "Llama-3.1-8B"
+    pane.set_presentation(True)
+    assert pane.font().pointSizeF() > pane._base_font.pointSizeF() * 1.5
+    assert pane.form_scroll.isHidden()
+
+
+def test_cancel_a_running_search(qtbot, tmp_path: Path) -> None:
+    pane = _pane(qtbot, tmp_path)
+    everything = replace(SMALL, gpus=tuple(pane.form.gpus.item(i).text()
+                                           for i in range(pane.form.gpus.count())),
+                         weights=("bf16", "fp8", "int8", "int4"), kv=("bf16", "fp8", "int8"),
+                         speculative=True)
+    pane.form.set_state(everything)
+    with qtbot.waitSignal(pane.runner.cancelled, timeout=SEARCH_MS):
+        pane.recompute()
+        pane.cancel_button.click()
+    qtbot.waitUntil(lambda: not pane.runner.is_running())
+    assert pane.outcome is None
+    assert "cancelled" in pane.status.text()
+
+
+def _messages(window) -> list[tuple[str, str]]:
+    return [(n.level, n.message) for n in window.notifications.notifications()]
+
+
+def test_infeasible_and_unknown_model_notify(make_window, qtbot, tmp_path: Path) -> None:
+    window = make_window()
+    pane = PlannerPane(form_folder=tmp_path)
+    window.register_pane(pane)
+    huge = replace(SMALL, model="Llama-3.1-405B", gpus=("L4",), weights=("bf16",), kv=("bf16",))
+    # The window may start its panes (a first search) meanwhile: wait for the message itself.
+    pane.form.set_state(huge)
+    pane.recompute()
+    qtbot.waitUntil(lambda: bool(_messages(window)), timeout=SEARCH_MS)
+    level, message = _messages(window)[-1]
+    assert level == "error" and "weights need" in message and "Traceback" not in message
+    window.notifications.clear()
+    pane.form.set_state(replace(SMALL, model="Llama-3.1-8C"))
+    pane.recompute()
+    qtbot.waitUntil(lambda: bool(_messages(window)), timeout=SEARCH_MS)
+    level, message = _messages(window)[-1]
+    assert level == "error" and "unknown model" in message and "Llama-3.1-8B" in message
+    window.close()
+
+
+def test_import_hugging_face_config(qtbot, tmp_path: Path) -> None:
+    pane = _pane(qtbot, tmp_path)
+    config = tmp_path / "tiny" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "_name_or_path": "acme/tiny-3b", "model_type": "llama", "num_hidden_layers": 24,
+        "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8,
+        "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 8192}))
+    assert pane.form.import_config(str(config))
+    assert pane.form.state().model == "acme/tiny-3b"
+    _search(qtbot, pane, replace(pane.form.state(), gpus=("L4",), kv=("fp8",),
+                                 speculative=False, num_requests=300))
+    assert pane.outcome.model.name == "acme/tiny-3b"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with qtbot.waitSignal(pane.notify) as blocker:
+        assert not pane.form.import_config(str(bad))
+    assert blocker.args[0] == "error" and "num_attention_heads" in blocker.args[1]
+
+
+def test_screenshot_of_the_planner(make_window, qtbot, tmp_path: Path) -> None:
+    shots = DOCS_SHOTS if os.environ.get("SERVESCOPE_SCREENSHOTS") == "1" else tmp_path
+    window = make_window()
+    window.resize(1400, 900)
+    pane = PlannerPane(form_folder=tmp_path)
+    window.register_pane(pane)
+    window.rail.select("planner")
+    _search(qtbot, pane, replace(SMALL, gpus=("L4", "L40S", "A100 80GB", "H100 SXM")))
+    pane.tabs.setCurrentIndex(1)
+    window.notifications.clear()
+    qtbot.wait(50)
+    shots.mkdir(parents=True, exist_ok=True)
+    assert window.grab().save(str(shots / "planner.png"))
+    pane.tabs.setCurrentIndex(0)
+    qtbot.wait(50)
+    assert window.grab().save(str(shots / "planner-ranking.png"))
+    window.close()
