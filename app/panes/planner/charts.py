@@ -206,7 +206,7 @@ def _paint_stacked(painter: QPainter, rect: QRectF, spec: ChartSpec, text: QColo
         painter.drawText(QRectF(sx(t) - line * 2, area.bottom() + line * 0.2, line * 4, line),
                          Qt.AlignmentFlag.AlignCenter, _fmt(t))
     painter.drawLine(area.bottomLeft(), area.bottomRight())
-    x = area.left()
+    x = rect.left() + line * 0.5  # the row labels leave the plot narrow; use the full width
     for j, part in enumerate(stacked.parts):
         painter.setPen(Qt.PenStyle.NoPen)
         painter.setBrush(QColor(COLOURS[j % len(COLOURS)]))

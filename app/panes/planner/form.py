@@ -85,7 +85,8 @@ class WorkloadForm(QWidget):
         self.gpus.setMaximumHeight(150)
         self.weights = {p: QCheckBox(p) for p in WEIGHT_CHOICES}
         self.kv = {p: QCheckBox(p) for p in KV_CHOICES}
-        self.speculative = QCheckBox("speculative decoding (EAGLE, 4 drafts, 70% accepted)")
+        self.speculative = QCheckBox("speculative decoding (EAGLE)")
+        self.speculative.setToolTip("4 draft tokens, 70% accepted each (planner.timing.SpecDecode)")
         self.spot_share = _spin(0.0, 1.0, 0.1, 2)
         self.autoscale = QCheckBox("autoscale replicas over the day")
         self._build()

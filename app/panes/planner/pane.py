@@ -114,11 +114,13 @@ class PlannerPane(QWidget):
         column.addWidget(self.tabs, 1)
         self.form_scroll = QScrollArea(widgetResizable=True)
         self.form_scroll.setWidget(self.form)
-        self.form_scroll.setMinimumWidth(340)
+        self.form_scroll.setMinimumWidth(360)
+        self.form_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.splitter = QSplitter()
         self.splitter.addWidget(self.form_scroll)
         self.splitter.addWidget(right)
         self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([380, 1000])
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 8, 8, 8)
         layout.addWidget(self.splitter)
@@ -328,10 +330,10 @@ class PlannerPane(QWidget):
     def _verdict(self, detail: Evaluation, what_if: WhatIf) -> str:
         form = self.outcome.form
         ttft, tpot = detail.result.summary("ttft")["p99"], detail.result.summary("tpot")["p99"]
-        meets = ttft <= form.ttft_p99_ms and tpot <= form.tpot_p99_ms
+        verdict = "meets" if ttft <= form.ttft_p99_ms and tpot <= form.tpot_p99_ms else "misses"
         return (f"{detail.replicas} replica(s) at {form.rate * what_if.rate_scale:g} req/s: "
-                f"p99 TTFT {ttft:.0f} ms, TPOT {tpot:.1f} ms, ${detail.cost_per_hour:.2f}/hour "
-                f"— {'meets' if meets else 'misses'} the SLOs.")
+                f"p99 TTFT {ttft:.0f} ms, TPOT {tpot:.1f} ms, "
+                f"${detail.cost_per_hour:.2f}/hour at peak — {verdict} the SLOs.")
 
     def _refresh_charts(self, detail: Evaluation | None) -> None:
         o, w = self.outcome, self.what_if.what_if()

@@ -188,10 +188,10 @@ def latency_histogram(values_s: np.ndarray, bins: int = 30) -> tuple[list[float]
 def memory_parts(plan: Plan) -> list[tuple[str, float]]:
     """Per-GPU memory by use (GB), ending with what is left unused of the card."""
     m = plan.memory
-    parts = [("weights", m.weights_gb), ("KV cache", max(m.kv_gb, 0.0)),
-             ("activations", m.activations_gb), ("runtime reserve", m.reserve_gb)]
+    parts = [("weights", m.weights_gb), ("KV", max(m.kv_gb, 0.0)),
+             ("activations", m.activations_gb), ("reserve", m.reserve_gb)]
     free = plan.deployment.gpu.memory_gb - sum(v for _, v in parts)
-    return parts + [("headroom", max(free, 0.0))]
+    return parts + [("free", max(free, 0.0))]
 
 
 @dataclass
