@@ -1,0 +1,1 @@
+"""The Monitor, Servers and History panes, sharing one MonitorService (hub, writer, database)."""

@@ -1,0 +1,23 @@
+"""Builds the three monitor panes around one shared MonitorService, ready for register_pane."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.panes.monitor.history import HistoryPane
+from app.panes.monitor.pane import MonitorPane, ServiceBridge
+from app.panes.monitor.servers import ServersPane
+from app.panes.monitor.service import MonitorService
+
+
+def monitor_panes(host: Any = None, gpus: bool = True) -> list[Any]:
+    """The Monitor, Servers and History panes; ``host`` (an EngineHost) adds the engine source."""
+    bridge = ServiceBridge()
+    service = MonitorService(on_error=bridge.error.emit,
+                             engine_stats=None if host is None else host.stats, gpus=gpus)
+    monitor = MonitorPane(service, bridge)
+    bridge.setParent(monitor)  # the bridge lives as long as the pane that shows its errors
+    servers = ServersPane(service)
+    history = HistoryPane(service)
+    servers.run_stored.connect(lambda _run_id: history.reload())
+    return [monitor, servers, history]

@@ -1,0 +1,222 @@
+"""The History pane: stored runs, two compared side by side, CSV export."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.panes.monitor.service import MonitorService
+from app.panes.monitor.state import fmt, table_csv
+from app.workers import TaskRunner
+
+RUN_COLUMNS = ("Id", "Kind", "Name", "Started", "Completed", "Failed", "TTFT p50 ms",
+               "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "Output tok/s")
+# (label, path into run_summary's result) for the side-by-side comparison.
+COMPARE_ROWS = (
+    [("Kind", ("kind",)), ("Name", ("name",)), ("Completed", ("completed",)),
+     ("Failed", ("failed",)), ("Requests/s", ("summary", "request_throughput")),
+     ("Output tokens/s", ("summary", "output_tokens_per_s"))]
+    + [(f"{m.upper()} {p} (ms)", ("requests", f"{m}_ms", p))
+       for m in ("ttft", "tpot", "itl", "e2e") for p in ("p50", "p95", "p99", "mean")])
+
+
+def _dig(data: dict, path: tuple[str, ...]) -> object:
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def run_row(run: dict) -> list[str]:
+    """One runs-table row from a list_runs entry (its stored summary)."""
+    s = run.get("summary") or {}
+    started = dt.datetime.fromtimestamp(run["started_ms"] / 1000).strftime("%Y-%m-%d %H:%M:%S")
+    return [str(run["id"]), run["kind"], run["name"], started, fmt(s.get("completed")),
+            fmt(s.get("failed")), fmt(_dig(s, ("ttft_ms", "p50"))),
+            fmt(_dig(s, ("ttft_ms", "p99"))), fmt(_dig(s, ("tpot_ms", "p50"))),
+            fmt(_dig(s, ("tpot_ms", "p99"))), fmt(s.get("output_tokens_per_s"))]
+
+
+def compare_rows(a: dict, b: dict) -> list[list[str]]:
+    """Metric, run A, run B and B - A for two run_summary results."""
+    rows = []
+    for label, path in COMPARE_ROWS:
+        va, vb = _dig(a, path), _dig(b, path)
+        numeric = isinstance(va, int | float) and isinstance(vb, int | float)
+        rows.append([label, fmt(va), fmt(vb), fmt(float(vb) - float(va)) if numeric else ""])
+    return rows
+
+
+class HistoryPane(QWidget):
+    """Past runs from the database; select two to compare them."""
+
+    pane_id = "history"
+    title = "History"
+    notify = Signal(str, str)
+    loaded = Signal()
+    compared = Signal()
+
+    def __init__(self, service: MonitorService, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.service = service
+        service.acquire()
+        self.runs: list[dict] = []
+        self.comparison: list[list[str]] = []
+        self.runs_table = _table(RUN_COLUMNS)
+        self.runs_table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
+        self.compare_table = _table(("Metric", "Run A", "Run B", "B − A"))
+        self.status = QLabel("")
+        self.loader = TaskRunner(self)
+        self.loader.succeeded.connect(self._on_loaded)
+        self.loader.failed.connect(lambda m: self.notify.emit("error", m))
+        self.comparer = TaskRunner(self)
+        self.comparer.succeeded.connect(self._on_compared)
+        self.comparer.failed.connect(lambda m: self.notify.emit("error", m))
+        self._actions = self._build()
+
+    def _build(self) -> list[QAction]:
+        bar = QHBoxLayout()
+        actions = []
+        for text, shortcut, slot in (("Refresh runs", "Ctrl+Shift+R", self.reload),
+                                     ("Compare selected runs", "Ctrl+Shift+M", self.compare),
+                                     ("Export runs as CSV…", "Ctrl+Shift+X", self.export_csv)):
+            action = QAction(text, self)
+            action.setShortcut(QKeySequence(shortcut))
+            action.triggered.connect(slot)
+            actions.append(action)
+            button = QPushButton(text.rstrip("…"))
+            button.clicked.connect(action.trigger)
+            bar.addWidget(button)
+        bar.addStretch(1)
+        bar.addWidget(self.status)
+        splitter = QSplitter()
+        splitter.addWidget(self.runs_table)
+        splitter.addWidget(self.compare_table)
+        splitter.setSizes([700, 400])
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 8, 8, 8)
+        layout.addLayout(bar)
+        layout.addWidget(splitter, 1)
+        return actions
+
+    # ---- Pane protocol
+    def widget(self) -> QWidget:
+        """The pane's page."""
+        return self
+
+    def menu_actions(self) -> list[QAction]:
+        """The History menu."""
+        return self._actions
+
+    def start(self) -> None:
+        """Start the shared monitor and list the stored runs."""
+        self.service.start()
+        self.reload()
+
+    def save(self) -> None:
+        """Nothing to persist: the runs live in the database."""
+
+    def shutdown(self) -> None:
+        """Stop the queries; the last pane stops the hub."""
+        self.loader.stop()
+        self.comparer.stop()
+        self.service.release()
+
+    # ---- actions
+    def reload(self) -> None:
+        """Read the runs list in the background."""
+        db = self.service.db
+        if db is None:
+            self.status.setText("no database: " + (self.service.db_error or "not opened yet"))
+            return
+
+        def task(_cancel):
+            from storage.queries import list_runs
+
+            return list_runs(db)
+            yield  # one query: no progress to report
+
+        self.loader.start(task)
+
+    def compare(self, ids: tuple[int, int] | None = None) -> None:
+        """Compare two runs (the two selected when ``ids`` is not given)."""
+        if ids is None:
+            rows = sorted({i.row() for i in self.runs_table.selectionModel().selectedRows()})
+            if len(rows) != 2:
+                self.notify.emit("warning", "Select exactly two runs to compare.")
+                return
+            ids = (self.runs[rows[0]]["id"], self.runs[rows[1]]["id"])
+        db = self.service.db
+
+        def task(_cancel):
+            from storage.queries import run_summary
+
+            return run_summary(db, ids[0]), run_summary(db, ids[1])
+            yield  # two queries: no progress to report
+
+        self.comparer.start(task)
+
+    def export_csv(self, path: str | None = None) -> None:
+        """Write the runs (and the comparison, if any) as CSV files."""
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(self, "Export runs", "runs.csv",
+                                                  "CSV file (*.csv)")
+        if not path:
+            return
+        try:
+            Path(path).write_text(table_csv(list(RUN_COLUMNS), map(run_row, self.runs)),
+                                  encoding="utf-8")
+            if self.comparison:
+                Path(path).with_suffix(".compare.csv").write_text(
+                    table_csv(["metric", "run_a", "run_b", "b_minus_a"], self.comparison),
+                    encoding="utf-8")
+        except OSError as exc:
+            self.notify.emit("error", f"Could not write {path}: {exc.strerror or exc}.")
+
+    # ---- results
+    def _on_loaded(self, runs: list[dict]) -> None:
+        self.runs = runs
+        _fill(self.runs_table, [run_row(r) for r in runs])
+        self.status.setText(f"{len(runs)} run(s)")
+        self.loaded.emit()
+
+    def _on_compared(self, pair: tuple[dict, dict]) -> None:
+        a, b = pair
+        self.comparison = compare_rows(a, b)
+        self.compare_table.setHorizontalHeaderLabels(
+            ["Metric", f"Run {a['id']}", f"Run {b['id']}", "B − A"])
+        _fill(self.compare_table, self.comparison)
+        self.compared.emit()
+
+
+def _table(columns: tuple[str, ...]) -> QTableWidget:
+    table = QTableWidget(0, len(columns))
+    table.setHorizontalHeaderLabels(list(columns))
+    table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.verticalHeader().setVisible(False)
+    return table
+
+
+def _fill(table: QTableWidget, rows: list[list[str]]) -> None:
+    table.setRowCount(len(rows))
+    for r, row in enumerate(rows):
+        for c, text in enumerate(row):
+            table.setItem(r, c, QTableWidgetItem(text))
+    table.resizeColumnsToContents()

@@ -1,0 +1,257 @@
+"""The Servers pane: add, edit and remove remote servers, test them, load-test them."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QTimer, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QHBoxLayout,
+    QLineEdit,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.panes.monitor.loadtest import LoadTestDialog
+from app.panes.monitor.service import MonitorService, test_connection
+from app.panes.monitor.state import ServerEntry, fmt
+from app.workers import TaskRunner
+
+COLUMNS = ("Name", "URL", "Kind", "Status", "Last error", "$/hour", "Token")
+STATUS_REFRESH_MS = 1000
+
+
+class ServerDialog(QDialog):
+    """Name, URL, token reference and price of one server."""
+
+    def __init__(self, entry: ServerEntry | None = None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Edit server" if entry else "Add server")
+        self.name = QLineEdit(entry.name if entry else "")
+        self.url = QLineEdit(entry.url if entry else "http://127.0.0.1:8000")
+        self.token_ref = QLineEdit(entry.token_ref if entry else "")
+        self.token_ref.setPlaceholderText("env:VARIABLE holding the bearer token (optional)")
+        self.price = QDoubleSpinBox(decimals=3, maximum=100_000, prefix="$ ", suffix=" /h")
+        self.price.setSpecialValueText("not set")
+        if entry and entry.dollars_per_hour is not None:
+            self.price.setValue(entry.dollars_per_hour)
+        form = QFormLayout(self)
+        for label, widget in (("Name", self.name), ("URL", self.url), ("Token", self.token_ref),
+                              ("Price", self.price)):
+            form.addRow(label, widget)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok
+                                   | QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def entry(self) -> ServerEntry:
+        """The entry the fields describe; ValueError names what is wrong."""
+        price = self.price.value()
+        return ServerEntry(self.name.text().strip(), self.url.text().strip(),
+                           self.token_ref.text().strip(), price if price > 0 else None)
+
+
+class ServersPane(QWidget):
+    """The remote servers the monitor watches, with their kind, status and last error."""
+
+    pane_id = "servers"
+    title = "Servers"
+    notify = Signal(str, str)
+    run_stored = Signal(int)
+
+    def __init__(self, service: MonitorService, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.service = service
+        service.acquire()
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.horizontalHeader().setStretchLastSection(True)
+        self.tested: dict[str, object] = {}  # name -> SourceStatus of the last "test connection"
+        self.tester = TaskRunner(self)
+        self.tester.succeeded.connect(self._on_tested)
+        self.tester.failed.connect(lambda m: self.notify.emit("error", m))
+        self.dialogs: list[LoadTestDialog] = []
+        self._timer = QTimer(self, interval=STATUS_REFRESH_MS)
+        self._timer.timeout.connect(self.refresh)
+        self._actions = self._build()
+
+    def _build(self) -> list[QAction]:
+        buttons = QHBoxLayout()
+        actions = []
+        for text, shortcut, slot in (("Add server…", "Ctrl+Shift+N", self.add_server),
+                                     ("Edit server…", "Ctrl+Shift+I", self.edit_server),
+                                     ("Remove server", "Ctrl+Shift+Del", self.remove_server),
+                                     ("Test connection", "Ctrl+Shift+J", self.test_selected),
+                                     ("Load test…", "Ctrl+Shift+G", self.open_load_test)):
+            action = QAction(text, self)
+            action.setShortcut(QKeySequence(shortcut))
+            action.triggered.connect(slot)
+            actions.append(action)
+            button = QPushButton(text.rstrip("…"))
+            button.clicked.connect(action.trigger)
+            buttons.addWidget(button)
+        buttons.addStretch(1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 8, 8, 8)
+        layout.addLayout(buttons)
+        layout.addWidget(self.table, 1)
+        return actions
+
+    # ---- Pane protocol
+    def widget(self) -> QWidget:
+        """The pane's page."""
+        return self
+
+    def menu_actions(self) -> list[QAction]:
+        """The Servers menu."""
+        return self._actions
+
+    def start(self) -> None:
+        """Start the shared monitor and show the saved servers."""
+        self.service.start()
+        self._timer.start()
+        self.refresh()
+
+    def save(self) -> None:
+        """Servers are saved in the database as they change."""
+
+    def shutdown(self) -> None:
+        """Stop the status timer, tests and load tests; the last pane stops the hub."""
+        self._timer.stop()
+        self.tester.stop()
+        for dialog in self.dialogs:
+            dialog.shutdown()
+        self.service.release()
+
+    # ---- actions
+    def add_server(self, entry: ServerEntry | None = None) -> bool:
+        """Add ``entry``, or ask for one; False when nothing was added."""
+        if entry is None:
+            entry = self._ask(None)
+        if entry is None:
+            return False
+        return self._apply(entry, None)
+
+    def edit_server(self, entry: ServerEntry | None = None) -> bool:
+        """Change the selected server (to ``entry`` when given, else ask)."""
+        old = self.selected()
+        if old is None:
+            return False
+        entry = entry or self._ask(self.service.servers[old])
+        return entry is not None and self._apply(entry, old)
+
+    def remove_server(self) -> None:
+        """Stop watching the selected server; its recorded data stays in History."""
+        name = self.selected()
+        if name is not None:
+            self.service.remove_server(name)
+            self.tested.pop(name, None)
+            self.refresh()
+
+    def test_selected(self) -> None:
+        """Scrape the selected server once now and show its kind and status."""
+        name = self.selected()
+        if name is None or self.tester.is_running():
+            return
+        entry = self.service.servers[name]
+
+        def task(_cancel):
+            return (name, test_connection(entry))
+            yield  # a generator task, though one scrape has no progress to report
+
+        self.tester.start(task)
+
+    def open_load_test(self) -> LoadTestDialog | None:
+        """Open the load-test dialog for the selected server."""
+        name = self.selected()
+        if name is None:
+            return None
+        dialog = LoadTestDialog(self.service.servers[name], self.service, self)
+        dialog.notify.connect(self.notify)
+        dialog.run_stored.connect(self.run_stored)
+        self.dialogs.append(dialog)
+        dialog.show()
+        return dialog
+
+    def selected(self) -> str | None:
+        """The selected server's name."""
+        rows = self.table.selectionModel().selectedRows()
+        return self.table.item(rows[0].row(), 0).text() if rows else None
+
+    def select(self, name: str) -> None:
+        """Select the row of ``name``."""
+        for row in range(self.table.rowCount()):
+            if self.table.item(row, 0).text() == name:
+                self.table.selectRow(row)
+
+    # ---- internals
+    def _ask(self, entry: ServerEntry | None) -> ServerEntry | None:
+        dialog = ServerDialog(entry, self)
+        while dialog.exec() == QDialog.DialogCode.Accepted:
+            try:
+                return dialog.entry()
+            except ValueError as exc:
+                self.notify.emit("error", str(exc))
+        return None
+
+    def _apply(self, entry: ServerEntry, replacing: str | None) -> bool:
+        try:
+            self.service.add_server(entry, replacing)
+        except ValueError as exc:
+            self.notify.emit("error", str(exc))
+            return False
+        self.refresh()
+        self.select(entry.name)
+        return True
+
+    def _on_tested(self, result: tuple) -> None:
+        name, status = result
+        self.tested[name] = status
+        self.refresh()
+        if status.state == "up":
+            self.notify.emit("info", f"{name} is up: a {status.kind} server ({status.message}).")
+        else:
+            self.notify.emit("error", f"{name} is down: {status.last_error}")
+
+    def rows(self) -> list[list[str]]:
+        """The table's cells, one row per server."""
+        statuses = self.service.statuses()
+        out = []
+        for name, entry in sorted(self.service.servers.items()):
+            tested = self.tested.get(name)
+            status = statuses.get(name)
+            if status is None or (status.state == "unknown" and tested is not None):
+                status = tested  # the hub has not polled it yet; the test has
+            kind = status.kind if status else "unknown"
+            if kind in ("unknown", "prometheus") and tested is not None:
+                kind = tested.kind  # an idle hub scrape may not show labelled metrics yet
+            out.append([name, entry.url, kind, status.state if status else "unknown",
+                        (status.last_error or "") if status else "",
+                        fmt(entry.dollars_per_hour), entry.token_ref or "—"])
+        return out
+
+    def refresh(self) -> None:
+        """Redraw the table from the service, keeping the selection."""
+        selected = self.selected()
+        rows = self.rows()
+        self.table.setRowCount(len(rows))
+        for r, row in enumerate(rows):
+            for c, text in enumerate(row):
+                item = self.table.item(r, c)
+                if item is None:
+                    self.table.setItem(r, c, QTableWidgetItem(text))
+                elif item.text() != text:
+                    item.setText(text)
+        if selected is not None:
+            self.select(selected)

@@ -1,0 +1,281 @@
+"""The monitor's engine room (no Qt): database, writer, hub, sources, SLO alerts, saved servers."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+from app.panes.monitor.state import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, ServerEntry
+from monitor.alerts import AlertEvaluator, AlertEvent, AlertRule
+from monitor.types import SourceStatus
+
+log = logging.getLogger(__name__)
+# The SLO is judged on the servers' own windowed p99; a few seconds of it must stay above.
+ALERT_WINDOW_S = 5.0
+
+
+class _EngineStats:
+    """Gives EngineSource the `last_stats` it reads, from the Engine pane's host."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    @property
+    def last_stats(self) -> Any:
+        return self._stats()
+
+
+class MonitorService:
+    """One hub and one database shared by the Monitor, Servers and History panes."""
+
+    def __init__(self, on_error: Callable[[str], None] | None = None,
+                 engine_stats: Callable[[], Any] | None = None, gpus: bool = True) -> None:
+        self.on_error = on_error
+        self.db: Any = None
+        self.db_error: str | None = None
+        self.writer: Any = None
+        self.hub: Any = None
+        self.gpu_message = ""
+        self.servers: dict[str, ServerEntry] = {}
+        self.server_errors: dict[str, str] = {}
+        self.slo_ms = {"ttft": DEFAULT_SLO_TTFT_MS, "tpot": DEFAULT_SLO_TPOT_MS}
+        self._engine_stats = engine_stats
+        self._gpus = gpus
+        self._lock = threading.Lock()
+        self._alerts = AlertEvaluator([])
+        self._started = False
+        self._stopped = False
+        self._users = 0
+
+    def acquire(self) -> None:
+        """A pane uses the service; it shuts down when the last user releases it."""
+        self._users += 1
+
+    def release(self) -> None:
+        """A pane is done (window closing); the last one stops the hub and closes the database."""
+        self._users -= 1
+        if self._users <= 0:
+            self.shutdown()
+
+    # ---- lifecycle
+    def start(self) -> None:
+        """Open the database and start the hub; a database failure leaves live charts working."""
+        if self._started:
+            return
+        self._started = True
+        from monitor.hub import Hub
+
+        self._open_database()
+        self.hub = Hub(writer=self.writer, on_tick=self._on_tick)
+        if self._gpus:
+            self._add_gpus()
+        if self._engine_stats is not None:
+            from monitor.engine_source import EngineSource
+
+            self.hub.add_source(EngineSource(_EngineStats(self._engine_stats)))
+        for entry in self._load_servers():
+            self._attach(entry)
+        self._rebuild_rules()
+        self.hub.start()
+
+    def _open_database(self) -> None:
+        from storage.db import StorageError, open_database
+        from storage.rollup import Maintenance
+        from storage.writer import Writer
+
+        try:
+            self.db = open_database()
+        except StorageError as exc:
+            self.db_error = f"{exc} Live charts keep working; nothing is being recorded."
+            self._error(self.db_error)
+            return
+        self.writer = Writer(self.db, on_error=self._error, maintenance=Maintenance()).start()
+
+    def _add_gpus(self) -> None:
+        from monitor.nvml import NvmlSource
+
+        source = NvmlSource()
+        if source.status.state == "unavailable":
+            self.gpu_message = "no NVIDIA driver: 0 local GPUs"
+        else:
+            self.gpu_message = source.status.message
+        self.hub.add_source(source)
+
+    def shutdown(self) -> None:
+        """Stop the hub, write what is pending, close the database."""
+        if self._stopped or not self._started:
+            self._stopped = True
+            return
+        self._stopped = True
+        self.hub.stop()
+        if self.writer is not None and not self.writer.close():
+            log.warning("unsaved samples at shutdown: %s", self.writer.last_error)
+        if self.db is not None:
+            self.db.close()
+
+    def _error(self, message: str) -> None:
+        if self.on_error is not None:
+            self.on_error(message)
+
+    # ---- servers
+    def add_server(self, entry: ServerEntry, replacing: str | None = None) -> None:
+        """Save ``entry`` (replacing the server named ``replacing``) and start watching it."""
+        if entry.name in self.servers and entry.name != replacing:
+            raise ValueError(f"a server named {entry.name!r} already exists")
+        if replacing is not None:
+            self.remove_server(replacing)
+        self._save_server(entry)
+        self._attach(entry)
+        self._rebuild_rules()
+
+    def remove_server(self, name: str) -> None:
+        """Stop watching ``name`` and forget its settings; its recorded data stays."""
+        self.servers.pop(name, None)
+        self.server_errors.pop(name, None)
+        if self.hub is not None:
+            self.hub.remove_source(name)
+            self.hub.remove_source(f"{name}-cost")
+        self._save_server(None, forget=name)
+        self._rebuild_rules()
+
+    def _attach(self, entry: ServerEntry) -> None:
+        from monitor.cost import CostSource
+        from monitor.remote import PrometheusSource
+
+        self.servers[entry.name] = entry
+        if self.hub is None:
+            return
+        try:
+            config = server_config(entry)
+        except ValueError as exc:
+            self.server_errors[entry.name] = str(exc)
+            return
+        self.server_errors.pop(entry.name, None)
+        self.hub.add_source(PrometheusSource(config))
+        if entry.dollars_per_hour is not None:
+            self.hub.add_source(CostSource(self.hub, entry.name, entry.dollars_per_hour))
+
+    def statuses(self) -> dict[str, SourceStatus]:
+        """Every source's status; a server whose token cannot be resolved is down with why."""
+        out = self.hub.statuses() if self.hub is not None else {}
+        for name, error in self.server_errors.items():
+            out[name] = SourceStatus(state="down", last_error=error)
+        return out
+
+    # ---- persistence: servers live in the database's sources table (url set = user-added)
+    def _load_servers(self) -> list[ServerEntry]:
+        if self.db is None:
+            return []
+        from storage.models import Source
+
+        try:
+            with self.db.engine.connect() as conn:
+                rows = conn.execute(sa.select(Source.name, Source.url, Source.token_ref,
+                                              Source.dollars_per_hour)
+                                    .where(Source.url.is_not(None))).all()
+        except sa.exc.SQLAlchemyError as exc:
+            self._db_failed(exc)
+            return []
+        entries = []
+        for name, url, token_ref, price in rows:
+            try:
+                entries.append(ServerEntry(name, url, token_ref or "", price))
+            except ValueError as exc:
+                self._error(f"The saved server {name!r} is invalid and was skipped: {exc}")
+        return entries
+
+    def _save_server(self, entry: ServerEntry | None, forget: str | None = None) -> None:
+        if self.db is None:
+            return
+        from storage.models import Source
+        from storage.writer import ensure_sources
+
+        try:
+            with self.db.engine.begin() as conn:
+                if forget is not None:
+                    conn.execute(sa.update(Source.__table__).where(Source.name == forget)
+                                 .values(url=None, token_ref=None, dollars_per_hour=None))
+                if entry is not None:
+                    ensure_sources(conn, [entry.name])
+                    conn.execute(sa.update(Source.__table__).where(Source.name == entry.name)
+                                 .values(url=entry.url, token_ref=entry.token_ref or None,
+                                         dollars_per_hour=entry.dollars_per_hour))
+        except sa.exc.SQLAlchemyError as exc:
+            self._db_failed(exc)
+
+    def _db_failed(self, exc: Exception) -> None:
+        from storage.db import describe_error
+
+        self._error(describe_error(exc, self.db.engine.url))
+
+    # ---- SLO alerts
+    def set_slo(self, ttft_ms: float, tpot_ms: float) -> None:
+        """Change the p99 TTFT / TPOT objectives the charts draw and the alerts check."""
+        self.slo_ms = {"ttft": float(ttft_ms), "tpot": float(tpot_ms)}
+        self._rebuild_rules()
+
+    def _rebuild_rules(self) -> None:
+        rules = []
+        for name in self.servers:
+            for slo, metrics in (("ttft", ("ttft_s_p99",)), ("tpot", ("tpot_s_p99", "itl_s_p99"))):
+                rules += [AlertRule(f"{name} p99 {slo.upper()} ({m.split('_')[0]})", f"{name}/{m}",
+                                    self.slo_ms[slo] / 1000.0, window_s=ALERT_WINDOW_S)
+                          for m in metrics]
+        with self._lock:
+            self._alerts = AlertEvaluator(rules, on_event=self._store_alert)
+
+    def _on_tick(self, hub: Any, now: float) -> None:
+        try:
+            with self._lock:
+                self._alerts.evaluate(hub, now)
+        except Exception:  # a bad rule must not end the hub thread, which runs on_tick bare
+            log.exception("alert evaluation failed")
+
+    def firing(self) -> list[AlertEvent]:
+        """The latest event of each rule now firing, for the alert banner."""
+        with self._lock:
+            firing = set(self._alerts.firing)
+            latest = {e.rule: e for e in self._alerts.events if e.rule in firing}
+        return [latest[name] for name in sorted(latest)]
+
+    def _store_alert(self, event: AlertEvent) -> None:
+        if self.db is None:
+            return
+        from storage.models import Alert
+
+        try:
+            with self.db.engine.begin() as conn:
+                conn.execute(sa.insert(Alert.__table__).values(
+                    rule=event.rule, series=event.series, state=event.state,
+                    ts_ms=int(event.ts * 1000), value=event.value, threshold=event.threshold,
+                    message=event.message))
+        except sa.exc.SQLAlchemyError as exc:
+            self._db_failed(exc)
+
+
+def server_config(entry: ServerEntry, interval_s: float = 1.0) -> Any:
+    """The ServerConfig of an entry, its token resolved from the environment now."""
+    from monitor.remote import ServerConfig, resolve_token
+
+    return ServerConfig(entry.name, entry.url, token=resolve_token(entry.token_ref or None),
+                        interval_s=interval_s, dollars_per_hour=entry.dollars_per_hour)
+
+
+def test_connection(entry: ServerEntry) -> SourceStatus:
+    """One scrape of ``entry`` with a fresh client (not the hub's), reporting kind and status."""
+    from monitor.remote import PrometheusSource
+
+    try:
+        config = server_config(entry)
+    except ValueError as exc:
+        return SourceStatus(state="down", last_error=str(exc))
+    source = PrometheusSource(config)
+    try:
+        return source.test_connection()
+    finally:
+        source.close()
+

@@ -1,0 +1,135 @@
+"""Plain-Python state of the monitor panes: chart definitions, windows, server entries, CSV."""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+# (label, seconds): the live ring buffers cover the short windows, the database the long ones.
+WINDOWS: tuple[tuple[str, float], ...] = (
+    ("1 min", 60.0), ("5 min", 300.0), ("15 min", 900.0), ("1 hour", 3600.0),
+    ("6 hours", 6 * 3600.0), ("24 hours", 86400.0), ("7 days", 7 * 86400.0))
+# Up to this span the hub's ring buffers hold everything (36k points at 1 Hz is 10 hours,
+# but a server polled faster fills them sooner, so the database takes over early).
+LIVE_ONLY_S = 900.0
+DEFAULT_SLO_TTFT_MS = 500.0
+DEFAULT_SLO_TPOT_MS = 100.0
+
+
+@dataclass(frozen=True)
+class ChartSpec:
+    """One chart: which series (by metric-name pattern) it draws, their scale and its SLO."""
+
+    chart_id: str
+    title: str
+    unit: str
+    patterns: tuple[str, ...]  # regexes on the metric part of "source/metric"; first match wins
+    scale: float = 1.0
+    slo: str | None = None  # "ttft" or "tpot": draw that SLO as a horizontal line
+
+
+CHARTS: tuple[ChartSpec, ...] = (
+    # GPM occupancy where the GPU has it, otherwise NVML utilization (the title says which).
+    ChartSpec("sm", "SM occupancy / GPU utilization", "%",
+              (r"(\d+/)?sm_occupancy_pct(\[.*\])?", r"(\d+/)?util_pct",
+               r"gpu_util_pct(\[.*\])?")),
+    ChartSpec("memory", "GPU memory used", "GiB", (r"(\d+/)?memory_used_bytes(\[.*\])?",),
+              scale=1 / 2**30),
+    ChartSpec("power", "GPU power", "W", (r"(\d+/)?power_w(\[.*\])?",)),
+    ChartSpec("ttft", "TTFT p50 / p95 / p99", "ms", (r"ttft_s_p(50|95|99)",), 1000.0, "ttft"),
+    # Servers without a TPOT histogram (ours, llama.cpp) export inter-token latency instead.
+    ChartSpec("tpot", "TPOT (or ITL) p50 / p95 / p99", "ms",
+              (r"tpot_s_p(50|95|99)", r"itl_s_p(50|95|99)"), 1000.0, "tpot"),
+    ChartSpec("tokens", "Tokens/s", "tok/s",
+              (r"generation_tokens_per_s", r"prompt_tokens_per_s", r"decode_tokens_per_s")),
+    ChartSpec("queue", "Running / waiting requests", "requests",
+              (r"requests_running", r"requests_waiting")),
+    ChartSpec("kv", "KV-cache usage", "%", (r"kv_cache_usage",), 100.0),
+    ChartSpec("cost", "Cost per 1M tokens", "$", (r"usd_per_1m_tokens",)),
+)
+
+
+def source_of(key: str) -> str:
+    """The source part of a series key; a cost source "x-cost" belongs to server "x"."""
+    source = key.split("/", 1)[0]
+    return source.removesuffix("-cost")
+
+
+def chart_series(spec: ChartSpec, keys: Iterable[str], source: str | None = None) -> list[str]:
+    """The series a chart draws: per source, every key matching its first pattern that matches."""
+    by_source: dict[str, list[str]] = {}
+    for key in sorted(keys):
+        if "/" in key and (source is None or source_of(key) == source):
+            by_source.setdefault(key.split("/", 1)[0], []).append(key)
+    out: list[str] = []
+    for src_keys in by_source.values():
+        for pattern in spec.patterns:
+            rx = re.compile(pattern)
+            hits = [k for k in src_keys if rx.fullmatch(k.split("/", 1)[1])]
+            if hits:
+                out += hits
+                break
+    return out
+
+
+def merge_history(db_ts: np.ndarray, db_values: np.ndarray, live_ts: np.ndarray,
+                  live_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stored points older than the live buffer, then the live points (no overlap, in order)."""
+    if len(live_ts):
+        keep = db_ts < live_ts[0]
+        db_ts, db_values = db_ts[keep], db_values[keep]
+    return np.concatenate((db_ts, live_ts)), np.concatenate((db_values, live_values))
+
+
+def series_csv(data: dict[str, tuple[np.ndarray, np.ndarray]]) -> str:
+    """Long-format CSV (series, unix time, value) of a chart's data."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["series", "ts_s", "value"])
+    for key, (ts, values) in data.items():
+        writer.writerows((key, f"{t:.3f}", repr(float(v))) for t, v in zip(ts, values,
+                                                                           strict=True))
+    return out.getvalue()
+
+
+def table_csv(header: list[str], rows: Iterable[Iterable[object]]) -> str:
+    """A header and rows as CSV text."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+@dataclass(frozen=True)
+class ServerEntry:
+    """A remote server the user added: the token is only a reference (env:NAME), never its value."""
+
+    name: str
+    url: str
+    token_ref: str = ""
+    dollars_per_hour: float | None = None
+
+    def __post_init__(self) -> None:
+        from monitor.remote import ServerConfig
+
+        ServerConfig(self.name, self.url)  # validates the name and URL with the source's rules
+        if self.token_ref and not self.token_ref.startswith("env:"):
+            raise ValueError("the token must be a reference like env:MY_TOKEN, not the token "
+                             "itself, so it is never written to disk")
+        if self.dollars_per_hour is not None and self.dollars_per_hour < 0:
+            raise ValueError("the hourly price cannot be negative")
+
+
+def fmt(value: object, digits: int = 4) -> str:
+    """A number for a table cell; a dash when missing."""
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)

@@ -1,0 +1,168 @@
+"""The Monitor, Servers and History panes against real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from PySide6.QtGui import QImage
+
+from app.panes.monitor.factory import monitor_panes
+from app.panes.monitor.state import ServerEntry
+
+DOCS_SHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+
+
+@pytest.fixture(scope="module")
+def engine_server(demo_gguf):
+    from engine import LLM
+    from engine.server import serve
+
+    srv = serve(LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024), "127.0.0.1", 0)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def monitor_window(make_window):
+    """A main window with the three monitor panes registered and started."""
+    window = make_window()
+    panes = monitor_panes(window.host, gpus=True)
+    for pane in panes:
+        window.register_pane(pane)
+        pane.start()
+    return window, panes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _row(servers, name: str) -> dict:
+    from app.panes.monitor.servers import COLUMNS
+
+    return next(dict(zip(COLUMNS, r, strict=True)) for r in servers.rows() if r[0] == name)
+
+
+def test_server_load_test_history_and_charts(monitor_window, engine_server, qtbot, tmp_path):
+    window, (monitor, servers, history) = monitor_window
+    assert "no NVIDIA driver" in monitor.status_label.text()
+    assert servers.add_server(ServerEntry("local", engine_server.url, dollars_per_hour=2.5))
+    with qtbot.waitSignal(servers.tester.succeeded, timeout=20_000):
+        servers.test_selected()
+    assert _row(servers, "local")["Kind"] == "vllm"
+    assert _row(servers, "local")["Status"] == "up"
+
+    dialog = servers.open_load_test()
+    qtbot.addWidget(dialog)
+    dialog.requests.setValue(4)
+    dialog.output_len.setValue(8)
+    dialog.input_len.setValue(8)
+    with qtbot.waitSignal(history.loaded, timeout=60_000):
+        dialog.start_button.click()
+    assert dialog.summary["completed"] == 4 and dialog.summary["failed"] == 0
+    assert dialog.table.item(0, 0).text() == "TTFT (ms)"
+    assert float(dialog.table.item(0, 1).text()) > 0
+    assert [r["id"] for r in history.runs] == [dialog.run_id]
+    assert history.runs_table.item(0, 4).text() == "4"
+
+    # The hub scraped the server during the load: the charts hold its points.
+    qtbot.waitUntil(lambda: monitor.charts["queue"].point_count() > 0, timeout=10_000)
+    qtbot.waitUntil(lambda: monitor.charts["ttft"].point_count() > 0, timeout=10_000)
+    assert any(k.startswith("local/") for k in monitor.charts["kv"].data)
+    monitor.charts["ttft"].export_csv(tmp_path / "ttft.csv")
+    lines = (tmp_path / "ttft.csv").read_text().splitlines()
+    assert lines[0] == "series,ts_s,value" and len(lines) > 1
+    monitor.charts["ttft"].export_png(tmp_path / "ttft.png")
+    assert QImage(str(tmp_path / "ttft.png")).width() >= 800
+
+    # A second run, then the two side by side and exported.
+    with qtbot.waitSignal(history.loaded, timeout=60_000):
+        dialog.start_button.click()
+    assert len(history.runs) == 2
+    with qtbot.waitSignal(history.compared, timeout=10_000):
+        history.compare((history.runs[1]["id"], history.runs[0]["id"]))
+    completed = next(r for r in history.comparison if r[0] == "Completed")
+    assert completed[1:] == ["4", "4", "0"]
+    history.export_csv(str(tmp_path / "runs.csv"))
+    assert len((tmp_path / "runs.csv").read_text().splitlines()) == 3
+    assert (tmp_path / "runs.compare.csv").exists()
+
+    # The SLO alert: an impossible 1 ms objective is breached by the measured p99 TTFT.
+    monitor.slo_ttft.setValue(1)
+    qtbot.waitUntil(lambda: not monitor.alert_banner.isHidden(), timeout=10_000)
+    assert "local p99 TTFT" in monitor.alert_banner.text()
+
+    shots = DOCS_SHOTS if os.environ.get("SERVESCOPE_SCREENSHOTS") == "1" else tmp_path
+    window.notifications.clear()
+    window.resize(1280, 840)
+    window.rail.select("monitor")
+    qtbot.wait(600)
+    path = shots / "monitor.png"
+    assert window.grab().save(str(path))
+    assert (QImage(str(path)).width(), QImage(str(path)).height()) == (1280, 840)
+
+
+def test_unreachable_server_is_down_and_the_app_keeps_working(monitor_window, qtbot):
+    window, (monitor, servers, history) = monitor_window
+    url = f"http://127.0.0.1:{_free_port()}"
+    assert servers.add_server(ServerEntry("gone", url))
+    with qtbot.waitSignal(servers.tester.succeeded, timeout=20_000):
+        servers.test_selected()
+    row = _row(servers, "gone")
+    assert row["Status"] == "down" and "cannot connect" in row["Last error"]
+    assert any("gone is down" in n.message for n in window.notifications.notifications())
+    # Still responsive: another server can be added, edited and removed.
+    assert servers.add_server(ServerEntry("other", url + "/metrics", token_ref="env:NOPE_X"))
+    assert "NOPE_X" in _row(servers, "other")["Last error"]
+    assert servers.edit_server(ServerEntry("other2", url, dollars_per_hour=1.0))
+    assert "other" not in servers.service.servers and _row(servers, "other2")["$/hour"] == "1"
+    servers.remove_server()
+    assert set(servers.service.servers) == {"gone"}
+    monitor.window_combo.setCurrentIndex(monitor.window_combo.count() - 1)  # 7 days: database
+    qtbot.waitUntil(lambda: not monitor._history_runner.is_running(), timeout=10_000)
+    assert window.isVisible()
+
+
+def test_servers_are_saved_in_the_database_without_tokens(make_window, qtbot, monkeypatch):
+    monkeypatch.setenv("MY_TOKEN_VAR", "s3cret-value")
+    window = make_window()
+    panes = monitor_panes(gpus=False)
+    for pane in panes:
+        window.register_pane(pane)
+        pane.start()
+    servers = panes[1]
+    assert servers.add_server(ServerEntry("a", "http://127.0.0.1:9", "env:MY_TOKEN_VAR", 3.0))
+    with pytest.raises(ValueError, match="reference"):
+        ServerEntry("b", "http://127.0.0.1:9", "s3cret-value")
+    db_file = Path(os.environ["SERVESCOPE_DATA_DIR"]) / "servescope.db"
+    for pane in panes:
+        pane.shutdown()
+    assert b"s3cret-value" not in db_file.read_bytes()
+    again = monitor_panes(gpus=False)
+    again[1].service.start()
+    assert again[1].service.servers["a"] == ServerEntry("a", "http://127.0.0.1:9",
+                                                        "env:MY_TOKEN_VAR", 3.0)
+    for pane in again:
+        pane.shutdown()
+
+
+def test_a_locked_database_gives_one_notification(make_window, qtbot, tmp_path, monkeypatch):
+    # A folder where the database file should be: SQLite cannot open it, the app carries on.
+    data = tmp_path / "blocked"
+    (data / "servescope.db").mkdir(parents=True)
+    monkeypatch.setenv("SERVESCOPE_DATA_DIR", str(data))
+    window = make_window()
+    panes = monitor_panes(gpus=False)
+    for pane in panes:
+        window.register_pane(pane)
+        pane.start()
+    qtbot.waitUntil(lambda: bool(window.notifications.notifications()), timeout=5000)
+    errors = [n for n in window.notifications.notifications() if n.level == "error"]
+    assert len(errors) == 1 and "database" in errors[0].message.lower()
+    assert "not recording" in panes[0].status_label.text()
+    assert panes[1].add_server(ServerEntry("x", "http://127.0.0.1:9"))
