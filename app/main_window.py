@@ -25,6 +25,7 @@ from app.engine_host import EngineHost
 from app.navigation import NavigationRail, Pane
 from app.notifications import NotificationArea
 from app.panes.engine.pane import EnginePane
+from app.panes.planner.pane import PlannerPane
 from app.settings import Settings
 from app.theme import apply_theme, current_theme
 
@@ -55,6 +56,7 @@ class MainWindow(QMainWindow):
         self._build_status_bar()
         self._build_menus()
         self.register_pane(EnginePane(self.host, self.settings))
+        self.register_pane(PlannerPane())
         self.rail.select(self.settings.get("ui/pane"))
         self.rail.pane_selected.connect(lambda pane_id: self.settings.set("ui/pane", pane_id))
         self._restore_layout()

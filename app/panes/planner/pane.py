@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QScrollArea,
+    QSizePolicy,
     QSplitter,
     QTabWidget,
     QVBoxLayout,
@@ -80,6 +81,7 @@ class PlannerPane(QWidget):
         self.scenario_button = QPushButton("Keep as scenario")
         self.report_button = QPushButton("Export report…")
         self.present_button = QPushButton("Presentation", checkable=True)
+        self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         bar = QHBoxLayout()
         bar.addWidget(self.status, 1)
         for w in (self.progress, self.cancel_button, self.scenario_button, self.report_button,
@@ -96,8 +98,11 @@ class PlannerPane(QWidget):
         for i, key in enumerate(CHART_KEYS):
             grid.addWidget(self.charts[key], i // 3, i % 3)
         grid.addWidget(self.what_if, 1, 2)
-        chart_page = QWidget()
-        chart_page.setLayout(grid)
+        chart_grid = QWidget()
+        chart_grid.setLayout(grid)
+        # Scrolls rather than forcing the whole window wider than a laptop screen.
+        chart_page = QScrollArea(widgetResizable=True)
+        chart_page.setWidget(chart_grid)
         self.scenario_table = ScenarioTable()
         self.deploy = QPlainTextEdit(readOnly=True)
         self.deploy.setFont(QFont("monospace"))
@@ -114,7 +119,7 @@ class PlannerPane(QWidget):
         column.addWidget(self.tabs, 1)
         self.form_scroll = QScrollArea(widgetResizable=True)
         self.form_scroll.setWidget(self.form)
-        self.form_scroll.setMinimumWidth(360)
+        self.form_scroll.setMinimumWidth(300)
         self.form_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.splitter = QSplitter()
         self.splitter.addWidget(self.form_scroll)
