@@ -57,7 +57,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--spec", default=None,
-                   help="speculative decoding: ngram (prompt lookup), e.g. ngram:k=5; off")
+                   help="speculative decoding: ngram[:k=5] (prompt lookup) or draft:PATH[,k=4] "
+                        "(a smaller model with the same tokenizer); default off")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="share the KV blocks of common prompt prefixes between requests")
 
 
 # ---- models ----
@@ -151,7 +154,7 @@ def _load(args, **engine_kwargs):
         fetch_demo_model()
     t = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative=args.spec,
-              **engine_kwargs)
+              prefix_caching=args.prefix_caching, **engine_kwargs)
     print(f"loaded {llm.model_name} on {llm.device} ({llm.dtype}) in "
           f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
     if llm.fallback_reason:

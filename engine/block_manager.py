@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from engine.sequence import Sequence
 
@@ -12,8 +12,10 @@ class BlockManager:
 
     A sequence's `block_table` lists the blocks holding its tokens in order; token `p` lives in
     slot `block_table[p // block_size] * block_size + p % block_size`. A block may be held by
-    several sequences (shared prefixes), so it returns to the free list only when its reference
-    count drops to zero.
+    several sequences (shared prefixes), so it is released only when its reference count drops
+    to zero. A released block that the prefix cache knows (it has a hash) keeps its contents and
+    waits in least-recently-used order, so a later request with the same prefix can take it
+    back; new allocations use clean blocks first and evict the oldest cached one after that.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -23,14 +25,17 @@ class BlockManager:
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, LRU first
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+        return len(self.free_ids) + len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_ids)
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
@@ -42,13 +47,14 @@ class BlockManager:
         return max(0, total - len(seq.block_table))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.new_blocks_needed(seq, num_new_tokens) <= len(self.free_ids)
+        return self.new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the sequence's block table to hold `num_new_tokens` more tokens."""
         needed = self.new_blocks_needed(seq, num_new_tokens)
-        if needed > len(self.free_ids):
-            raise MemoryError(f"KV pool exhausted: need {needed} blocks, {len(self.free_ids)} free")
+        if needed > self.num_free_blocks:
+            raise MemoryError(f"KV pool exhausted: need {needed} blocks, "
+                              f"{self.num_free_blocks} free")
         for _ in range(needed):
             seq.block_table.append(self._take())
 
@@ -59,15 +65,18 @@ class BlockManager:
             self.release(seq.block_table.pop())
 
     def share(self, seq: Sequence, block_ids: list[int]) -> None:
-        """Let the sequence hold blocks another owner already filled (prefix sharing)."""
+        """Let the sequence hold blocks already filled with its prefix (by it or another)."""
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0:
-                raise ValueError(f"block {block_id} is free and cannot be shared")
+                if block_id not in self.evictable:
+                    raise ValueError(f"block {block_id} is free and holds nothing to share")
+                del self.evictable[block_id]
             self.ref_counts[block_id] += 1
             seq.block_table.append(block_id)
 
     def free(self, seq: Sequence) -> None:
         """Release every block the sequence holds (finish, abort or preemption)."""
+        # Deepest blocks first, so they are also the first evicted (vLLM's order).
         for block_id in reversed(seq.block_table):
             self.release(block_id)
         seq.block_table = []
@@ -78,7 +87,22 @@ class BlockManager:
             raise ValueError(f"block {block_id} released more often than it was held")
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] == 0:
-            self.free_ids.append(block_id)
+            if self.block_hash[block_id] is None:
+                self.free_ids.append(block_id)
+            else:
+                self.evictable[block_id] = None
+
+    # ---- the prefix cache's index ----
+    def cached_block(self, block_hash: int) -> int | None:
+        """The block holding the prefix with this hash, if it is still cached."""
+        return self.hash_to_block.get(block_hash)
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        """Record that a full, computed block holds the prefix with this hash."""
+        if block_hash in self.hash_to_block or self.block_hash[block_id] is not None:
+            return  # an identical block is cached already, or this one is indexed
+        self.block_hash[block_id] = block_hash
+        self.hash_to_block[block_hash] = block_id
 
     def slot(self, seq: Sequence, position: int) -> int:
         """The cache slot of the sequence's token at `position`."""
@@ -86,6 +110,11 @@ class BlockManager:
         return block_id * self.block_size + position % self.block_size
 
     def _take(self) -> int:
-        block_id = self.free_ids.popleft()
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)
+            del self.hash_to_block[self.block_hash[block_id]]
+            self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

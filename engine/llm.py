@@ -15,6 +15,7 @@ from engine.config import ModelConfig
 from engine.detokenizer import append_token_text, final_text
 from engine.devices import kv_budget_tokens, resolve_device, resolve_dtype
 from engine.model import LlamaModel
+from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler
@@ -42,6 +43,8 @@ class StepStats:
     num_generated_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     num_running: int
     num_waiting: int
     num_preempted: int
@@ -64,7 +67,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  block_size: int = 16, kernel_backend: str | None = None,
                  progress: Callable[[float], None] | None = None,
-                 speculative: str | SpecConfig | None = None) -> None:
+                 speculative: str | SpecConfig | None = None,
+                 prefix_caching: bool = False) -> None:
         """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled."""
         from engine.loader import load_checkpoint
 
@@ -85,8 +89,9 @@ class LLM:
                                                      max_num_seqs, self.max_model_len)
         self.num_kv_blocks = max(1, tokens // block_size)
         self.block_manager = BlockManager(self.num_kv_blocks, block_size)
+        self.prefix_cache = PrefixCache(self.block_manager) if prefix_caching else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs,
-                                   max(max_num_batched_tokens, block_size))
+                                   max(max_num_batched_tokens, block_size), self.prefix_cache)
         self.runner = ModelRunner(self.model, self.block_manager)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.spec = self._spec_decoder(parse_spec(speculative))
@@ -174,6 +179,8 @@ class LLM:
             for s in plan.scheduled:
                 # Drafts count as computed only once accepted (see _accept).
                 s.seq.num_computed_tokens += s.num_new_tokens - s.num_draft
+                if self.prefix_cache is not None:
+                    self.prefix_cache.register(s.seq)
             for s, tokens in zip(sampling, new_tokens, strict=True):
                 generated += self._accept(s, tokens, now)
                 accepted += len(tokens) - 1
@@ -368,6 +375,8 @@ class LLM:
             num_generated_tokens=generated,
             num_draft_tokens=sum(s.num_draft for s in plan.scheduled),
             num_accepted_tokens=accepted,
+            prefix_cache_queries=plan.prefix_queries,
+            prefix_cache_hits=plan.prefix_hits,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preempted=len(plan.preempted),

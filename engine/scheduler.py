@@ -35,6 +35,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    prefix_queries: int = 0  # tokens of newly admitted sequences looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens found (not recomputed)
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +61,9 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, prefix_cache=None) -> None:
         self.block_manager = block_manager
+        self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -105,11 +108,20 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
+        cache = self.prefix_cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if cache is not None and not seq.block_table:
+                cache.match(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_append(seq, n):
+                if cache is not None:
+                    cache.unmatch(seq)
                 break
+            if cache is not None:
+                queried, hit = cache.count(seq)
+                out.prefix_queries += queried
+                out.prefix_hits += hit
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -124,6 +136,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.draft_token_ids = []
         seq.draft_computed = 0
+        seq.num_cached_blocks = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -158,6 +158,7 @@ class Sequence:
         self.draft_token_ids: list[int] = []  # proposed, not yet verified
         self.draft_probs: list | None = None  # the draft model's distributions, when sampled
         self.draft_computed = 0  # tokens whose keys the draft model has cached
+        self.num_cached_blocks = 0  # leading blocks indexed by the prefix cache
         self.spec_rate = 1.0  # running acceptance estimate, optimistic at first
         self.spec_cooldown = 0
 

@@ -37,6 +37,10 @@ class ServerMetrics:
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels,
                                          registry=r).labels(model_name)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix-cache look-ups, in "
+                                      "tokens", labels, registry=r).labels(model_name)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens",
+                                   labels, registry=r).labels(model_name)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions", labels,
                                    registry=r).labels(model_name)
         self._success = Counter("vllm:request_success", "Finished requests", labels +
@@ -57,6 +61,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.num_prefill_tokens)
         self.generation_tokens.inc(stats.num_generated_tokens)
         self.preemptions.inc(stats.num_preempted)
+        self.prefix_queries.inc(stats.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits)
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Latency histograms and the success counter from a finished request."""

@@ -39,6 +39,13 @@ class Server(ThreadingHTTPServer):
         self.metrics = ServerMetrics(llm.model_name, None if spec is None else spec.counters)
         self.loop = EngineLoop(llm, self.metrics).start()
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that hangs up mid-stream is normal for a server; anything else is logged."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]

@@ -18,11 +18,16 @@ def _seq(i: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
 
 def check_invariants(bm: BlockManager, seqs: list[Sequence]) -> None:
     held = Counter(b for s in seqs for b in s.block_table)
-    free = list(bm.free_ids)
-    assert len(free) == len(set(free)), "a block is on the free list twice"
+    free = list(bm.free_ids) + list(bm.evictable)
+    assert len(free) == len(set(free)), "a block is free twice (or clean and cached at once)"
     for block_id in range(bm.num_blocks):
         assert bm.ref_counts[block_id] == held[block_id], f"block {block_id} refcount drifted"
         assert (block_id in set(free)) == (held[block_id] == 0), f"block {block_id} leaked"
+        cached = bm.block_hash[block_id]
+        assert (block_id in bm.evictable) <= (cached is not None), "an unindexed block is cached"
+        if cached is not None:
+            assert bm.hash_to_block[cached] == block_id, "the hash index points elsewhere"
+    assert len(bm.hash_to_block) == sum(h is not None for h in bm.block_hash)
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
 
 
@@ -96,3 +101,43 @@ def test_scheduler_finishes_everything_with_preemption(lengths, num_blocks, budg
     assert all(s.status is Status.FINISHED for s in seqs)
     assert all(len(s.output_token_ids) == s.params.max_tokens for s in seqs)
     assert bm.num_free_blocks == num_blocks
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 6)),
+                     min_size=1, max_size=10),
+    num_blocks=st.integers(6, 24),
+    budget=st.integers(4, 64),
+)
+def test_prefix_cache_shares_blocks_without_breaking_counts(prompts, num_blocks, budget):
+    """Requests built from a few shared stems: sharing, LRU eviction and preemption together."""
+    from engine.prefix_cache import PrefixCache
+
+    block_size = 4
+    bm = BlockManager(num_blocks, block_size)
+    cache = PrefixCache(bm)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=budget, prefix_cache=cache)
+    stems = [list(range(100 * s, 100 * s + 24)) for s in range(4)]
+    seqs = []
+    for i, (stem, extra, max_tokens) in enumerate(prompts):
+        prompt = stems[stem][: 4 + extra % 20] + [7000 + i] * (extra % 5)
+        if len(prompt) + max_tokens <= num_blocks * block_size:
+            seqs.append(Sequence(str(i), prompt, SamplingParams(max_tokens=max_tokens), 0.0))
+    for seq in seqs:
+        sched.add(seq)
+    for _ in range(5000):
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule()
+        for s in plan.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            cache.register(s.seq)
+            if s.samples:
+                s.seq.output_token_ids.append(1)
+                if len(s.seq.output_token_ids) >= s.seq.params.max_tokens:
+                    sched.finish(s.seq, "length")
+        check_invariants(bm, seqs)
+    assert not sched.has_unfinished(), "the scheduler stalled"
+    assert bm.num_free_blocks == num_blocks
+    assert cache.counters.hits <= cache.counters.queries

@@ -214,3 +214,36 @@ def test_stale_values_in_the_kv_pool_never_reach_the_output(llm, alone):
     llm.runner.kv[:, :, : llm.runner.null_slot].fill_(float("nan"))
     together = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in together] == alone
+
+
+def test_prefix_cache_reuses_shared_blocks_and_keeps_outputs(demo_gguf, llm):
+    system = "You are a helpful assistant for a bike shop in a small town by the sea. " * 6
+    prompts = [system + q for q in ("What bikes do you sell?", "Do you repair tires?",
+                                    "When are you open on Sundays?")]
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    cached = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, prefix_caching=True)
+    first = cached.generate([prompts[0]], GREEDY)[0]
+    rid = cached.add_request(prompts[1], GREEDY)
+    _, stats = cached.step()
+    shared = len(cached.tokenizer.encode(system)) // 16 * 16
+    assert stats.prefix_cache_hits >= shared - 16 > 0
+    assert stats.num_prefill_tokens == stats.prefix_cache_queries - stats.prefix_cache_hits
+    outs = {}
+    while cached.has_unfinished():
+        outputs, _ = cached.step()
+        outs.update((o.request_id, o) for o in outputs if o.finished)
+    assert first.token_ids == expected[0] and outs[rid].token_ids == expected[1]
+    assert [o.token_ids for o in cached.generate(prompts, GREEDY)] == expected
+    c = cached.prefix_cache.counters
+    assert 0 < c.hits < c.queries and c.hit_rate > 0.5
+    assert cached.block_manager.num_used_blocks == 0  # cached blocks are free to evict
+
+
+def test_prefix_cache_evicts_when_memory_is_needed(demo_gguf):
+    small = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256, prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i in range(6):  # distinct 100-token prompts: the cache must give blocks back
+        small.generate([[100 + i] * 100], params)
+    bm = small.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert len(bm.hash_to_block) <= bm.num_blocks

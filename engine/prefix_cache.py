@@ -1,0 +1,90 @@
+"""Prefix caching: requests that share a prompt prefix share its KV blocks instead of recomputing.
+
+Block-granular, like vLLM's automatic prefix caching rather than SGLang's token-granular radix
+tree: the paged cache already works in blocks, a block is the unit that can be shared by
+reference count, and a chained hash per full block (hash of the parent's hash and the block's
+tokens) finds the longest cached prefix in one dictionary look-up per block. The chain makes
+the hash stand for the whole prefix, so a block is reused only after the very same tokens.
+The cost: a shared prefix is matched only in whole blocks (up to block_size - 1 tokens of it
+are recomputed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence
+
+
+@dataclass
+class PrefixCacheCounters:
+    """vLLM's prefix-cache counters, in tokens."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return None if not self.queries else self.hits / self.queries
+
+
+class PrefixCache:
+    """Matches new sequences against cached blocks and indexes blocks as they fill."""
+
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.bm = block_manager
+        self.counters = PrefixCacheCounters()
+
+    def match(self, seq: Sequence) -> int:
+        """Share the longest cached prefix with a sequence that holds no blocks; tokens reused.
+
+        At least one token is left to compute, because its logits pick the next token.
+        """
+        bs = self.bm.block_size
+        tokens = seq.all_token_ids
+        limit = (len(tokens) - 1) // bs
+        hashes = block_hashes(tokens, bs, limit)
+        matched = []
+        for h in hashes:
+            block_id = self.bm.cached_block(h)
+            if block_id is None:
+                break
+            matched.append(block_id)
+        self.bm.share(seq, matched)
+        seq.num_computed_tokens = len(matched) * bs
+        seq.num_cached_blocks = len(matched)
+        return seq.num_computed_tokens
+
+    def unmatch(self, seq: Sequence) -> None:
+        """Give back what match() shared when the sequence cannot be admitted after all."""
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
+
+    def count(self, seq: Sequence) -> tuple[int, int]:
+        """Record an admitted sequence's look-up: (tokens queried, tokens found)."""
+        queried, hit = seq.num_tokens, seq.num_computed_tokens
+        self.counters.queries += queried
+        self.counters.hits += hit
+        return queried, hit
+
+    def register(self, seq: Sequence) -> None:
+        """Index the sequence's blocks that are full of computed tokens and not indexed yet."""
+        bs = self.bm.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if full <= seq.num_cached_blocks:
+            return
+        hashes = block_hashes(seq.all_token_ids, bs, full)
+        for i in range(seq.num_cached_blocks, full):
+            self.bm.register(seq.block_table[i], hashes[i])
+        seq.num_cached_blocks = full
+
+
+def block_hashes(tokens: list[int], block_size: int, count: int) -> list[int]:
+    """Chained hashes of the first `count` full blocks of `tokens`."""
+    hashes, parent = [], 0
+    for i in range(count):
+        parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
