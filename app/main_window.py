@@ -25,6 +25,7 @@ from app.engine_host import EngineHost
 from app.navigation import NavigationRail, Pane
 from app.notifications import NotificationArea
 from app.panes.engine.pane import EnginePane
+from app.panes.monitor.factory import monitor_panes
 from app.panes.planner.pane import PlannerPane
 from app.settings import Settings
 from app.theme import apply_theme, current_theme
@@ -57,6 +58,8 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self.register_pane(EnginePane(self.host, self.settings))
         self.register_pane(PlannerPane())
+        for pane in monitor_panes(self.host):
+            self.register_pane(pane)
         self.rail.select(self.settings.get("ui/pane"))
         self.rail.pane_selected.connect(lambda pane_id: self.settings.set("ui/pane", pane_id))
         self._restore_layout()
@@ -167,6 +170,9 @@ class MainWindow(QMainWindow):
         if self._start_panes and not self._closed:
             for pane in self.panes:
                 pane.start()
+            for pane in self.panes:
+                if hasattr(pane, "database_status"):
+                    self.database_label.setText(pane.database_status())
 
     def _save(self) -> None:
         for pane in self.panes:

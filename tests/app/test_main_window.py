@@ -20,15 +20,16 @@ from app.theme import current_theme
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_window_has_its_panes_and_an_honest_status_bar(make_window) -> None:
+def test_window_has_its_panes_and_an_honest_status_bar(make_window, qtbot) -> None:
     window = make_window()
-    assert window.rail.pane_ids() == ["engine", "planner"]
+    assert window.rail.pane_ids() == ["engine", "planner", "monitor", "servers", "history"]
     assert window.rail.current_id() == "engine"
-    assert window.database_label.text() == "database: not configured"
+    qtbot.waitUntil(lambda: window.database_label.text().startswith("database: sqlite:///"))
     assert window.state_label.text() == "engine: no model"
     assert window.model_label.text() == "model: none"
     menus = [a.text() for a in window.menuBar().actions()]
-    assert menus == ["&File", "&Engine", "&Planner", "&View", "&Help"]
+    assert menus == ["&File", "&Engine", "&Planner", "&Monitor", "&Servers", "&History", "&View",
+                     "&Help"]
 
 
 def test_shortcuts_cover_the_common_actions(make_window) -> None:

@@ -139,6 +139,14 @@ class MonitorPane(QWidget):
         self._timer.start()
         self.refresh()
 
+    def database_status(self) -> str:
+        """The status bar's database entry: where samples go, or why they do not."""
+        service = self.service
+        if service.db is not None:
+            return f"database: {service.db.url}"
+        return "database: unavailable (nothing recorded)" if service.db_error else \
+            "database: not opened yet"
+
     def save(self) -> None:
         """Nothing persisted yet: the window and SLO keys are proposed for app/settings.py."""
 
