@@ -7,8 +7,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import sqlalchemy as sa
-
 from app.panes.monitor.state import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, ServerEntry
 from monitor.alerts import AlertEvaluator, AlertEvent, AlertRule
 from monitor.types import SourceStatus
@@ -168,6 +166,7 @@ class MonitorService:
 
     # ---- persistence: servers live in the database's sources table (url set = user-added)
     def _load_servers(self) -> list[ServerEntry]:
+        import sqlalchemy as sa  # here, not at import: it costs start-up time
         if self.db is None:
             return []
         from storage.models import Source
@@ -189,6 +188,7 @@ class MonitorService:
         return entries
 
     def _save_server(self, entry: ServerEntry | None, forget: str | None = None) -> None:
+        import sqlalchemy as sa  # here, not at import: it costs start-up time
         if self.db is None:
             return
         from storage.models import Source
@@ -243,6 +243,7 @@ class MonitorService:
         return [latest[name] for name in sorted(latest)]
 
     def _store_alert(self, event: AlertEvent) -> None:
+        import sqlalchemy as sa  # here, not at import: it costs start-up time
         if self.db is None:
             return
         from storage.models import Alert
