@@ -27,13 +27,17 @@ def engine_server(demo_gguf):
 
 @pytest.fixture
 def monitor_window(make_window):
-    """A main window with the three monitor panes registered and started."""
+    """A main window with its three monitor panes started."""
     window = make_window()
-    panes = monitor_panes(window.host, gpus=True)
+    return window, _own_panes(window)
+
+
+def _own_panes(window) -> list:
+    """The window's own Monitor, Servers and History panes, started (start is idempotent)."""
+    panes = [window.pane(pane_id) for pane_id in ("monitor", "servers", "history")]
     for pane in panes:
-        window.register_pane(pane)
         pane.start()
-    return window, panes
+    return panes
 
 
 def _free_port() -> int:
@@ -131,10 +135,7 @@ def test_unreachable_server_is_down_and_the_app_keeps_working(monitor_window, qt
 def test_servers_are_saved_in_the_database_without_tokens(make_window, qtbot, monkeypatch):
     monkeypatch.setenv("MY_TOKEN_VAR", "s3cret-value")
     window = make_window()
-    panes = monitor_panes(gpus=False)
-    for pane in panes:
-        window.register_pane(pane)
-        pane.start()
+    panes = _own_panes(window)
     servers = panes[1]
     assert servers.add_server(ServerEntry("a", "http://127.0.0.1:9", "env:MY_TOKEN_VAR", 3.0))
     with pytest.raises(ValueError, match="reference"):
@@ -157,10 +158,7 @@ def test_a_locked_database_gives_one_notification(make_window, qtbot, tmp_path, 
     (data / "servescope.db").mkdir(parents=True)
     monkeypatch.setenv("SERVESCOPE_DATA_DIR", str(data))
     window = make_window()
-    panes = monitor_panes(gpus=False)
-    for pane in panes:
-        window.register_pane(pane)
-        pane.start()
+    panes = _own_panes(window)
     qtbot.waitUntil(lambda: bool(window.notifications.notifications()), timeout=5000)
     errors = [n for n in window.notifications.notifications() if n.level == "error"]
     assert len(errors) == 1 and "database" in errors[0].message.lower()

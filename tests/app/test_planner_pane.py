@@ -135,8 +135,7 @@ def test_screenshot_of_the_planner(make_window, qtbot, tmp_path: Path) -> None:
     shots = DOCS_SHOTS if os.environ.get("SERVESCOPE_SCREENSHOTS") == "1" else tmp_path
     window = make_window()
     window.resize(1400, 900)
-    pane = PlannerPane(form_folder=tmp_path)
-    window.register_pane(pane)
+    pane = window.pane("planner")
     window.rail.select("planner")
     _search(qtbot, pane, replace(SMALL, gpus=("L4", "L40S", "A100 80GB", "H100 SXM")))
     pane.tabs.setCurrentIndex(1)
