@@ -53,6 +53,7 @@ class Hub:
         self.capacity = capacity
         self.tick_s = tick_s
         self.on_tick = on_tick
+        self.tick_error: str | None = None  # the last on_tick failure, for a status line
         self.requests: list[RequestRecord] = []
         self._sources: dict[str, Source] = {}
         self._due: dict[str, float] = {}
@@ -106,9 +107,17 @@ class Hub:
         samples = [x for p in polls for x in p.samples]
         requests = [r for p in polls for r in p.requests]
         self._store(samples, requests)
-        if self.on_tick is not None:
-            self.on_tick(self, now)
+        self._on_tick_guarded(now)
         return len(samples)
+
+    def _on_tick_guarded(self, now: float) -> None:
+        if self.on_tick is None:
+            return
+        try:
+            self.on_tick(self, now)
+        except Exception as exc:  # a listener bug must not end the hub thread and its polling
+            log.exception("the hub's on_tick callback failed")
+            self.tick_error = f"{type(exc).__name__}: {exc}"
 
     def _poll_guarded(self, source: Source, now: float) -> Poll:
         try:

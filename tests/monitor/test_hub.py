@@ -78,6 +78,22 @@ def test_hub_thread_runs_and_stops():
     assert source.n >= 5 and len(hub.series("t/v")[0]) == source.n
 
 
+def test_a_failing_on_tick_is_reported_and_the_hub_thread_keeps_polling():
+    calls = []
+
+    def on_tick(hub: Hub, now: float) -> None:
+        calls.append(now)
+        raise ZeroDivisionError("division by zero")
+
+    source = Ramp("t", interval_s=0.02)
+    hub = Hub([source], tick_s=0.01, on_tick=on_tick).start()
+    time.sleep(0.3)
+    assert hub._thread.is_alive()
+    hub.stop()
+    assert len(calls) >= 5 and source.n >= 5  # every tick after the first failure still ran
+    assert hub.tick_error == "ZeroDivisionError: division by zero"
+
+
 _line = st.one_of(
     st.text(max_size=60),
     st.sampled_from(['x{le="+Inf"} 1', "# TYPE x histogram", "# TYPE y counter", "y_total -3",

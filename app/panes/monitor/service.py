@@ -232,7 +232,7 @@ class MonitorService:
         try:
             with self._lock:
                 self._alerts.evaluate(hub, now)
-        except Exception:  # a bad rule must not end the hub thread, which runs on_tick bare
+        except Exception:  # a bad rule is logged here; the hub would only keep a one-line error
             log.exception("alert evaluation failed")
 
     def firing(self) -> list[AlertEvent]:
