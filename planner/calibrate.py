@@ -84,22 +84,52 @@ def ape(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured * 100.0
 
 
-def fit(measurements: list[Measurement], catalog: Catalog, name: str = "fitted") -> Calibration:
-    """Grid-search one (FLOPs, memory) efficiency pair minimising the median throughput error."""
-    if not measurements:
-        raise ValueError("calibration needs at least one measurement")
-    deployments = [deployment_for(m, catalog) for m in measurements]
-    best: tuple[float, Efficiency] | None = None
+def _grid_fit(measurements: list[Measurement], deployments: list[Deployment]
+              ) -> tuple[float, Efficiency, list[float]]:
+    """(median throughput error %, efficiency, per-point errors) of the best grid point.
+
+    Ties on the median go to the lower mean: points that never touch the compute roof (decode
+    at small batch) fit any FLOPs factor, and the median alone would keep the first one tried."""
+    best: tuple[float, Efficiency, list[float]] | None = None
+    best_mean = 0.0
     for flops in np.arange(0.30, 0.951, 0.05):
         for memory in np.arange(0.50, 0.951, 0.05):
             eff = Efficiency(flops=float(flops), memory=float(memory))
             errors = [ape(predict(d, m, eff)["throughput_tok_s"], m.throughput_tok_s)
                       for d, m in zip(deployments, measurements, strict=True)]
-            score = float(np.median(errors))
-            if best is None or score < best[0]:
-                best = (score, eff)
+            score, mean = float(np.median(errors)), float(np.mean(errors))
+            if best is None or (score, mean) < (best[0], best_mean):
+                best, best_mean = (score, eff, errors), mean
     assert best is not None
-    return Calibration(name, {("*", "*"): best[1]}, round(best[0], 2), len(measurements))
+    return best
+
+
+def fit(measurements: list[Measurement], catalog: Catalog, name: str = "fitted") -> Calibration:
+    """Grid-search one (FLOPs, memory) efficiency pair minimising the median throughput error."""
+    if not measurements:
+        raise ValueError("calibration needs at least one measurement")
+    deployments = [deployment_for(m, catalog) for m in measurements]
+    score, eff, _ = _grid_fit(measurements, deployments)
+    return Calibration(name, {("*", "*"): eff}, round(score, 2), len(measurements))
+
+
+def fit_per_device(measurements: list[Measurement], catalog: Catalog,
+                   name: str = "fitted") -> Calibration:
+    """One efficiency pair per (GPU, weight precision) measured; other devices keep defaults.
+
+    A factor fitted on one GPU says nothing honest about another, so nothing is pooled into '*'.
+    The fit error is the median over every point, each judged by its own device's factor."""
+    if not measurements:
+        raise ValueError("calibration needs at least one measurement")
+    groups: dict[tuple[str, str], list[Measurement]] = {}
+    for m in measurements:
+        groups.setdefault((m.gpu, m.weights), []).append(m)
+    factors, errors = {}, []
+    for key, group in sorted(groups.items()):
+        _, eff, group_errors = _grid_fit(group, [deployment_for(m, catalog) for m in group])
+        factors[key] = eff
+        errors += group_errors
+    return Calibration(name, factors, round(float(np.median(errors)), 2), len(measurements))
 
 
 def load_measurements(path: Path) -> list[Measurement]:

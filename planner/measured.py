@@ -1,0 +1,174 @@
+"""Measured runs as calibration points: the local engine's benchmarks and stored load tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planner.calibrate import Calibration, Measurement, fit_per_device
+from planner.catalog import Catalog
+from planner.memory import BYTES_PER_PARAM, KV_BYTES
+
+# torch dtype names as engine.bench records them -> the planner's precisions.
+DTYPES = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16",
+          "torch.float16": "fp16", "bf16": "bf16", "fp16": "fp16"}
+# CUDA device names that do not spell the catalog's name (HBM3 H100 boards are the SXM part).
+GPU_ALIASES = {"h100": "H100 SXM", "h100 80gb hbm3": "H100 SXM"}
+MODEL_SUFFIXES = ("-instruct", "-chat", "-hf")
+
+
+@dataclass(frozen=True)
+class CalibrationReport:
+    """A fitted calibration, the points it used and why every other record was left out."""
+
+    calibration: Calibration
+    used: list[Measurement]
+    skipped: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        c = self.calibration
+        text = f"{c.name}: {c.points} point(s), median throughput error {c.fit_error_pct:.1f}%"
+        return text + (f"; {len(self.skipped)} record(s) skipped" if self.skipped else "")
+
+
+def engine_results_path() -> Path:
+    """engine.bench.results_path(), repeated here because engine/ may import torch."""
+    folder = os.environ.get("SERVESCOPE_DATA_DIR")
+    if not folder:
+        from platformdirs import user_data_dir
+
+        folder = user_data_dir("servescope")
+    return Path(folder) / "bench_results.jsonl"
+
+
+def load_engine_results(path: Path | None = None) -> list[dict[str, Any]]:
+    """The engine's saved benchmark results, oldest first; unreadable lines are skipped."""
+    path = path or engine_results_path()
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            out.append(row)
+    return out
+
+
+def _tokens(name: str) -> set[str]:
+    return set(re.split(r"[^a-z0-9]+", name.lower())) - {""}
+
+
+def match_gpu(device_name: str, catalog: Catalog) -> str | None:
+    """The catalog GPU a CUDA device name denotes ("NVIDIA A100-SXM4-80GB" -> "A100 80GB")."""
+    have = _tokens(device_name)
+    found = [g for g in catalog.gpus if _tokens(g) <= have]
+    if found:
+        return max(found, key=lambda g: len(_tokens(g)))
+    for alias, gpu in GPU_ALIASES.items():
+        if _tokens(alias) <= have and gpu in catalog.gpus:
+            return gpu
+    return None
+
+
+def match_model(name: str, catalog: Catalog) -> str | None:
+    """The catalog model a served or Hugging Face name denotes (org/Llama-3.1-8B-Instruct)."""
+    base = name.rsplit("/", 1)[-1].lower()
+    for suffix in MODEL_SUFFIXES:
+        base = base.removesuffix(suffix)
+    return next((m for m in catalog.models if m.lower() in (name.lower(), base)), None)
+
+
+def _engine_gpu(result: dict[str, Any]) -> str:
+    gpus = (result.get("machine") or {}).get("gpus") or []
+    return str(result.get("gpu") or (gpus[0] if gpus else ""))
+
+
+def _engine_target(result: dict[str, Any], catalog: Catalog) -> tuple[str, str, str] | str:
+    """(model, GPU, precision) of an engine result, or the reason it cannot calibrate."""
+    device = str(result.get("device", ""))
+    if not device.startswith("cuda"):
+        return (f"engine result on {device or 'an unknown device'}: a CPU run says nothing "
+                f"about a catalog GPU")
+    gpu = match_gpu(_engine_gpu(result), catalog)
+    if gpu is None:
+        return f"engine result on {_engine_gpu(result) or device!r}: GPU not in the catalog"
+    model = match_model(str(result.get("model", "")), catalog)
+    if model is None:
+        return f"engine result for {result.get('model')!r}: model not in the catalog"
+    precision = DTYPES.get(str(result.get("dtype", "")))
+    if precision is None:
+        return f"engine result in {result.get('dtype')!r}: the planner models no such precision"
+    return model, gpu, precision
+
+
+def from_engine(results: list[dict[str, Any]], catalog: Catalog
+                ) -> tuple[list[Measurement], list[str]]:
+    """Throughput at each concurrency of each usable result; reasons for the rest."""
+    points, skipped = [], []
+    for result in results:
+        target = _engine_target(result, catalog)
+        if isinstance(target, str):
+            skipped.append(target)
+            continue
+        model, gpu, precision = target
+        sizes = result.get("config") or {}
+        # Every request is submitted at once and decoded together: TensorRT's "static" shape.
+        for level, tok_s in (result.get("throughput_tokens_per_s") or {}).items():
+            points.append(Measurement(model, gpu, precision, precision, 1, 1, int(level),
+                                      int(sizes.get("prompt_tokens", 64)),
+                                      int(sizes.get("new_tokens", 64)), float(tok_s),
+                                      source="engine benchmark", engine="servescope"))
+    return points, skipped
+
+
+def _run_point(run: dict[str, Any], catalog: Catalog) -> Measurement | str:
+    config, summary = run.get("config") or {}, run.get("summary") or {}
+    label = f"run {run.get('id', '?')} ({run.get('name') or run.get('kind', '')})"
+    model = match_model(str(config.get("model") or ""), catalog)
+    gpu = match_gpu(str(config.get("gpu") or ""), catalog) if config.get("gpu") else None
+    weights = str(config.get("weights", "bf16"))
+    kv = str(config.get("kv", weights))
+    tok_s = summary.get("output_tokens_per_s")
+    if model is None:
+        return f"{label}: its configuration names no catalog model"
+    if gpu is None:
+        return f"{label}: its configuration names no catalog GPU"
+    if not config.get("concurrency"):
+        # An open-loop rate gives no fixed batch to predict at.
+        return f"{label}: not a fixed-concurrency run"
+    if weights not in BYTES_PER_PARAM or kv not in KV_BYTES or not tok_s:
+        return f"{label}: unknown precision or no output throughput"
+    return Measurement(model, gpu, weights, kv, int(config.get("tp", 1)), int(config.get("pp", 1)),
+                       int(config["concurrency"]), int(config.get("input_len", 128)),
+                       int(config.get("output_len", 128)), float(tok_s), mode="continuous",
+                       source=label, engine=str(config.get("engine", "")))
+
+
+def from_runs(runs: list[dict[str, Any]], catalog: Catalog) -> tuple[list[Measurement], list[str]]:
+    """Points from stored load tests (storage.queries.list_runs rows); reasons for the rest."""
+    points, skipped = [], []
+    for run in runs:
+        point = _run_point(run, catalog)
+        (skipped if isinstance(point, str) else points).append(point)
+    return points, skipped
+
+
+def calibrate_measured(engine_results: list[dict[str, Any]], runs: list[dict[str, Any]],
+                       catalog: Catalog, name: str = "measured") -> CalibrationReport:
+    """Fit per-device factors to every usable record; ValueError says why when none is usable."""
+    engine_points, engine_skipped = from_engine(engine_results, catalog)
+    run_points, run_skipped = from_runs(runs, catalog)
+    points, skipped = engine_points + run_points, engine_skipped + run_skipped
+    if not points:
+        reasons = "; ".join(skipped[:3]) or "no engine benchmark results and no stored runs"
+        raise ValueError(f"nothing to calibrate from: {reasons}")
+    devices = sorted({f"{m.gpu} {m.weights}" for m in points})
+    calibration = fit_per_device(points, catalog, f"{name} ({', '.join(devices)})")
+    return CalibrationReport(calibration, points, skipped)

@@ -1,0 +1,106 @@
+"""Calibration from measured runs: engine benchmarks and stored load tests of known efficiency."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.calibrate import Measurement, deployment_for, predict
+from planner.catalog import load_catalog
+from planner.measured import (
+    calibrate_measured,
+    from_engine,
+    from_runs,
+    load_engine_results,
+    match_gpu,
+    match_model,
+)
+from planner.timing import Efficiency
+
+TRUTH = Efficiency(flops=0.5, memory=0.7)
+LEVELS = (1, 16, 64)
+PROMPT, NEW = 1000, 64
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return load_catalog()
+
+
+def _tok_s(catalog, gpu: str, batch: int, inp: int, out: int, mode: str = "static",
+           eff: Efficiency = TRUTH) -> float:
+    m = Measurement("Llama-3.1-8B", gpu, "bf16", "bf16", 1, 1, batch, inp, out, 1.0, mode=mode)
+    return predict(deployment_for(m, catalog), m, eff)["throughput_tok_s"]
+
+
+def engine_result(catalog, device: str = "cuda:0", gpu: str = "NVIDIA L40S",
+                  eff: Efficiency = TRUTH) -> dict:
+    """A record shaped like engine.bench's, whose figures a known efficiency produced."""
+    catalog_gpu = match_gpu(gpu, catalog) or "L40S"
+    return {"model": "meta-llama/Llama-3.1-8B-Instruct", "device": device, "dtype": "bfloat16",
+            "quick": False, "machine": {"gpus": [gpu]},
+            "config": {"prompt_tokens": PROMPT, "new_tokens": NEW},
+            "throughput_tokens_per_s": {str(n): _tok_s(catalog, catalog_gpu, n, PROMPT, NEW,
+                                                       eff=eff) for n in LEVELS}}
+
+
+def test_device_and_model_names_map_to_the_catalog(catalog):
+    assert match_gpu("NVIDIA A100-SXM4-80GB", catalog) == "A100 80GB"
+    assert match_gpu("NVIDIA H100 80GB HBM3", catalog) == "H100 SXM"
+    assert match_gpu("NVIDIA H100 PCIe", catalog) == "H100 PCIe"
+    assert match_gpu("NVIDIA L4", catalog) == "L4"
+    assert match_gpu("NVIDIA GeForce RTX 3060", catalog) is None
+    assert match_model("meta-llama/Llama-3.1-8B-Instruct", catalog) == "Llama-3.1-8B"
+    assert match_model("Qwen/Qwen3-0.6B", catalog) is None
+
+
+def test_engine_results_fit_recovers_the_factor(catalog, tmp_path, monkeypatch):
+    monkeypatch.setenv("SERVESCOPE_DATA_DIR", str(tmp_path))
+    lines = [json.dumps(engine_result(catalog)), "not json",
+             json.dumps({**engine_result(catalog), "device": "cpu"})]
+    (tmp_path / "bench_results.jsonl").write_text("\n".join(lines) + "\n")
+    results = load_engine_results()
+    assert len(results) == 2
+    report = calibrate_measured(results, [], catalog)
+    cal = report.calibration
+    eff = cal.efficiency("L40S", "bf16")
+    assert eff.flops == pytest.approx(0.5, abs=0.051)
+    assert eff.memory == pytest.approx(0.7, abs=0.051)
+    assert cal.fit_error_pct < 2.0 and cal.points == len(LEVELS)
+    # Fitted on an L40S: an H100 keeps the uncalibrated defaults.
+    assert cal.efficiency("H100 SXM", "bf16") == Efficiency()
+    assert "L40S bf16" in cal.name
+    assert len(report.skipped) == 1 and "CPU" in report.skipped[0]
+
+
+def test_a_cpu_only_history_cannot_calibrate(catalog):
+    points, skipped = from_engine([engine_result(catalog, device="cpu")], catalog)
+    assert points == [] and "CPU run" in skipped[0]
+    with pytest.raises(ValueError, match="CPU run says nothing"):
+        calibrate_measured([engine_result(catalog, device="cpu")], [], catalog)
+
+
+def test_stored_load_tests_fit_per_gpu(catalog):
+    eff_l4 = Efficiency(flops=0.4, memory=0.6)
+    runs = [{"id": i, "kind": "loadtest", "name": "remote",
+             "config": {"model": "meta-llama/Llama-3.1-8B-Instruct", "gpu": "NVIDIA L4",
+                        "concurrency": n, "input_len": inp, "output_len": out},
+             "summary": {"output_tokens_per_s": _tok_s(catalog, "L4", n, inp, out,
+                                                       "continuous", eff_l4)}}
+            # Long prompts and short answers put the prefill on the compute roof: FLOPs show.
+            for i, (n, inp, out) in enumerate(((1, 128, 128), (16, 4096, 32), (64, 2048, 16)))]
+    runs.append({"id": 9, "kind": "loadtest", "config": {"model": "gpt2", "concurrency": 4},
+                 "summary": {"output_tokens_per_s": 100.0}})
+    runs.append({"id": 10, "kind": "loadtest",
+                 "config": {"model": "Llama-3.1-8B", "rate": 2.0, "gpu": "L4"},
+                 "summary": {"output_tokens_per_s": 100.0}})
+    points, skipped = from_runs(runs, catalog)
+    assert len(points) == 3 and len(skipped) == 2
+    assert "no catalog model" in skipped[0] and "fixed-concurrency" in skipped[1]
+    report = calibrate_measured([engine_result(catalog)], runs, catalog)
+    cal = report.calibration
+    assert cal.efficiency("L4", "bf16").flops == pytest.approx(0.4, abs=0.051)
+    assert cal.efficiency("L4", "bf16").memory == pytest.approx(0.6, abs=0.051)
+    assert cal.efficiency("L40S", "bf16").memory == pytest.approx(0.7, abs=0.051)
+    assert cal.fit_error_pct < 2.0 and "6 point" in report.summary()
