@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
@@ -16,6 +19,55 @@ from app.panes.engine.state import (
     StreamBuffer,
 )
 from engine.config import ModelError
+
+log = logging.getLogger(__name__)
+FinishedListener = Callable[[list[Any]], None]
+
+
+class FinishedListeners:
+    """Callables given each batch of finished RequestOutputs, on the engine thread.
+
+    Added and removed from any thread; each call is guarded so a failing listener (the monitor's)
+    never ends a reply or a benchmark.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._listeners: list[FinishedListener] = []
+
+    def add(self, listener: FinishedListener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove(self, listener: FinishedListener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def notify(self, outputs: list[Any]) -> None:
+        with self._lock:
+            listeners = list(self._listeners)  # call outside the lock: a listener may remove itself
+        for listener in listeners:
+            try:
+                listener(outputs)
+            except Exception:  # the reply matters more than its record in the monitor
+                log.exception("a finished-request listener failed")
+
+
+class _ReportingLLM:
+    """The LLM, with generate() also handing its finished outputs to the listeners."""
+
+    def __init__(self, llm: Any, listeners: FinishedListeners) -> None:
+        self._llm = llm
+        self._listeners = listeners
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    def generate(self, *args: Any, **kwargs: Any) -> list[Any]:
+        outputs = self._llm.generate(*args, **kwargs)
+        self._listeners.notify(list(outputs))
+        return outputs
 
 
 class _Epochs:
@@ -38,8 +90,10 @@ class _EngineWorker(QObject):
     # must live on the GUI thread; a plain callable connected here would run on this thread.
     event = Signal(str, object)
 
-    def __init__(self, epochs: _Epochs, buffer: StreamBuffer, meter: RateMeter) -> None:
+    def __init__(self, epochs: _Epochs, buffer: StreamBuffer, meter: RateMeter,
+                 finished: FinishedListeners) -> None:
         super().__init__()
+        self._finished = finished
         self._epochs = epochs
         self._buffer = buffer
         self._meter = meter
@@ -119,6 +173,7 @@ class _EngineWorker(QObject):
                 self._meter.add(len(delta.token_ids))
                 self.stats = self._llm.last_stats
                 if delta.output is not None:
+                    self._finished.notify([delta.output])
                     return delta.output
                 if self._epochs.generate != epoch and not aborted:
                     # Aborting (rather than closing) still yields the final output and its figures.
@@ -146,7 +201,8 @@ class _EngineWorker(QObject):
     def _run_benchmark(self, quick: bool, epoch: int) -> dict | None:
         from engine.bench import iter_benchmark, save_result
 
-        events = iter_benchmark(self._llm, quick=quick)
+        # The benchmark's requests reach the monitor too, through generate().
+        events = iter_benchmark(_ReportingLLM(self._llm, self._finished), quick=quick)
         result = None
         try:
             for event in events:
@@ -222,9 +278,11 @@ class EngineHost(QObject):
         self.state = "no model"
         self._epochs = _Epochs()
         self._pending = 0
+        # Listeners of finished requests (the monitor's engine source); called on the engine thread.
+        self.finished = FinishedListeners()
         self._thread = QThread()
         self._thread.setObjectName("servescope-engine")
-        self.worker = _EngineWorker(self._epochs, self.buffer, self.meter)
+        self.worker = _EngineWorker(self._epochs, self.buffer, self.meter, self.finished)
         self.worker.moveToThread(self._thread)
         self._thread.finished.connect(self.worker.release, Qt.ConnectionType.DirectConnection)
         self._connect_worker()

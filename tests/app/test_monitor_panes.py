@@ -164,3 +164,28 @@ def test_a_locked_database_gives_one_notification(make_window, qtbot, tmp_path, 
     assert len(errors) == 1 and "database" in errors[0].message.lower()
     assert "not recording" in panes[0].status_label.text()
     assert panes[1].add_server(ServerEntry("x", "http://127.0.0.1:9"))
+
+
+def test_a_chat_reply_reaches_the_monitor_as_a_request_record(loaded_window, qtbot):
+    from storage import queries
+
+    window = loaded_window
+    monitor, *_ = _own_panes(window)
+    service = monitor.service
+    pane = window.pane("engine")
+    pane.chat.sampling.max_tokens.setValue(6)
+    pane.chat.sampling.temperature.setValue(0.0)
+    pane.chat.input.setPlainText("Say hello.")
+    with qtbot.waitSignal(window.host.reply_finished, timeout=120_000):
+        pane.chat.send_button.click()
+
+    def engine_records() -> list:
+        return [r for r in service.hub.requests if r.source == "engine"]
+
+    qtbot.waitUntil(lambda: len(engine_records()) == 1, timeout=10_000)
+    (record,) = engine_records()
+    assert record.ttft_s > 0 and record.ok and 1 <= record.output_tokens <= 6
+    assert len(record.itl_s) == record.output_tokens - 1
+    # The writer stores it: the window's request percentiles count this one reply.
+    qtbot.waitUntil(lambda: queries.request_percentiles(
+        service.db, 0, 2e10, source="engine")["completed"] == 1, timeout=10_000)

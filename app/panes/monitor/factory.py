@@ -14,7 +14,8 @@ def monitor_panes(host: Any = None, gpus: bool = True) -> list[Any]:
     """The Monitor, Servers and History panes; ``host`` (an EngineHost) adds the engine source."""
     bridge = ServiceBridge()
     service = MonitorService(on_error=bridge.error.emit,
-                             engine_stats=None if host is None else host.stats, gpus=gpus)
+                             engine_stats=None if host is None else host.stats, gpus=gpus,
+                             engine_finished=None if host is None else host.finished)
     monitor = MonitorPane(service, bridge)
     bridge.setParent(monitor)  # the bridge lives as long as the pane that shows its errors
     servers = ServersPane(service)

@@ -31,7 +31,8 @@ class MonitorService:
     """One hub and one database shared by the Monitor, Servers and History panes."""
 
     def __init__(self, on_error: Callable[[str], None] | None = None,
-                 engine_stats: Callable[[], Any] | None = None, gpus: bool = True) -> None:
+                 engine_stats: Callable[[], Any] | None = None, gpus: bool = True,
+                 engine_finished: Any = None) -> None:
         self.on_error = on_error
         self.db: Any = None
         self.db_error: str | None = None
@@ -42,6 +43,8 @@ class MonitorService:
         self.server_errors: dict[str, str] = {}
         self.slo_ms = {"ttft": DEFAULT_SLO_TTFT_MS, "tpot": DEFAULT_SLO_TPOT_MS}
         self._engine_stats = engine_stats
+        self._engine_finished = engine_finished  # the host's FinishedListeners: add / remove
+        self.engine_source: Any = None
         self._gpus = gpus
         self._lock = threading.Lock()
         self._alerts = AlertEvaluator([])
@@ -74,7 +77,10 @@ class MonitorService:
         if self._engine_stats is not None:
             from monitor.engine_source import EngineSource
 
-            self.hub.add_source(EngineSource(_EngineStats(self._engine_stats)))
+            self.engine_source = EngineSource(_EngineStats(self._engine_stats))
+            self.hub.add_source(self.engine_source)
+            if self._engine_finished is not None:
+                self._engine_finished.add(self.engine_source.add_finished)
         for entry in self._load_servers():
             self._attach(entry)
         self._rebuild_rules()
@@ -109,6 +115,8 @@ class MonitorService:
             self._stopped = True
             return
         self._stopped = True
+        if self._engine_finished is not None and self.engine_source is not None:
+            self._engine_finished.remove(self.engine_source.add_finished)
         self.hub.stop()
         if self.writer is not None and not self.writer.close():
             log.warning("unsaved samples at shutdown: %s", self.writer.last_error)
