@@ -143,3 +143,11 @@ def save_plan(db: Database, name: str, plan: dict) -> int:
         s.add(row)
         s.flush()
         return row.id
+
+
+def list_plans(db: Database) -> list[dict]:
+    """Saved planner results, newest first (id breaks ties within one millisecond)."""
+    t = SavedPlan.__table__
+    stmt = sa.select(t).order_by(t.c.created_ms.desc(), t.c.id.desc())
+    with db.engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(stmt)]

@@ -147,3 +147,75 @@ def test_screenshot_of_the_planner(make_window, qtbot, tmp_path: Path) -> None:
     qtbot.wait(50)
     assert window.grab().save(str(shots / "planner-ranking.png"))
     window.close()
+
+
+def _notices(pane: PlannerPane) -> list[tuple[str, str]]:
+    seen: list[tuple[str, str]] = []
+    pane.notify.connect(lambda level, text: seen.append((level, text)))
+    return seen
+
+
+def test_scenarios_saved_in_the_database_and_reloaded(qtbot, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'plans.db'}"
+    pane = PlannerPane(form_folder=tmp_path, db_url=url)
+    qtbot.addWidget(pane)
+    _search(qtbot, pane, SMALL)
+    pane.keep_scenario()
+    label = plan_label(pane.outcome.best)
+    assert pane.save_scenarios() is not None
+    again = PlannerPane(form_folder=tmp_path, db_url=url)
+    qtbot.addWidget(again)
+    assert again.restore_scenarios() == 1
+    assert again.scenario_table.columnCount() == 1
+    assert again.scenario_table.horizontalHeaderItem(0).text() == "Llama-3.1-8B @ 4 req/s"
+    assert again.scenario_table.item(4, 0).text() == label
+    assert again.scenarios.as_json()[0]["plan"]["gpu"] == pane.outcome.best.deployment.gpu.name
+
+
+def test_a_broken_database_gives_one_notice_and_the_pane_works(qtbot, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.db"
+    broken.write_bytes(b"this is not an SQLite file " * 100)
+    pane = PlannerPane(form_folder=tmp_path, db_url=f"sqlite:///{broken}")
+    qtbot.addWidget(pane)
+    seen = _notices(pane)
+    assert pane.restore_scenarios() == 0
+    _search(qtbot, pane, SMALL)
+    pane.keep_scenario()
+    assert pane.save_scenarios() is None
+    errors = [text for level, text in seen if level == "error"]
+    assert len(errors) == 1 and "broken.db" in errors[0]
+    assert pane.scenario_table.columnCount() == 1  # the kept scenario is still on screen
+
+
+def test_calibrate_from_engine_results_recomputes(qtbot, tmp_path: Path) -> None:
+    from planner.calibrate import Measurement, deployment_for, predict
+    from planner.catalog import load_catalog
+    from planner.timing import Efficiency
+
+    catalog, truth = load_catalog(), Efficiency(flops=0.45, memory=0.65)
+    tok_s = {}
+    for n in (1, 16, 64):
+        m = Measurement("Llama-3.1-8B", "L4", "bf16", "bf16", 1, 1, n, 1000, 64, 1.0)
+        tok_s[str(n)] = predict(deployment_for(m, catalog), m, truth)["throughput_tok_s"]
+    records = [{"model": "meta-llama/Llama-3.1-8B-Instruct", "device": "cuda:0",
+                "dtype": "bfloat16", "machine": {"gpus": ["NVIDIA L4"]},
+                "config": {"prompt_tokens": 1000, "new_tokens": 64},
+                "throughput_tokens_per_s": tok_s},
+               {"model": "Qwen/Qwen3-0.6B", "device": "cpu", "dtype": "float32",
+                "throughput_tokens_per_s": {"1": 20.0}}]
+    data = Path(os.environ["SERVESCOPE_DATA_DIR"])
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "bench_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pane = _pane(qtbot, tmp_path)
+    seen = _notices(pane)
+    _search(qtbot, pane, replace(SMALL, weights=("bf16",), kv=("bf16",), gpus=("L4",)))
+    assert "Calibration: default (uncalibrated)" in pane.recommendation.text()
+    with qtbot.waitSignal(pane.outcome_ready, timeout=SEARCH_MS):
+        report = pane.calibrate()
+    assert report is not None and report.calibration.points == 3
+    eff = report.calibration.efficiency("L4", "bf16")
+    assert abs(eff.flops - 0.45) < 0.051 and abs(eff.memory - 0.65) < 0.051
+    text = pane.recommendation.text()
+    assert report.calibration.name in text and "fit error" in text
+    assert pane.outcome.best.calibration == report.calibration.name
+    assert any("CPU run" in t for _, t in seen)

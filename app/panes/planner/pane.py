@@ -28,11 +28,14 @@ from app.panes.planner.form import WorkloadForm
 from app.panes.planner.report_writer import write_report
 from app.panes.planner.results import PlanTable, ScenarioTable, WhatIfPanel
 from app.panes.planner.state import Outcome, Scenarios, WhatIf, load_form, plan_label, save_form
+from app.panes.planner.store import PlannerStore
 from app.panes.planner.tasks import USER_ERRORS, Failure, detail_task, search_task, user_message
 from app.workers import Progress, TaskRunner
+from planner.calibrate import Calibration
 from planner.catalog import load_catalog
 from planner.evaluate import Evaluation
 from planner.export import kubernetes_yaml, sglang_command, vllm_command
+from planner.measured import CalibrationReport, calibrate_measured, load_engine_results
 from planner.search import Plan
 
 # Edits arrive in bursts (a spin box held down); wait this long for the burst to end.
@@ -50,9 +53,14 @@ class PlannerPane(QWidget):
     outcome_ready = Signal(object)
     detail_ready = Signal(object)
 
-    def __init__(self, form_folder: Path | None = None, parent: QWidget | None = None) -> None:
+    def __init__(self, form_folder: Path | None = None, parent: QWidget | None = None,
+                 db_url: str | None = None) -> None:
         super().__init__(parent)
         self._form_folder = form_folder
+        self.store = PlannerStore(db_url)
+        self._db_reported = False
+        self.calibration = Calibration()
+        self.calibration_report: CalibrationReport | None = None
         self.outcome: Outcome | None = None
         self.chosen: Plan | None = None
         self.detail: Evaluation | None = None
@@ -79,12 +87,15 @@ class PlannerPane(QWidget):
         self.progress = QProgressBar(maximum=1000, textVisible=False, maximumWidth=180)
         self.cancel_button = QPushButton("Cancel", enabled=False)
         self.scenario_button = QPushButton("Keep as scenario")
+        self.save_scenarios_button = QPushButton("Save scenarios")
+        self.calibrate_button = QPushButton("Calibrate…")
         self.report_button = QPushButton("Export report…")
         self.present_button = QPushButton("Presentation", checkable=True)
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         bar = QHBoxLayout()
         bar.addWidget(self.status, 1)
-        for w in (self.progress, self.cancel_button, self.scenario_button, self.report_button,
+        for w in (self.progress, self.cancel_button, self.scenario_button,
+                  self.save_scenarios_button, self.calibrate_button, self.report_button,
                   self.present_button):
             bar.addWidget(w)
         self.recommendation = QLabel("")
@@ -143,6 +154,8 @@ class PlannerPane(QWidget):
         self.detail_runner.failed.connect(self._on_failed)
         self.cancel_button.clicked.connect(self.cancel)
         self.scenario_button.clicked.connect(self.keep_scenario)
+        self.save_scenarios_button.clicked.connect(lambda: self.save_scenarios())
+        self.calibrate_button.clicked.connect(lambda: self.calibrate())
         self.report_button.clicked.connect(lambda: self.export_report())
         self.present_button.toggled.connect(self.set_presentation)
         self.table.plan_selected.connect(self.choose)
@@ -154,6 +167,8 @@ class PlannerPane(QWidget):
             ("Cancel search", "Ctrl+Shift+X", self.cancel),
             ("Import config.json…", "Ctrl+Shift+I", lambda: self.form.import_config()),
             ("Keep as scenario", "Ctrl+Shift+S", self.keep_scenario),
+            ("Save scenarios", "Ctrl+Shift+D", lambda: self.save_scenarios()),
+            ("Calibrate from measured runs…", "Ctrl+Shift+B", lambda: self.calibrate()),
             ("Export report…", "Ctrl+Shift+E", lambda: self.export_report()),
             ("Presentation mode", "F11", self.present_button.toggle),
         ]
@@ -178,6 +193,7 @@ class PlannerPane(QWidget):
         """After the window shows: report a broken catalog, or rank the saved workload."""
         if self._catalog_error:
             self.notify.emit("error", self._catalog_error)
+        self.restore_scenarios()
         self.recompute()
 
     def save(self) -> None:
@@ -193,6 +209,7 @@ class PlannerPane(QWidget):
         self._pending = False
         self.runner.stop()
         self.detail_runner.stop()
+        self.store.close()
 
     # ---- public API
     def recompute(self) -> None:
@@ -207,7 +224,8 @@ class PlannerPane(QWidget):
         self.status.setText("Searching…")
         self.progress.setValue(0)
         self.cancel_button.setEnabled(True)
-        self.runner.start(search_task(self.form.state(), dict(self.form.imported)))
+        self.runner.start(search_task(self.form.state(), dict(self.form.imported),
+                                      self.calibration))
 
     def cancel(self) -> None:
         """Stop the running search; the last ranking stays on screen."""
@@ -235,6 +253,50 @@ class PlannerPane(QWidget):
         self.scenario_table.show_scenarios(self.scenarios)
         self.tabs.setCurrentWidget(self.scenario_table)
         self.notify.emit("info", f"Kept scenario {label}.")
+
+    def save_scenarios(self) -> int | None:
+        """Keep the scenarios in the database; returns the saved row's id."""
+        if not self.scenarios.items:
+            self.notify.emit("warning", "Keep a scenario before saving scenarios.")
+            return None
+        try:
+            row_id = self.store.save_scenarios(self.scenarios.as_json())
+        except Exception as exc:  # noqa: BLE001 - any database failure; the pane goes on
+            self._database_failed(exc)
+            return None
+        self.notify.emit("info", f"Saved {len(self.scenarios.items)} scenario(s).")
+        return row_id
+
+    def restore_scenarios(self) -> int:
+        """Show the scenarios saved last time; a broken database leaves the table empty."""
+        try:
+            rows = self.store.load_scenarios()
+        except Exception as exc:  # noqa: BLE001 - any database failure; the pane goes on
+            self._database_failed(exc)
+            return 0
+        count = self.scenarios.restore(rows)
+        if count:
+            self.scenario_table.show_scenarios(self.scenarios)
+        return count
+
+    def calibrate(self) -> CalibrationReport | None:
+        """Fit the efficiency factors to the engine's saved benchmarks and stored load tests,
+        then search again with them."""
+        try:
+            runs = self.store.load_tests()
+        except Exception as exc:  # noqa: BLE001 - the engine's results still calibrate
+            self._database_failed(exc)
+            runs = []
+        try:
+            report = calibrate_measured(load_engine_results(), runs, load_catalog())
+        except USER_ERRORS as exc:
+            self.notify.emit("warning", f"No calibration: {user_message(exc)}.")
+            return None
+        self.calibration, self.calibration_report = report.calibration, report
+        skipped = f" Skipped: {'; '.join(report.skipped[:3])}." if report.skipped else ""
+        self.notify.emit("info", f"Calibrated — {report.summary()}.{skipped}")
+        self.recompute()
+        return report
 
     def export_report(self, path: str | Path = "") -> list[Path]:
         """Write the report as HTML and PDF; asks for the file name when none is given."""
@@ -268,6 +330,12 @@ class PlannerPane(QWidget):
             self.present_button.setChecked(on)
 
     # ---- internals
+    def _database_failed(self, exc: Exception) -> None:
+        # One notification per session: a broken database should not nag on every click.
+        if not self._db_reported:
+            self._db_reported = True
+            self.notify.emit("error", f"Planner scenarios and load tests are unavailable: {exc}")
+
     def _on_progress(self, progress: Progress) -> None:
         if progress.fraction is not None:
             self.progress.setValue(int(progress.fraction * 1000))
@@ -298,7 +366,7 @@ class PlannerPane(QWidget):
             f"<b>Recommended:</b> {plan_label(best)} — ${best.cost_per_hour:.2f}/hour, "
             f"${best.cost_per_1m_tokens:.3f} per 1M tokens, p99 TTFT {best.ttft_p99_ms:.0f} ms "
             f"(≤ {o.form.ttft_p99_ms:g}), p99 TPOT {best.tpot_p99_ms:.1f} ms "
-            f"(≤ {o.form.tpot_p99_ms:g}).")
+            f"(≤ {o.form.tpot_p99_ms:g}). {calibration_text(o.calibration)}")
 
     def _on_failed(self, message: str) -> None:
         self.status.setText("The planner failed.")
@@ -346,3 +414,11 @@ class PlannerPane(QWidget):
                            w.replicas_delta)
         for key, spec in specs.items():
             self.charts[key].set_spec(spec)
+
+
+def calibration_text(calibration: Calibration) -> str:
+    """The calibration a recommendation used, with its fit error when it was fitted."""
+    if calibration.fit_error_pct is None:
+        return f"Calibration: {calibration.name}."
+    return (f"Calibration: {calibration.name}, fit error {calibration.fit_error_pct:.1f}% "
+            f"over {calibration.points} point(s).")

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from planner.calibrate import Calibration
 from planner.catalog import Catalog, Model, config_dir
 from planner.cost import CostOptions, cost_per_hour, hourly_replicas
 from planner.evaluate import Evaluation
@@ -121,6 +122,7 @@ class Outcome:
     catalog: Catalog
     result: SearchResult
     detail: Evaluation | None = None
+    calibration: Calibration = field(default_factory=Calibration)
 
     @property
     def best(self) -> Plan | None:
@@ -194,44 +196,65 @@ def memory_parts(plan: Plan) -> list[tuple[str, float]]:
     return parts + [("free", max(free, 0.0))]
 
 
+SCENARIO_FIELDS: list[tuple[str, Any]] = [
+    ("Model", lambda o: o.form.model),
+    ("Peak rate", lambda o: f"{o.form.rate:g} req/s ({o.form.profile})"),
+    ("Lengths in/out", lambda o: f"{o.form.input_len} / {o.form.output_len}"),
+    ("SLO p99 TTFT / TPOT", lambda o: f"{o.form.ttft_p99_ms:g} / {o.form.tpot_p99_ms:g} ms"),
+    ("Recommended", lambda o: plan_label(o.best)),
+    ("$/hour", lambda o: f"{o.best.cost_per_hour:.2f}"),
+    ("$ per 1M tokens", lambda o: f"{o.best.cost_per_1m_tokens:.3f}"),
+    ("$/day", lambda o: f"{sum(day_cost(o.best, o.form)):.0f}"),
+    ("TTFT p99", lambda o: f"{o.best.ttft_p99_ms:.0f} ms"),
+    ("TPOT p99", lambda o: f"{o.best.tpot_p99_ms:.1f} ms"),
+    ("Feasible plans", lambda o: str(len(o.result.candidates))),
+    ("Calibration", lambda o: o.best.calibration),
+]
+
+
+def scenario_column(outcome: Outcome) -> dict[str, str]:
+    """One scenario's side-by-side values, as text a database row can keep."""
+    return {label: get(outcome) for label, get in SCENARIO_FIELDS}
+
+
 @dataclass
 class Scenarios:
-    """Up to three kept outcomes shown side by side; the oldest goes when a fourth is kept."""
+    """Up to three kept scenarios shown side by side; the oldest goes when a fourth is kept.
 
-    items: list[tuple[str, Outcome]] = field(default_factory=list)
+    Each is kept as the JSON row the database stores, so a reloaded scenario shows exactly
+    as it did without searching again."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
 
     def keep(self, outcome: Outcome, name: str = "") -> str:
         if outcome.best is None:
             raise ValueError("this workload has no feasible plan to keep as a scenario")
         label = name or f"{outcome.form.model} @ {outcome.form.rate:g} req/s"
-        self.items.append((label, outcome))
-        del self.items[:-MAX_SCENARIOS]
+        self._add({"name": label, "form": outcome.form.to_json(),
+                   "plan": outcome.best.as_dict(), "column": scenario_column(outcome)})
         return label
+
+    def restore(self, rows: list[dict[str, Any]]) -> int:
+        """Add stored rows (oldest first); rows without a name or column are skipped."""
+        good = [r for r in rows if isinstance(r, dict) and isinstance(r.get("column"), dict)
+                and r.get("name")]
+        for row in good:
+            self._add(row)
+        return len(good)
+
+    def _add(self, row: dict[str, Any]) -> None:
+        self.items.append(row)
+        del self.items[:-MAX_SCENARIOS]
 
     def clear(self) -> None:
         self.items.clear()
 
     def comparison(self) -> tuple[list[str], list[tuple[str, list[str]]]]:
         """(scenario names, rows of (field, value per scenario)) for the side-by-side table."""
-        names = [name for name, _ in self.items]
-        getters = [
-            ("Model", lambda o: o.form.model),
-            ("Peak rate", lambda o: f"{o.form.rate:g} req/s ({o.form.profile})"),
-            ("Lengths in/out", lambda o: f"{o.form.input_len} / {o.form.output_len}"),
-            ("SLO p99 TTFT / TPOT",
-             lambda o: f"{o.form.ttft_p99_ms:g} / {o.form.tpot_p99_ms:g} ms"),
-            ("Recommended", lambda o: plan_label(o.best)),
-            ("$/hour", lambda o: f"{o.best.cost_per_hour:.2f}"),
-            ("$ per 1M tokens", lambda o: f"{o.best.cost_per_1m_tokens:.3f}"),
-            ("$/day", lambda o: f"{sum(day_cost(o.best, o.form)):.0f}"),
-            ("TTFT p99", lambda o: f"{o.best.ttft_p99_ms:.0f} ms"),
-            ("TPOT p99", lambda o: f"{o.best.tpot_p99_ms:.1f} ms"),
-            ("Feasible plans", lambda o: str(len(o.result.candidates))),
-        ]
-        return names, [(label, [get(o) for _, o in self.items]) for label, get in getters]
+        names = [row["name"] for row in self.items]
+        return names, [(label, [str(row["column"].get(label, "")) for row in self.items])
+                       for label, _ in SCENARIO_FIELDS]
 
     def as_json(self) -> list[dict[str, Any]]:
         """The scenarios as JSON rows for storage.queries.save_plan."""
-        return [{"name": name, "form": o.form.to_json(), "plan": o.best.as_dict()}
-                for name, o in self.items]
-
+        return [dict(row) for row in self.items]

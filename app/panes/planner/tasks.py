@@ -10,6 +10,7 @@ from pathlib import Path
 
 from app.panes.planner.state import FormState, Outcome, WhatIf
 from app.workers import Progress, TaskFunction
+from planner.calibrate import Calibration
 from planner.catalog import Catalog, CatalogError, Model, load_catalog
 from planner.evaluate import Evaluation, InfeasibleError, evaluate
 from planner.hf_import import model_from_hf_config
@@ -45,8 +46,10 @@ def resolve_model(catalog: Catalog, name: str, imported: dict[str, Model]) -> Mo
     return catalog.model(name)
 
 
-def search_task(form: FormState, imported: dict[str, Model]) -> TaskFunction:
+def search_task(form: FormState, imported: dict[str, Model],
+                calibration: Calibration | None = None) -> TaskFunction:
     """A task running the planner's search, then simulating the best plan for the charts."""
+    calibration = calibration or Calibration()
 
     def task(cancel: threading.Event) -> Generator[Progress, None, Outcome | Failure | None]:
         yield Progress(0.0, "reading catalogs")
@@ -62,6 +65,7 @@ def search_task(form: FormState, imported: dict[str, Model]) -> TaskFunction:
         def run() -> None:
             try:
                 box["result"] = search(model, workload, catalog, space, form.budget,
+                                       calibration=calibration,
                                        cost_opts=form.cost_options(),
                                        progress=lambda f, m: events.put(Progress(f * 0.9, m)),
                                        cancel=cancel.is_set)
@@ -90,8 +94,8 @@ def search_task(form: FormState, imported: dict[str, Model]) -> TaskFunction:
             return Failure(f"No plan for {model.name}: {result.infeasible}.")
         yield Progress(0.95, "simulating the recommended plan")
         detail = evaluate(result.candidates[0].deployment, workload,
-                          result.candidates[0].replicas, cost_opts=form.cost_options())
-        return Outcome(form, model, catalog, result, detail)
+                          result.candidates[0].replicas, calibration, form.cost_options())
+        return Outcome(form, model, catalog, result, detail, calibration)
 
     return task
 
@@ -105,8 +109,8 @@ def detail_task(outcome: Outcome, plan: Plan, what_if: WhatIf) -> TaskFunction:
         workload = form.workload(what_if.rate_scale)
         replicas = max(1, plan.replicas + what_if.replicas_delta)
         try:
-            return evaluate(plan.deployment, workload, replicas,
-                            cost_opts=form.cost_options(what_if.spot_share))
+            return evaluate(plan.deployment, workload, replicas, outcome.calibration,
+                            form.cost_options(what_if.spot_share))
         except USER_ERRORS as exc:
             return Failure(user_message(exc))
 
