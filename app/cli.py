@@ -203,13 +203,12 @@ def _bench_parser(sub) -> None:
 
 
 def _bench(args) -> int:
-    from engine.bench import machine, run_benchmark, save_result
+    from engine.bench import run_benchmark, save_result
 
     llm = _load(args)
     result = run_benchmark(llm, quick=args.quick,
                            progress=lambda e: print(f"[{e.fraction:4.0%}] {e.message}",
                                                     file=sys.stderr))
-    result["machine"] = machine()
     result["speculative"] = None if llm.spec is None else llm.spec.summary()
     if not args.no_save:
         save_result(result)

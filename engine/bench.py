@@ -50,6 +50,8 @@ def iter_benchmark(llm, *, quick: bool = False) -> Iterator[BenchEvent]:
         result["throughput_tokens_per_s"][str(n)] = measure_throughput(
             llm, n, sizes["prompt_tokens"], sizes["new_tokens"])
     result["finished_at"] = time.time()
+    # The machine (GPU names included) travels with the result: the planner calibrates from it.
+    result["machine"] = machine()
     yield BenchEvent(1.0, "done", result)
 
 
