@@ -61,6 +61,16 @@ class ServerConfig:
             raise ValueError("interval, timeout and size limit must be positive")
 
 
+def backoff_delay(interval_s: float, failures: int) -> float:
+    """Seconds to wait after `failures` failures in a row: doubling, at most MAX_BACKOFF_S."""
+    return min(interval_s * 2 ** (failures - 1), MAX_BACKOFF_S)
+
+
+def describe_error(exc: Exception, url: str, timeout_s: float) -> str:
+    """One sentence for a failed HTTP request to `url`."""
+    return _describe(exc, url, timeout_s)
+
+
 def _describe(exc: Exception, url: str, timeout_s: float) -> str:
     text = str(exc)
     if isinstance(exc, httpx.TimeoutException):
@@ -127,7 +137,7 @@ class PrometheusSource:
     def _fail(self, now: float, message: str) -> None:
         # Exponential back-off keeps a dead server from costing a timeout every interval.
         self.failures += 1
-        delay = min(self.interval_s * 2 ** (self.failures - 1), MAX_BACKOFF_S)
+        delay = backoff_delay(self.interval_s, self.failures)
         self._next_try = now + delay
         self.status.state, self.status.last_error = "down", message
         self.status.message = f"retrying in {delay:g} s"

@@ -1,0 +1,162 @@
+"""PromApiSource against a small Prometheus HTTP API served on 127.0.0.1 by the test itself."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from monitor.hub import Hub
+from monitor.promapi import DEFAULT_QUERIES, PromApiSource, parse_result
+from monitor.remote import ServerConfig
+
+TTFT_P99 = DEFAULT_QUERIES["ttft_s_p99"]
+
+
+class PromApi(ThreadingHTTPServer):
+    """Answers /api/v1/query from `answers` (expression -> JSON body text), as Prometheus does."""
+
+    daemon_threads = True
+
+    def __init__(self, answers: dict[str, str]) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.answers = answers
+        self.seen: list[dict[str, list[str]]] = []
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_port}"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: PromApi
+
+    def log_message(self, *args) -> None:  # keep test output quiet
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        parts = urlsplit(self.path)
+        params = parse_qs(parts.query)
+        self.server.seen.append(params)
+        expr = params.get("query", [""])[0]
+        if parts.path != "/api/v1/query":
+            status, body = 404, "404 page not found"
+        elif expr in self.server.answers:
+            status, body = 200, self.server.answers[expr]
+        else:  # what Prometheus sends for an expression it cannot parse
+            status, body = 400, json.dumps({"status": "error", "errorType": "bad_data",
+                                            "error": f"parse error in {expr!r}"})
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _vector(*rows: tuple[dict, str]) -> str:
+    result = [{"metric": metric, "value": [1700000000.5, value]} for metric, value in rows]
+    return json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+@pytest.fixture
+def prom():
+    servers: list[PromApi] = []
+
+    def start(answers: dict[str, str]) -> PromApi:
+        servers.append(PromApi(answers))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_expressions_become_the_apps_series(prom):
+    server = prom({
+        TTFT_P99: _vector(({}, "0.245")),
+        "sum(vllm:num_requests_running)": json.dumps(
+            {"status": "success", "data": {"resultType": "scalar", "result": [1.7e9, "3"]}}),
+        "vllm:gpu_cache_usage_perc": _vector(({"__name__": "vllm:gpu_cache_usage_perc",
+                                               "instance": "a:8000"}, "0.5"),
+                                             ({"instance": "b:8000"}, "0.25")),
+        "tpot_nan": _vector(({}, "NaN")),  # histogram_quantile of an idle fleet
+    })
+    source = PromApiSource(ServerConfig("fleet", server.url),
+                           {"ttft_s_p99": TTFT_P99,
+                            "requests_running": "sum(vllm:num_requests_running)",
+                            "kv_cache_usage": "vllm:gpu_cache_usage_perc",
+                            "tpot_s_p99": "tpot_nan"})
+    hub = Hub([source])
+    assert hub.tick(100.0) == 4
+    assert hub.series("fleet/ttft_s_p99")[1].tolist() == [0.245]
+    assert hub.latest("fleet/requests_running") == 3.0
+    assert hub.latest("fleet/kv_cache_usage[instance=a:8000]") == 0.5
+    assert hub.latest("fleet/kv_cache_usage[instance=b:8000]") == 0.25
+    assert "fleet/tpot_s_p99" not in hub.series_keys()
+    assert source.status.state == "up" and source.status.last_error is None
+    assert source.status.last_ok == 100.0
+    assert server.seen[0]["query"] == [TTFT_P99] and server.seen[0]["time"] == ["100.000"]
+    hub.stop()
+
+
+def test_a_refused_expression_is_reported_while_the_others_keep_coming(prom):
+    server = prom({"up": _vector(({}, "1"))})
+    source = PromApiSource(ServerConfig("fleet", server.url), {"up": "up", "bad": "rate(("})
+    poll = source.poll(10.0)
+    assert [(s.series, s.value) for s in poll.samples] == [("fleet/up", 1.0)]
+    assert source.status.state == "up"
+    assert "parse error in 'rate(('" in source.status.last_error
+    assert source.status.message == "1 series from 2 expressions, 1 failed"
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("<html>proxy error</html>", "not JSON"),
+    (json.dumps({"status": "success"}), "without data.resultType"),
+    (json.dumps({"status": "success", "data": {"resultType": "vector",
+                                               "result": [{"value": ["x"]}]}}), "malformed vector"),
+    (json.dumps({"status": "success", "data": {"resultType": "matrix", "result": []}}),
+     "'matrix' result"),
+    (json.dumps([1, 2]), "no status: success"),
+])
+def test_a_malformed_answer_marks_the_source_down_without_raising(prom, body, expected):
+    server = prom({"up": body})
+    source = PromApiSource(ServerConfig("fleet", server.url, interval_s=2.0), {"up": "up"})
+    assert source.poll(50.0).samples == []
+    assert source.status.state == "down" and expected in source.status.last_error
+    assert source.status.message == "retrying in 2 s"
+    source.close()
+
+
+def test_an_unreachable_url_backs_off_and_recovers(prom):
+    with socket.socket() as s:  # a port nothing listens on once this socket closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    source = PromApiSource(ServerConfig("gone", f"http://127.0.0.1:{port}", timeout_s=2.0),
+                           {"up": "up"})
+    assert source.poll(0.0).samples == []
+    assert source.status.state == "down"
+    assert source.status.last_error.startswith(f"cannot connect to http://127.0.0.1:{port}")
+    source.poll(1.5)
+    assert source.failures == 2 and source.status.message == "retrying in 2 s"
+    assert source.poll(2.0).samples == [] and source.failures == 2  # still backing off
+    server = prom({"up": _vector(({}, "1"))})
+    source.url = server.url + "/api/v1/query"  # the server came back, at a new port
+    assert [s.value for s in source.poll(4.0).samples] == [1.0]
+    assert source.status.state == "up" and source.failures == 0
+    source.close()
+
+
+def test_parse_result_drops_infinite_values():
+    assert parse_result({"resultType": "vector", "result": [
+        {"metric": {}, "value": [1.0, "+Inf"]}, {"metric": {"gpu": "0"}, "value": [1.0, "2"]}]}) \
+        == [("[gpu=0]", 1.0, 2.0)]
