@@ -39,6 +39,23 @@ class AlertEvent:
     message: str
 
 
+# The SLO series of a server: TPOT is judged on ITL too, the only one some servers report.
+SLO_SERIES = (("ttft", ("ttft_s_p99",)), ("tpot", ("tpot_s_p99", "itl_s_p99")))
+
+
+def slo_rules(sources: Iterable[str], slo_ms: dict[str, float | None],
+              window_s: float) -> list[AlertRule]:
+    """p99 TTFT / TPOT rules for each source; an objective that is None or absent gets none."""
+    rules = []
+    for name in sources:
+        for slo, metrics in SLO_SERIES:
+            if slo_ms.get(slo) is None:
+                continue
+            rules += [AlertRule(f"{name} p99 {slo.upper()} ({m.split('_')[0]})", f"{name}/{m}",
+                                slo_ms[slo] / 1000.0, window_s=window_s) for m in metrics]
+    return rules
+
+
 class AlertEvaluator:
     """Evaluates rules against a hub's ring buffers on every hub tick."""
 

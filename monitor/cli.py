@@ -57,11 +57,13 @@ def cmd_record(args: argparse.Namespace) -> int:
     try:
         if args.duration is not None and args.duration <= 0:
             raise UserError("--duration must be positive")
-        sources = [PrometheusSource(c) for c in _server_configs(args)]
+        if args.slo_window <= 0:
+            raise UserError("--slo-window must be positive")
+        sources = [PrometheusSource(c) for c in _server_configs(args)] + _prom_api(args)
         if args.gpus:
             sources.append(NvmlSource(interval_s=args.interval))
         if not sources:
-            raise UserError("nothing to record; give --gpus and/or --server URL")
+            raise UserError("nothing to record; give --gpus, --server URL and/or --prom-url URL")
         db = open_database(args.db)
     except (UserError, StorageError) as exc:
         return _fail(args, str(exc))
@@ -70,7 +72,8 @@ def cmd_record(args: argparse.Namespace) -> int:
             print(f"{s.name}: {s.status.message}", file=sys.stderr)
     writer = Writer(db, on_error=lambda m: print(m, file=sys.stderr),
                     on_flush=_flush_reporter(args), maintenance=Maintenance()).start()
-    hub = Hub(sources, writer).start()
+    alerts = _alert_evaluator(args, db, [s.name for s in sources if not isinstance(s, NvmlSource)])
+    hub = Hub(sources, writer, on_tick=alerts.evaluate).start()
     try:
         deadline = None if args.duration is None else time.monotonic() + args.duration
         while deadline is None or time.monotonic() < deadline:
@@ -80,6 +83,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     hub.stop()
     stored = writer.close()
     summary = {"db": db.url, "samples": writer.written_samples, "dropped": writer.dropped,
+               "alerts": [[e.rule, e.state] for e in alerts.events],
                "sources": {n: s.state for n, s in hub.statuses().items()} or
                {s.name: s.status.state for s in sources}}
     db.close()
@@ -88,6 +92,35 @@ def cmd_record(args: argparse.Namespace) -> int:
     else:
         print(f"recorded {writer.written_samples} samples into {summary['db']}", file=sys.stderr)
     return 0 if stored else 1
+
+
+def _prom_api(args: argparse.Namespace) -> list:
+    from monitor.promapi import PromApiSource
+    from monitor.remote import ServerConfig
+
+    if not args.prom_url:
+        return []
+    try:
+        return [PromApiSource(ServerConfig("prometheus", args.prom_url, token=_token(args),
+                                           interval_s=args.interval))]
+    except ValueError as exc:
+        raise UserError(f"--prom-url {args.prom_url}: {exc}") from exc
+
+
+def _alert_evaluator(args: argparse.Namespace, db, names: list[str]):
+    """p99 SLO rules per server; their fire / clear events go to the alerts table as they come."""
+    from monitor.alerts import AlertEvaluator, slo_rules
+    from storage.queries import save_alert
+
+    def store(event) -> None:
+        print(event.message, file=sys.stderr)
+        try:
+            save_alert(db, event)
+        except Exception as exc:  # a full disk or a locked database must not stop the recording
+            print(f"the alert could not be stored: {exc}", file=sys.stderr)
+
+    slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
+    return AlertEvaluator(slo_rules(names, slo, args.slo_window), on_event=store)
 
 
 def _flush_reporter(args: argparse.Namespace):
@@ -177,7 +210,12 @@ def add_monitor_parsers(subparsers) -> None:
     rec.add_argument("--gpus", action="store_true", help="sample local NVIDIA GPUs")
     rec.add_argument("--server", action="append", metavar="[NAME=]URL",
                      help="a server's base or /metrics URL; repeat for several")
+    rec.add_argument("--prom-url", help="a Prometheus server to query (fleet-wide vLLM series)")
     rec.add_argument("--token-env", help="environment variable holding a bearer token")
+    rec.add_argument("--slo-ttft-ms", type=float, help="alert when a server's p99 TTFT is above")
+    rec.add_argument("--slo-tpot-ms", type=float, help="alert when a server's p99 TPOT is above")
+    rec.add_argument("--slo-window", type=float, default=5.0,
+                     help="seconds of a server's p99 the SLO alerts judge")
     rec.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl+C)")
     rec.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     rec.add_argument("--json", action="store_true", help="print one JSON summary at the end")

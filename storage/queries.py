@@ -9,7 +9,7 @@ import numpy as np
 import sqlalchemy as sa
 
 from storage.db import Database
-from storage.models import RequestRow, Rollup1h, Rollup1m, Run, SavedPlan, Series, Source
+from storage.models import Alert, RequestRow, Rollup1h, Rollup1m, Run, SavedPlan, Series, Source
 from storage.models import Sample as SampleRow
 
 PERCENTILES = (50, 95, 99)
@@ -134,6 +134,21 @@ def run_summary(db: Database, run_id: int) -> dict:
     out["completed"] = sum(1 for r in rows if r.ok)
     out["failed"] = sum(1 for r in rows if not r.ok)
     return out
+
+
+def save_alert(db: Database, event: Any) -> None:
+    """Store an alert event (monitor.alerts.AlertEvent: a rule firing or clearing)."""
+    with db.engine.begin() as conn:
+        conn.execute(sa.insert(Alert.__table__).values(
+            rule=event.rule, series=event.series, state=event.state, ts_ms=int(event.ts * 1000),
+            value=event.value, threshold=event.threshold, message=event.message))
+
+
+def list_alerts(db: Database) -> list[dict]:
+    """Stored alert events, oldest first."""
+    with db.engine.connect() as conn:
+        rows = conn.execute(sa.select(Alert.__table__).order_by(Alert.ts_ms, Alert.id))
+        return [dict(r._mapping) for r in rows]
 
 
 def save_plan(db: Database, name: str, plan: dict) -> int:

@@ -195,3 +195,38 @@ def test_sigkilled_recorder_leaves_every_flushed_sample(serve_text, tmp_path):
     assert stamps[-1] >= int(flushed[-1] * 1000)
     # Polls are 50 ms apart: no gap in what was stored up to the last flush.
     assert max(np.diff(stamps)) < 500
+
+
+def test_record_stores_slo_alerts_from_a_prometheus_api_source(prom, tmp_path, capsys):
+    from tests.monitor.conftest import vector_answer
+
+    server = prom({"histogram_quantile(0.99, sum by (le) (rate("
+                   "vllm:time_to_first_token_seconds_bucket[1m])))": vector_answer(({}, "0.25"))})
+    expr = next(iter(server.answers))
+    # The fleet recovers 1 s in: p99 TTFT 250 ms -> 20 ms against a 100 ms SLO.
+    timer = threading.Timer(1.0, server.answers.__setitem__, (expr, vector_answer(({}, "0.02"))))
+    timer.start()
+    url = f"sqlite:///{tmp_path / 'alerts.db'}"
+    code = main(["record", "--db", url, "--prom-url", server.url, "--slo-ttft-ms", "100",
+                 "--slo-window", "0.4", "--duration", "2.5", "--interval", "0.1", "--json"])
+    timer.join()
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["sources"] == {"prometheus": "up"}
+    rule = "prometheus p99 TTFT (ttft)"
+    assert out["alerts"] == [[rule, "firing"], [rule, "cleared"]]
+    db = open_database(url)
+    stored = queries.list_alerts(db)
+    _, ttft = queries.series_window(db, "prometheus/ttft_s_p99", 0, 2e10, "raw")
+    db.close()
+    assert [(a["rule"], a["state"]) for a in stored] == [(rule, "firing"), (rule, "cleared")]
+    assert stored[0]["value"] == 0.25 and stored[0]["threshold"] == 0.1
+    assert stored[1]["value"] < 0.1 and stored[0]["ts_ms"] < stored[1]["ts_ms"]
+    assert set(ttft.tolist()) == {0.25, 0.02}
+
+
+def test_record_attaches_slo_rules_to_every_server(serve_text, tmp_path, capsys):
+    server = serve_text("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n")
+    code = main(["record", "--db", f"sqlite:///{tmp_path / 'r.db'}", "--server",
+                 f"a={server.url}", "--slo-tpot-ms", "50", "--duration", "0.5", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["alerts"] == []  # no TPOT data yet
+    assert main(["record", "--server", server.url, "--slo-window", "0", "--json"]) == 2

@@ -4,81 +4,15 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
 from monitor.hub import Hub
 from monitor.promapi import DEFAULT_QUERIES, PromApiSource, parse_result
 from monitor.remote import ServerConfig
+from tests.monitor.conftest import vector_answer as _vector
 
 TTFT_P99 = DEFAULT_QUERIES["ttft_s_p99"]
-
-
-class PromApi(ThreadingHTTPServer):
-    """Answers /api/v1/query from `answers` (expression -> JSON body text), as Prometheus does."""
-
-    daemon_threads = True
-
-    def __init__(self, answers: dict[str, str]) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.answers = answers
-        self.seen: list[dict[str, list[str]]] = []
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_port}"
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: PromApi
-
-    def log_message(self, *args) -> None:  # keep test output quiet
-        pass
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        parts = urlsplit(self.path)
-        params = parse_qs(parts.query)
-        self.server.seen.append(params)
-        expr = params.get("query", [""])[0]
-        if parts.path != "/api/v1/query":
-            status, body = 404, "404 page not found"
-        elif expr in self.server.answers:
-            status, body = 200, self.server.answers[expr]
-        else:  # what Prometheus sends for an expression it cannot parse
-            status, body = 400, json.dumps({"status": "error", "errorType": "bad_data",
-                                            "error": f"parse error in {expr!r}"})
-        data = body.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-def _vector(*rows: tuple[dict, str]) -> str:
-    result = [{"metric": metric, "value": [1700000000.5, value]} for metric, value in rows]
-    return json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
-
-
-@pytest.fixture
-def prom():
-    servers: list[PromApi] = []
-
-    def start(answers: dict[str, str]) -> PromApi:
-        servers.append(PromApi(answers))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 def test_expressions_become_the_apps_series(prom):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.panes.monitor.state import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, ServerEntry
-from monitor.alerts import AlertEvaluator, AlertEvent, AlertRule
+from monitor.alerts import AlertEvaluator, AlertEvent, slo_rules
 from monitor.types import SourceStatus
 
 log = logging.getLogger(__name__)
@@ -227,12 +227,7 @@ class MonitorService:
         self._rebuild_rules()
 
     def _rebuild_rules(self) -> None:
-        rules = []
-        for name in self.servers:
-            for slo, metrics in (("ttft", ("ttft_s_p99",)), ("tpot", ("tpot_s_p99", "itl_s_p99"))):
-                rules += [AlertRule(f"{name} p99 {slo.upper()} ({m.split('_')[0]})", f"{name}/{m}",
-                                    self.slo_ms[slo] / 1000.0, window_s=ALERT_WINDOW_S)
-                          for m in metrics]
+        rules = slo_rules(self.servers, self.slo_ms, ALERT_WINDOW_S)
         with self._lock:
             self._alerts = AlertEvaluator(rules, on_event=self._store_alert)
 
@@ -254,14 +249,10 @@ class MonitorService:
         import sqlalchemy as sa  # here, not at import: it costs start-up time
         if self.db is None:
             return
-        from storage.models import Alert
+        from storage.queries import save_alert
 
         try:
-            with self.db.engine.begin() as conn:
-                conn.execute(sa.insert(Alert.__table__).values(
-                    rule=event.rule, series=event.series, state=event.state,
-                    ts_ms=int(event.ts * 1000), value=event.value, threshold=event.threshold,
-                    message=event.message))
+            save_alert(self.db, event)
         except sa.exc.SQLAlchemyError as exc:
             self._db_failed(exc)
 
