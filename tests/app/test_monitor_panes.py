@@ -189,3 +189,25 @@ def test_a_chat_reply_reaches_the_monitor_as_a_request_record(loaded_window, qtb
     # The writer stores it: the window's request percentiles count this one reply.
     qtbot.waitUntil(lambda: queries.request_percentiles(
         service.db, 0, 2e10, source="engine")["completed"] == 1, timeout=10_000)
+
+
+def test_benchmark_requests_reach_the_listeners_and_a_failing_listener_is_harmless(demo_gguf):
+    from app.engine_host import FinishedListeners, _ReportingLLM
+    from engine import LLM, SamplingParams
+
+    listeners, seen = FinishedListeners(), []
+
+    def broken(outputs: list) -> None:
+        raise RuntimeError("listener bug")
+
+    listeners.add(broken)
+    listeners.add(seen.extend)
+    llm = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256)
+    try:
+        outputs = _ReportingLLM(llm, listeners).generate(
+            ["one", "two"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        listeners.remove(seen.extend)
+        _ReportingLLM(llm, listeners).generate("three", SamplingParams(max_tokens=1))
+    finally:
+        llm.close()
+    assert seen == outputs and all(o.finished and o.metrics.ttft_s > 0 for o in seen)
