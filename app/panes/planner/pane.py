@@ -92,12 +92,18 @@ class PlannerPane(QWidget):
         self.report_button = QPushButton("Export report…")
         self.present_button = QPushButton("Presentation", checkable=True)
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        bar = QHBoxLayout()
-        bar.addWidget(self.status, 1)
-        for w in (self.progress, self.cancel_button, self.scenario_button,
-                  self.save_scenarios_button, self.calibrate_button, self.report_button,
-                  self.present_button):
-            bar.addWidget(w)
+        # Two rows: progress beside the status, actions below, so the pane fits a laptop.
+        bar = QVBoxLayout()
+        top, actions = QHBoxLayout(), QHBoxLayout()
+        top.addWidget(self.status, 1)
+        top.addWidget(self.progress)
+        top.addWidget(self.cancel_button)
+        for w in (self.scenario_button, self.save_scenarios_button, self.calibrate_button,
+                  self.report_button, self.present_button):
+            actions.addWidget(w)
+        actions.addStretch(1)
+        bar.addLayout(top)
+        bar.addLayout(actions)
         self.recommendation = QLabel("")
         self.recommendation.setObjectName("planner-recommendation")
         self.recommendation.setWordWrap(True)
