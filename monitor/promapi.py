@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from typing import Any
 
 import httpx
 
-from monitor.remote import FetchError, ServerConfig, backoff_delay, describe_error
+from monitor.remote import BackoffSource, FetchError, ServerConfig, describe_error
 from monitor.types import Poll, Sample, SourceStatus
 
 
@@ -60,7 +59,7 @@ def parse_result(data: Any) -> list[tuple[str, float, float]]:
     return [row for row in out if math.isfinite(row[2])]
 
 
-class PromApiSource:
+class PromApiSource(BackoffSource):
     """Runs each PromQL expression with /api/v1/query every poll; never raises from poll()."""
 
     def __init__(self, config: ServerConfig, queries: dict[str, str] | None = None) -> None:
@@ -131,18 +130,3 @@ class PromApiSource:
         self.status.message = (f"{len(samples)} series from {len(self.queries)} expressions"
                                + (f", {len(errors)} failed" if errors else ""))
 
-    def _fail(self, now: float, message: str) -> None:
-        self.failures += 1
-        delay = backoff_delay(self.interval_s, self.failures)
-        self._next_try = now + delay
-        self.status.state, self.status.last_error = "down", message
-        self.status.message = f"retrying in {delay:g} s"
-
-    def test_connection(self) -> SourceStatus:
-        """Run the expressions once now, ignoring back-off; the status says what happened."""
-        self._next_try = 0.0
-        self.poll(time.time())
-        return self.status
-
-    def close(self) -> None:
-        self.client.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import os
 import time
 from dataclasses import dataclass, field
@@ -82,7 +83,39 @@ def _describe(exc: Exception, url: str, timeout_s: float) -> str:
     return f"{url} failed: {text or type(exc).__name__}"
 
 
-class PrometheusSource:
+class BackoffSource(abc.ABC):
+    """What every polled HTTP source shares: an up/down status, exponential back-off after
+    failures, a "test connection" that ignores the back-off, and closing its client."""
+
+    interval_s: float
+    failures: int
+    _next_try: float
+    status: SourceStatus
+    client: httpx.Client
+
+    @abc.abstractmethod
+    def poll(self, now: float) -> Poll:
+        """Read the source once; never raises (failures go to `status`)."""
+
+    def _fail(self, now: float, message: str) -> None:
+        # Exponential back-off keeps a dead server from costing a timeout every interval.
+        self.failures += 1
+        delay = backoff_delay(self.interval_s, self.failures)
+        self._next_try = now + delay
+        self.status.state, self.status.last_error = "down", message
+        self.status.message = f"retrying in {delay:g} s"
+
+    def test_connection(self) -> SourceStatus:
+        """Poll once now, ignoring back-off; the status says what happened."""
+        self._next_try = 0.0
+        self.poll(time.time())
+        return self.status
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class PrometheusSource(BackoffSource):
     """Scrapes one server's /metrics and normalises it; never raises from poll()."""
 
     def __init__(self, config: ServerConfig, window_s: float = 60.0) -> None:
@@ -134,19 +167,3 @@ class PrometheusSource:
                 chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace")
 
-    def _fail(self, now: float, message: str) -> None:
-        # Exponential back-off keeps a dead server from costing a timeout every interval.
-        self.failures += 1
-        delay = backoff_delay(self.interval_s, self.failures)
-        self._next_try = now + delay
-        self.status.state, self.status.last_error = "down", message
-        self.status.message = f"retrying in {delay:g} s"
-
-    def test_connection(self) -> SourceStatus:
-        """One scrape now, ignoring back-off; the status says what happened."""
-        self._next_try = 0.0
-        self.poll(time.time())
-        return self.status
-
-    def close(self) -> None:
-        self.client.close()
