@@ -1,0 +1,268 @@
+"""Monitor benchmark: hub CPU (simulated GPUs, real HTTP servers), writer rate, chart redraw."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+# Run as `python benchmarks/monitor.py`, sys.path[0] is benchmarks/, where this file would
+# shadow the `monitor` package; drop it so the real package is imported.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+
+import numpy as np  # noqa: E402
+
+from monitor.hub import Hub  # noqa: E402
+from monitor.remote import PrometheusSource, ServerConfig  # noqa: E402
+from monitor.types import Poll, Sample, SourceStatus  # noqa: E402
+from storage.db import open_database  # noqa: E402
+from storage.writer import Writer  # noqa: E402
+
+ROOT = HERE.parent
+METRICS_FILE = ROOT / "tests" / "monitor" / "vllm_metrics_a.txt"
+N_GPUS, N_GPU_SERIES, GPU_HZ = 8, 20, 10.0
+N_SERVERS, SERVER_HZ = 10, 1.0
+HUB_SECONDS = float(os.environ.get("SERVESCOPE_BENCH_SECONDS", "20"))  # shorter for a smoke run
+N_CHART_SERIES, WINDOW_POINTS, FRAMES = 40, 600, 100
+TARGETS = {"hub_cpu_pct_of_one_core": 5.0, "writer_samples_per_s": 50_000,
+           "redraw_ms_per_frame_p95": 16.0}
+
+
+class SimulatedGpu:
+    """A simulated GPU (no hardware): 20 random-walk series per poll, produced with numpy."""
+
+    def __init__(self, index: int) -> None:
+        self.name = f"simgpu{index}"
+        self.interval_s = 1.0 / GPU_HZ
+        self.status = SourceStatus(state="up", kind="simulated")
+        self.keys = [f"{self.name}/0/metric{k}" for k in range(N_GPU_SERIES)]
+        self.rng = np.random.default_rng(index)
+        self.values = self.rng.uniform(0, 100, N_GPU_SERIES)
+
+    def poll(self, now: float) -> Poll:
+        self.values = np.clip(self.values + self.rng.normal(0, 1, N_GPU_SERIES), 0, 100)
+        pairs = zip(self.keys, self.values.tolist(), strict=True)
+        return Poll([Sample(k, now, float(v)) for k, v in pairs])
+
+    def close(self) -> None:
+        pass
+
+
+def _serve_metrics(body: bytes, n: int, ports: Any, stop: Any) -> None:
+    """Child process: n threaded HTTP servers on 127.0.0.1 answering /metrics with `body`."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:  # keep stderr quiet
+            pass
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(n)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    ports.put([s.server_address[1] for s in servers])
+    stop.wait()
+
+
+def start_servers() -> tuple[mp.Process, Any, list[int]]:
+    """Start the servers in a separate process so their CPU is not charged to the hub."""
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_serve_metrics, args=(METRICS_FILE.read_bytes(), N_SERVERS, ports,
+                                                    stop), daemon=True)
+    proc.start()
+    return proc, stop, ports.get(timeout=60)
+
+
+def process_cpu_s() -> float:
+    """User + system CPU seconds of this process (all its threads)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+class TimedHub(Hub):
+    """The Hub with its own thread's CPU time recorded (time.thread_time inside that thread)."""
+
+    thread_cpu_s = 0.0
+
+    def _run(self) -> None:
+        t0 = time.thread_time()
+        try:
+            super()._run()
+        finally:
+            self.thread_cpu_s = time.thread_time() - t0
+
+
+def measure_hub(tmp: str, ports: list[int]) -> dict[str, Any]:
+    """Idle baseline, then the hub + writer for HUB_SECONDS; CPU as % of one core."""
+    idle0, w0 = process_cpu_s(), time.monotonic()
+    time.sleep(HUB_SECONDS)
+    idle_cpu, idle_wall = process_cpu_s() - idle0, time.monotonic() - w0
+    db = open_database(f"sqlite:///{os.path.join(tmp, 'hub.db')}")
+    writer = Writer(db).start()
+    sources: list[Any] = [SimulatedGpu(i) for i in range(N_GPUS)]
+    sources += [PrometheusSource(ServerConfig(f"srv{i}", f"http://127.0.0.1:{p}",
+                                              interval_s=1.0 / SERVER_HZ))
+                for i, p in enumerate(ports)]
+    hub = TimedHub(sources, writer)
+    c0, w0 = process_cpu_s(), time.monotonic()
+    hub.start()
+    time.sleep(HUB_SECONDS)
+    hub.stop()
+    flushed = writer.close(timeout=60)
+    busy_cpu, busy_wall = process_cpu_s() - c0, time.monotonic() - w0
+    statuses = hub.statuses()
+    up = sum(1 for name, s in statuses.items() if name.startswith("srv") and s.state == "up")
+    keys = hub.series_keys()
+    gpu_points = sum(len(hub.series(k)[0]) for k in keys if k.startswith("simgpu"))
+    db.close()
+    process_pct = 100 * (busy_cpu / busy_wall - idle_cpu / idle_wall)
+    thread_pct = 100 * hub.thread_cpu_s / busy_wall
+    return {
+        "simulated_gpu_sources": N_GPUS, "series_per_gpu": N_GPU_SERIES, "gpu_poll_hz": GPU_HZ,
+        "remote_servers": N_SERVERS, "servers_up_at_end": up, "server_poll_hz": SERVER_HZ,
+        "seconds": round(busy_wall, 2), "series_live": len(keys),
+        "gpu_points_held": gpu_points, "writer_flushed": flushed,
+        "writer_error": writer.last_error,
+        "hub_thread_cpu_pct_of_one_core": round(thread_pct, 2),
+        "process_cpu_pct_of_one_core_minus_idle": round(process_pct, 2),
+        "idle_baseline_cpu_pct": round(100 * idle_cpu / idle_wall, 2),
+    }
+
+
+def measure_writer() -> dict[str, Any]:
+    """The existing storage_writer benchmark's functions, imported from its file."""
+    spec = importlib.util.spec_from_file_location("storage_writer_bench",
+                                                  HERE / "storage_writer.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory() as tmp:
+        fast = mod.batched(os.path.join(tmp, "a.db"))
+        slow = mod.naive(os.path.join(tmp, "b.db"))
+    return {"samples": mod.N_SERIES * mod.N_PER_SERIES, "writer_samples_per_s": round(fast),
+            "commit_per_sample_samples_per_s": round(slow), "speedup": round(fast / slow, 1)}
+
+
+def _chart_frames(n_series: int, frames: int) -> tuple[list[float], list[float]]:
+    """ms per frame (setData only, setData + paint) for n_series 600-point windows in the app's
+    ChartViews."""
+    from PySide6.QtWidgets import QApplication, QGridLayout, QWidget
+
+    from app.panes.monitor.charts import ChartView
+    from app.panes.monitor.state import CHARTS
+
+    QApplication.instance() or QApplication([])
+    host = QWidget()
+    grid = QGridLayout(host)
+    charts = [ChartView(spec) for spec in CHARTS]
+    for i, chart in enumerate(charts):
+        grid.addWidget(chart, i // 3, i % 3)  # the pane's 3-column grid
+    host.resize(1600, 1000)
+    host.show()
+    QApplication.processEvents()
+    rng = np.random.default_rng(0)
+    now = time.time()
+    ts = now - np.arange(WINDOW_POINTS)[::-1] / GPU_HZ
+    values = rng.uniform(0, 100, (n_series, WINDOW_POINTS))
+    times, set_only = [], []
+    for _ in range(frames):
+        ts = ts + 1 / GPU_HZ  # each 10 Hz frame the window slides by one point
+        values = np.roll(values, -1, axis=1)
+        values[:, -1] = rng.uniform(0, 100, n_series)
+        t0 = time.perf_counter()
+        for c, chart in enumerate(charts):
+            mine = {f"s{k}": (ts, values[k]) for k in range(c, n_series, len(charts))}
+            if mine:
+                chart.update_series(mine, (ts[0], ts[-1]))
+        t1 = time.perf_counter()
+        # host.repaint() measured ~5 ms because it does not paint the graphics views' scenes;
+        # repainting each view's viewport forces the real, synchronous draw of every curve.
+        for chart in charts:
+            chart.plot.viewport().repaint()
+        t2 = time.perf_counter()
+        set_only.append((t1 - t0) * 1e3)
+        times.append((t2 - t0) * 1e3)
+    host.close()
+    return times[5:], set_only[5:]  # the first frames create curves and legends
+
+
+def measure_redraw() -> dict[str, Any]:
+    """40 live series vs one series, median and p95 ms per frame."""
+    many, many_set = _chart_frames(N_CHART_SERIES, FRAMES)
+    one, _ = _chart_frames(1, FRAMES)
+    return {
+        "series": N_CHART_SERIES, "points_per_series": WINDOW_POINTS, "frames": len(many),
+        "widgets": "the app's ChartView (pyqtgraph PlotWidget, pen width 1, no symbols, no "
+                   "OpenGL) x9 in a 3-column grid, 1600x1000, QT_QPA_PLATFORM=offscreen",
+        "ms_per_frame_median": round(float(np.median(many)), 2),
+        "ms_per_frame_p95": round(float(np.percentile(many, 95)), 2),
+        "set_data_only_ms_median": round(float(np.median(many_set)), 2),
+        "method": "per frame: ChartView.update_series (setData) on every chart, then "
+                  "viewport().repaint() of each chart's PlotWidget; perf_counter around both",
+        "single_series_ms_median": round(float(np.median(one)), 2),
+        "ratio_40_vs_1_series": round(float(np.median(many) / np.median(one)), 2),
+    }
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "python": sys.version.split()[0], "load_avg_at_start": os.getloadavg()}
+
+
+def main() -> None:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    info = machine()
+    proc, stop, ports = start_servers()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            hub = measure_hub(tmp, ports)
+    finally:
+        stop.set()
+        proc.join(10)
+    writer = measure_writer()
+    redraw = measure_redraw()
+    cpu = hub["hub_thread_cpu_pct_of_one_core"]  # the figure the target applies to
+    print(json.dumps({
+        "machine": info,
+        "gpus": "simulated (no GPU used): numpy random-walk sources",
+        "hub": hub,
+        "hub_cpu_method": "hub_thread_cpu_pct_of_one_core = time.thread_time() inside the hub "
+                          "thread / wall time (polling simulated GPUs, scraping and parsing the "
+                          "10 servers' /metrics, ring buffers, submitting to the writer). "
+                          "process_cpu_pct_of_one_core_minus_idle = getrusage delta of the whole "
+                          "process (hub + SQLite writer thread) minus an idle baseline of the "
+                          "same length; the HTTP servers run in a separate process, not counted",
+        "writer": writer,
+        "redraw": redraw,
+        "targets": TARGETS,
+        "met": {
+            "hub_cpu_under_5pct": cpu < TARGETS["hub_cpu_pct_of_one_core"],
+            "hub_plus_writer_process_cpu_under_5pct":
+                hub["process_cpu_pct_of_one_core_minus_idle"] < 5.0,
+            "writer_at_least_50k_per_s":
+                writer["writer_samples_per_s"] >= TARGETS["writer_samples_per_s"],
+            "redraw_p95_under_16ms":
+                redraw["ms_per_frame_p95"] < TARGETS["redraw_ms_per_frame_p95"],
+        },
+    }))
+
+
+if __name__ == "__main__":
+    main()
