@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 
 from PySide6.QtCore import QSettings, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShowEvent
+from PySide6.QtGui import QCloseEvent, QKeySequence, QShowEvent
 from PySide6.QtWidgets import (
     QApplication,
     QHBoxLayout,
@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 
 from app.about import show_about
 from app.engine_host import EngineHost
-from app.navigation import NavigationRail, Pane
+from app.navigation import NavigationRail, Pane, make_action
 from app.notifications import NotificationArea
 from app.panes.engine.pane import EnginePane
 from app.panes.monitor.factory import monitor_panes
@@ -93,22 +93,16 @@ class MainWindow(QMainWindow):
 
     def _build_menus(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
-        file_menu.addAction(self._action("Quit", QKeySequence.StandardKey.Quit, self.close))
+        file_menu.addAction(make_action(self, "Quit", QKeySequence.StandardKey.Quit, self.close))
         self._panes_menu_anchor = self.menuBar().addMenu("&View")
-        self.theme_action = self._action("Dark theme", "Ctrl+Shift+T", self.toggle_theme)
+        self.theme_action = make_action(self, "Dark theme", "Ctrl+Shift+T", self.toggle_theme)
         self.theme_action.setCheckable(True)
         self.theme_action.setChecked(current_theme() == "dark")
         self._panes_menu_anchor.addAction(self.theme_action)
         self._panes_menu_anchor.addSeparator()
         help_menu = self.menuBar().addMenu("&Help")
-        help_menu.addAction(self._action("About servescope", QKeySequence.StandardKey.HelpContents,
-                                         self.show_about))
-
-    def _action(self, text: str, shortcut: object, slot: object) -> QAction:
-        action = QAction(text, self)
-        action.setShortcut(QKeySequence(shortcut))
-        action.triggered.connect(slot)
-        return action
+        help_menu.addAction(make_action(self, "About servescope",
+                                        QKeySequence.StandardKey.HelpContents, self.show_about))
 
     def _restore_layout(self) -> None:
         geometry = self.settings.get("window/geometry")
@@ -128,7 +122,7 @@ class MainWindow(QMainWindow):
         menu.addActions(pane.menu_actions())
         self.menuBar().insertMenu(self._panes_menu_anchor.menuAction(), menu)
         number = len(self.panes)
-        goto = self._action(f"Go to {pane.title}", f"Ctrl+{number}",
+        goto = make_action(self, f"Go to {pane.title}", f"Ctrl+{number}",
                             lambda: self.rail.select(pane.pane_id))
         self._panes_menu_anchor.addAction(goto)
 

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from PySide6.QtCore import QSize, Signal
-from PySide6.QtGui import QAction
+from PySide6.QtCore import QObject, QSize, Signal
+from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QListWidget, QListWidgetItem, QStackedWidget, QWidget
+
+
+def make_action(parent: QObject, text: str, shortcut: object, slot: object) -> QAction:
+    """A menu action with its shortcut, triggering ``slot``."""
+    action = QAction(text, parent)
+    action.setShortcut(QKeySequence(shortcut))
+    action.triggered.connect(slot)
+    return action
+
+
+def make_actions(parent: QObject, specs) -> list[QAction]:
+    """Actions from (text, shortcut, slot) triples, in order."""
+    return [make_action(parent, text, shortcut, slot) for text, shortcut, slot in specs]
 
 
 class Pane(Protocol):

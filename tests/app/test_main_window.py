@@ -32,6 +32,21 @@ def test_window_has_its_panes_and_an_honest_status_bar(make_window, qtbot) -> No
                      "&Help"]
 
 
+def test_no_two_actions_share_a_shortcut(make_window) -> None:
+    # Qt fires neither action of an ambiguous shortcut, so a clash silently disables both.
+    from collections import defaultdict
+
+    from PySide6.QtGui import QAction
+
+    window = make_window()
+    owners: dict[str, list[str]] = defaultdict(list)
+    for action in window.findChildren(QAction):
+        for key in action.shortcuts():
+            if key.toString():
+                owners[key.toString()].append(action.text())
+    assert {k: v for k, v in owners.items() if len(v) > 1} == {}
+
+
 def test_shortcuts_cover_the_common_actions(make_window) -> None:
     window = make_window()
     shortcuts = {a.text(): a.shortcut().toString() for a in window.pane("engine").menu_actions()}

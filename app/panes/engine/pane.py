@@ -7,6 +7,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QHBoxLayout, QTabWidget, QVBoxLayout, QWidget
 
 from app.engine_host import EngineHost
+from app.navigation import make_actions
 from app.panes.engine.bench import BenchPanel
 from app.panes.engine.chat import ChatPanel
 from app.panes.engine.live_view import LiveView
@@ -81,13 +82,7 @@ class EnginePane(QWidget):
             ("Clear conversation", "Ctrl+Shift+K", self.chat.clear),
             ("Run benchmark", "Ctrl+B", self.bench.run),
         ]
-        actions = []
-        for text, shortcut, slot in specs:
-            action = QAction(text, self)
-            action.setShortcut(QKeySequence(shortcut))
-            action.triggered.connect(slot)
-            actions.append(action)
-        return actions
+        return make_actions(self, specs)
 
     # ---- Pane protocol
     def widget(self) -> QWidget:

@@ -6,7 +6,7 @@ import datetime as dt
 from pathlib import Path
 
 from PySide6.QtCore import Signal
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QFileDialog,
@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.navigation import make_actions
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import fmt, table_csv
 from app.workers import TaskRunner
@@ -92,15 +93,13 @@ class HistoryPane(QWidget):
 
     def _build(self) -> list[QAction]:
         bar = QHBoxLayout()
-        actions = []
-        for text, shortcut, slot in (("Refresh runs", "Ctrl+Shift+R", self.reload),
-                                     ("Compare selected runs", "Ctrl+Shift+M", self.compare),
-                                     ("Export runs as CSV…", "Ctrl+Shift+X", self.export_csv)):
-            action = QAction(text, self)
-            action.setShortcut(QKeySequence(shortcut))
-            action.triggered.connect(slot)
-            actions.append(action)
-            button = QPushButton(text.rstrip("…"))
+        actions = make_actions(self, (
+            ("Refresh runs", "F5", self.reload),
+            ("Compare selected runs", "Ctrl+Shift+M", self.compare),
+            ("Export runs as CSV…", "Ctrl+Alt+X", self.export_csv),
+        ))
+        for action in actions:
+            button = QPushButton(action.text().rstrip("…"))
             button.clicked.connect(action.trigger)
             bar.addWidget(button)
         bar.addStretch(1)

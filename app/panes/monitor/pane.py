@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.navigation import make_actions
 from app.panes.monitor.charts import ChartView
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import CHARTS, LIVE_ONLY_S, WINDOWS, chart_series, merge_history
@@ -113,16 +114,10 @@ class MonitorPane(QWidget):
             chart.export_requested.connect(self._export)
 
     def _make_actions(self) -> list[QAction]:
-        actions = []
-        for text, shortcut, slot in (("Pause / resume charts", "Ctrl+Shift+P",
-                                      self.pause_button.toggle),
-                                     ("Export TTFT chart as PNG…", "Ctrl+Shift+E",
-                                      lambda: self._export("ttft", "png"))):
-            action = QAction(text, self)
-            action.setShortcut(QKeySequence(shortcut))
-            action.triggered.connect(slot)
-            actions.append(action)
-        return actions
+        return make_actions(self, (
+            ("Pause / resume charts", "Ctrl+Shift+P", self.pause_button.toggle),
+            ("Export TTFT chart as PNG…", "Ctrl+Alt+P", lambda: self._export("ttft", "png")),
+        ))
 
     # ---- Pane protocol
     def widget(self) -> QWidget:

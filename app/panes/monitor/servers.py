@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import QTimer, Signal
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QDialog,
@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.navigation import make_actions
 from app.panes.monitor.loadtest import LoadTestDialog
 from app.panes.monitor.service import MonitorService, test_connection
 from app.panes.monitor.state import ServerEntry, fmt
@@ -88,17 +89,15 @@ class ServersPane(QWidget):
 
     def _build(self) -> list[QAction]:
         buttons = QHBoxLayout()
-        actions = []
-        for text, shortcut, slot in (("Add server…", "Ctrl+Shift+N", self.add_server),
-                                     ("Edit server…", "Ctrl+Shift+I", self.edit_server),
-                                     ("Remove server", "Ctrl+Shift+Del", self.remove_server),
-                                     ("Test connection", "Ctrl+Shift+J", self.test_selected),
-                                     ("Load test…", "Ctrl+Shift+G", self.open_load_test)):
-            action = QAction(text, self)
-            action.setShortcut(QKeySequence(shortcut))
-            action.triggered.connect(slot)
-            actions.append(action)
-            button = QPushButton(text.rstrip("…"))
+        actions = make_actions(self, (
+            ("Add server…", "Ctrl+Shift+N", self.add_server),
+            ("Edit server…", "Ctrl+Alt+I", self.edit_server),
+            ("Remove server", "Ctrl+Shift+Del", self.remove_server),
+            ("Test connection", "Ctrl+Shift+J", self.test_selected),
+            ("Load test…", "Ctrl+Shift+G", self.open_load_test),
+        ))
+        for action in actions:
+            button = QPushButton(action.text().rstrip("…"))
             button.clicked.connect(action.trigger)
             buttons.addWidget(button)
         buttons.addStretch(1)

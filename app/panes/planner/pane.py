@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QFont, QKeySequence
+from PySide6.QtGui import QAction, QFont
 from PySide6.QtWidgets import (
     QFileDialog,
     QGridLayout,
@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.navigation import make_actions
 from app.panes.planner.charts import ChartView
 from app.panes.planner.figures import ChartSpec, all_charts
 from app.panes.planner.form import WorkloadForm
@@ -173,18 +174,12 @@ class PlannerPane(QWidget):
             ("Cancel search", "Ctrl+Shift+X", self.cancel),
             ("Import config.json…", "Ctrl+Shift+I", lambda: self.form.import_config()),
             ("Keep as scenario", "Ctrl+Shift+S", self.keep_scenario),
-            ("Save scenarios", "Ctrl+Shift+D", lambda: self.save_scenarios()),
+            ("Save scenarios", "Ctrl+Alt+S", lambda: self.save_scenarios()),
             ("Calibrate from measured runs…", "Ctrl+Shift+B", lambda: self.calibrate()),
             ("Export report…", "Ctrl+Shift+E", lambda: self.export_report()),
             ("Presentation mode", "F11", self.present_button.toggle),
         ]
-        actions = []
-        for text, shortcut, slot in specs:
-            action = QAction(text, self)
-            action.setShortcut(QKeySequence(shortcut))
-            action.triggered.connect(slot)
-            actions.append(action)
-        return actions
+        return make_actions(self, specs)
 
     # ---- Pane protocol
     def widget(self) -> QWidget:
