@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from monitor.remote import BackoffSource, FetchError, ServerConfig, describe_error
-from monitor.types import Poll, Sample, SourceStatus
+from monitor.types import Poll, Sample
 
 
 def _quantile(q: float, histogram: str) -> str:
@@ -63,16 +63,9 @@ class PromApiSource(BackoffSource):
     """Runs each PromQL expression with /api/v1/query every poll; never raises from poll()."""
 
     def __init__(self, config: ServerConfig, queries: dict[str, str] | None = None) -> None:
-        self.config = config
-        self.name = config.name
-        self.interval_s = config.interval_s
+        super().__init__(config, "prometheus-api")
         self.queries = dict(DEFAULT_QUERIES if queries is None else queries)
         self.url = config.url.rstrip("/") + "/api/v1/query"
-        self.status = SourceStatus(kind=config.kind or "prometheus-api")
-        headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
-        self.client = httpx.Client(timeout=config.timeout_s, headers=headers, verify=True)
-        self.failures = 0
-        self._next_try = 0.0
 
     def poll(self, now: float) -> Poll:
         if now < self._next_try:

@@ -87,11 +87,16 @@ class BackoffSource(abc.ABC):
     """What every polled HTTP source shares: an up/down status, exponential back-off after
     failures, a "test connection" that ignores the back-off, and closing its client."""
 
-    interval_s: float
-    failures: int
-    _next_try: float
-    status: SourceStatus
-    client: httpx.Client
+    def __init__(self, config: ServerConfig, kind: str) -> None:
+        self.config = config
+        self.name = config.name
+        self.interval_s = config.interval_s
+        self.status = SourceStatus(kind=config.kind or kind)
+        headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
+        # verify=True: certificates are always checked; there is deliberately no opt-out flag.
+        self.client = httpx.Client(timeout=config.timeout_s, headers=headers, verify=True)
+        self.failures = 0
+        self._next_try = 0.0
 
     @abc.abstractmethod
     def poll(self, now: float) -> Poll:
@@ -119,17 +124,9 @@ class PrometheusSource(BackoffSource):
     """Scrapes one server's /metrics and normalises it; never raises from poll()."""
 
     def __init__(self, config: ServerConfig, window_s: float = 60.0) -> None:
-        self.config = config
-        self.name = config.name
-        self.interval_s = config.interval_s
+        super().__init__(config, "unknown")
         self.url = metrics_url(config.url)
-        self.status = SourceStatus(kind=config.kind or "unknown")
         self.normalizer = Normalizer(window_s)
-        headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
-        # verify=True: certificates are always checked; there is deliberately no opt-out flag.
-        self.client = httpx.Client(timeout=config.timeout_s, headers=headers, verify=True)
-        self.failures = 0
-        self._next_try = 0.0
 
     def poll(self, now: float) -> Poll:
         if now < self._next_try:
