@@ -88,8 +88,6 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as exc:
             self._send_json(exc.status, {"error": {"message": str(exc), "type": exc.kind,
                                                    "code": exc.status}})
-        except (BrokenPipeError, ConnectionResetError):
-            pass
 
     def _authorize(self) -> None:
         key = self.server.api_key
