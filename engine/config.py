@@ -47,3 +47,7 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads "
                 f"({self.num_kv_heads}): the model file is inconsistent."
             )
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """K and V bytes one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes

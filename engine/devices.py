@@ -43,11 +43,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V bytes one token occupies across all layers."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
-
-
 def kv_budget_tokens(config: ModelConfig, device: torch.device, dtype: torch.dtype,
                      max_num_seqs: int, max_model_len: int) -> int:
     """Default KV pool size: room for every sequence at full context, within a memory budget.
@@ -55,7 +50,7 @@ def kv_budget_tokens(config: ModelConfig, device: torch.device, dtype: torch.dty
     On the CPU the budget is a quarter of physical memory (at most 4 GiB); on CUDA 85% of the
     memory free after the weights were loaded.
     """
-    per_token = kv_bytes_per_token(config, dtype)
+    per_token = config.kv_bytes_per_token(dtype.itemsize)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * 0.85)

@@ -60,7 +60,7 @@ def estimate_for(config: ModelConfig, parameters: int, dtype: str, context_token
     if device == "cpu" and dtype == "float32" and config.tie_word_embeddings:
         # The CPU engine keeps a oneDNN-packed copy of a tied LM head (kernels/onednn.py).
         weights += config.vocab_size * config.hidden_size * size
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * size
+    per_token = config.kv_bytes_per_token(size)
     blocks = concurrency * -(-context_tokens // BLOCK_SIZE)
     # The widest activations of one step: the MLP's fused gate/up output plus float32 logits
     # for every sequence sampled.
