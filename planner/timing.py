@@ -120,7 +120,8 @@ class StepCost:
 
     __slots__ = ("d", "eff", "flops_per_token", "lm_head_flops", "attn_flops", "dense_bytes",
                  "expert_bytes", "kv_read", "flops_rate", "attn_rate", "bw", "comm_per_token",
-                 "comm_fixed", "stage_layers", "spec_tokens", "draft_fraction")
+                 "comm_fixed", "stage_layers", "spec_tokens", "draft_fraction", "pp",
+                 "handoff_fixed", "handoff_per_token", "overhead", "draft_seconds", "moe")
 
     def __init__(self, d: Deployment, eff: Efficiency | None = None) -> None:
         m, g, self.d = d.model, d.gpu, d
@@ -148,6 +149,13 @@ class StepCost:
                                          - allreduce_seconds(g, d.tp, 0.0, self.eff.link))
         self.spec_tokens = d.spec.draft_len + 1 if d.spec else 1
         self.draft_fraction = d.spec.draft_len * d.spec.draft_cost if d.spec else 0.0
+        # Constants of time(), which the search calls hundreds of thousands of times.
+        self.pp, self.moe = d.pp, m.is_moe
+        self.handoff_fixed = (d.pp - 1) * send_seconds(g, 0.0, self.eff.link)
+        self.handoff_per_token = (d.pp - 1) * (send_seconds(g, 2.0 * m.hidden, self.eff.link)
+                                               - send_seconds(g, 0.0, self.eff.link))
+        self.overhead = self.eff.overhead_ms * 1e-3
+        self.draft_seconds = self.draft_fraction * self.dense_bytes / self.bw * d.pp
 
     def _experts_touched(self, tokens: float) -> float:
         """Distinct routed experts a layer reads for `tokens` tokens routed uniformly at random."""
@@ -161,14 +169,16 @@ class StepCost:
         """Seconds for one iteration: `prefill_tokens` prompt tokens whose attention covers
         `prefill_attn` (query, key) pairs, plus `decode_seqs` decodes over `decode_ctx` cached
         tokens in all; `sampled` sequences produce logits."""
-        pp = self.d.pp
+        pp = self.pp
         tokens = prefill_tokens + decode_seqs * self.spec_tokens
         if tokens <= 0:
             return 0.0
         micro = min(pp, max(decode_seqs + (1 if prefill_tokens else 0), 1))
         gemm_flops = tokens * self.flops_per_token + sampled * self.spec_tokens * self.lm_head_flops
         attn_flops = self.attn_flops * (prefill_attn + decode_ctx * self.spec_tokens)
-        weights = self.dense_bytes + self.expert_bytes * self._experts_touched(tokens / micro)
+        weights = self.dense_bytes
+        if self.moe:
+            weights += self.expert_bytes * self._experts_touched(tokens / micro)
         kv = (decode_ctx + tokens) * self.kv_read
         # A roofline per operator, as LLM-Viewer does: the linear layers (bound by FLOPs or by
         # reading the weights) and attention (bound by its FLOPs or by reading the KV cache) are
@@ -178,10 +188,9 @@ class StepCost:
         attention = max(attn_flops / self.attn_rate, kv / self.bw) / micro
         comm = self.comm_fixed + self.comm_per_token * tokens / micro
         stage = linear + attention + comm
-        handoff = (pp - 1) * send_seconds(self.d.gpu, 2.0 * self.d.model.hidden * tokens / micro,
-                                          self.eff.link) if pp > 1 else 0.0
-        draft = self.draft_fraction * self.dense_bytes / self.bw * pp if decode_seqs else 0.0
-        return self.eff.overhead_ms * 1e-3 + pp * stage + handoff + draft
+        handoff = self.handoff_fixed + self.handoff_per_token * tokens / micro
+        draft = self.draft_seconds if decode_seqs else 0.0
+        return self.overhead + pp * stage + handoff + draft
 
     def prefill_seconds(self, input_len: int) -> float:
         """One prompt alone, in chunks of max_batched_tokens: its TTFT on an idle replica."""

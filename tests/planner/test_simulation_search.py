@@ -11,7 +11,7 @@ import pytest
 from planner.catalog import load_catalog
 from planner.cli import add_plan_parser
 from planner.export import kubernetes_yaml, ranking_csv, sglang_command, vllm_command
-from planner.search import Cancelled, SearchSpace, search
+from planner.search import Cancelled, SearchSpace, search, shape
 from planner.simulate import Replica, simulate
 from planner.workload import Slo, Workload
 
@@ -63,6 +63,28 @@ def test_search_results_respect_every_constraint(catalog):
         assert p.deployment.gpu.name in space.gpus
     front = result.pareto
     assert all(a.e2e_p99_ms > b.e2e_p99_ms for a, b in zip(front, front[1:], strict=False))
+
+
+def test_ranking_folds_batch_limits_and_the_front_spans_the_trade_off(catalog):
+    """Two batch limits per shape: the ranking shows each shape once, saying how many variants
+    it absorbed; the simulated set includes the screened Pareto set, so the front has several
+    cost/latency points rather than the cheapest plan alone."""
+    w = Workload(1000, 200, rate=20, slo=Slo(2000, 50), num_requests=300)
+    space = SearchSpace(gpus=("H100 SXM", "MI300X"), weights=("fp8",), kv=("fp8",),
+                        max_seqs=(16, 64))
+    result = search(catalog.model("Llama-3.1-70B"), w, catalog, space)
+    shapes = [shape(p.deployment) for p in result.candidates]
+    assert len(shapes) == len(set(shapes))
+    assert sum(p.folded for p in result.candidates) == result.folded
+    assert result.folded >= 1
+    assert f"{result.folded} plan(s) differing only in the batch limit" in result.notes[0]
+    assert result.simulated > 12  # the screened front and 16 cheapest shapes, not 12 plans
+    front = result.pareto
+    assert len(front) >= 3 and all(p.simulated for p in front)
+    assert all(a.cost_per_hour < b.cost_per_hour and a.e2e_p99_ms > b.e2e_p99_ms
+               for a, b in zip(front, front[1:], strict=False))
+    assert front[0].cost_per_hour == result.candidates[0].cost_per_hour
+    assert result.candidates[0].as_dict()["folded_variants"] == result.candidates[0].folded
 
 
 def test_infeasible_memory_names_sizes_and_relaxation(catalog):

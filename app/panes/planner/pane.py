@@ -352,8 +352,9 @@ class PlannerPane(QWidget):
         self.outcome, self.detail = result, result.detail
         self.progress.setValue(1000)
         r = result.result
+        folded = f"; {r.folded} batch-limit variants folded" if r.folded else ""
         self.status.setText(f"{len(r.candidates)} plans meet every constraint "
-                            f"({r.evaluated} candidates, {r.seconds:.1f} s).")
+                            f"({r.evaluated} candidates, {r.seconds:.1f} s{folded}).")
         self._show_recommendation(result)
         self.what_if.reset()
         self.chosen = None
