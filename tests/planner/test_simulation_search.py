@@ -155,3 +155,18 @@ def test_cli_user_error_exit_2(capsys):
     captured = capsys.readouterr()
     assert "did you mean 'Llama-3.1-8B'" in json.loads(captured.out)["error"]
     assert captured.err.count("\n") == 1
+
+
+def test_cli_search_json_says_what_it_folded(capsys):
+    args = _parser().parse_args(["plan", "search", "--model", "Llama-3.1-8B", "--rate", "4",
+                                 "--input-len", "500", "--output-len", "100", "--ttft-p99-ms",
+                                 "3000", "--tpot-p99-ms", "60", "--gpus", "L4", "--num-requests",
+                                 "200", "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"candidates", "pareto", "evaluated", "simulated", "folded", "seconds"} <= set(out)
+    shapes = [(c["gpu"], c["weights"], c["kv"], c["tp"], c["pp"], str(c["spec_decode"]))
+              for c in out["candidates"]]
+    assert len(shapes) == len(set(shapes))
+    assert sum(c["folded_variants"] for c in out["candidates"]) <= out["folded"]
+    assert out["simulated"] >= len(out["pareto"]) >= 1
