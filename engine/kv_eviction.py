@@ -97,13 +97,13 @@ def resolve_budget(budget: int | float | None, total_tokens: int, block_size: in
                            "fraction of the request's length (e.g. 0.2).")
     if isinstance(budget, bool) or not isinstance(budget, int | float):
         raise RequestError(f"kv_budget must be a number of tokens or a fraction, got {budget!r}.")
+    minimum = 2 * block_size
     if isinstance(budget, float):
         if not 0 < budget <= 1:
             raise RequestError(f"kv_budget as a fraction must be in (0, 1], got {budget}.")
-        tokens = math.ceil(budget * total_tokens)
-    else:
-        tokens = budget
-    minimum = 2 * block_size
+        # A fraction of a short request may come out below the minimum: round it up.
+        return max(math.ceil(budget * total_tokens), minimum)
+    tokens = budget
     if tokens < minimum:
         raise RequestError(f"kv_budget of {tokens} tokens is below the minimum of {minimum} "
                            f"(two KV blocks): raise kv_budget.")

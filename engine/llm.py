@@ -340,8 +340,11 @@ class LLM:
         if not unbounded:
             need = min(need, self.max_model_len)
         if kv is not None:
-            need = min(need, kv.budget + self.block_size +
-                       min(len(ids), self.max_num_batched_tokens))
+            # The cache peaks at the budget plus a block plus a prefill chunk, except that
+            # SnapKV holds the whole prompt until it ends.
+            chunk = len(ids) if kv.policy.name == "snapkv" else min(len(ids),
+                                                                   self.max_num_batched_tokens)
+            need = min(need, kv.budget + self.block_size + chunk)
         if need > self.kv_cache_tokens:
             raise RequestError(
                 f"The request needs up to {need} KV slots ({len(ids)} prompt + {params.max_tokens} "

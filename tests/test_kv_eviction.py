@@ -1,0 +1,280 @@
+"""KV-cache eviction: selection, compaction, rotary re-positioning, block accounting, quality."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig
+from engine.kv_eval import evaluate_policies
+from engine.kv_eviction import KVEvictor, KVState, Policy, parse_policy, resolve_budget
+from engine.llm import LLM
+from engine.model import LlamaModel
+from engine.prefix_cache import PrefixCache
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.sequence import RequestError, SamplingParams, Sequence, Status
+from kernels import reference
+from tests.test_block_manager import check_invariants
+
+TEXT = "assets/texts/python-reference.txt"
+
+
+def _tiny_runner(num_blocks: int, block_size: int, layers: int = 2, kv_heads: int = 2):
+    """A real model runner over a tiny random Llama (the runner's cache and rotary tables)."""
+    c = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                    num_layers=layers, num_heads=4, num_kv_heads=kv_heads, head_dim=8)
+    gen = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen) * 0.2  # noqa: E731
+    t = {"model.embed_tokens.weight": rnd(64, 32), "model.norm.weight": torch.ones(32)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t |= {p + "input_layernorm.weight": torch.ones(32),
+              p + "post_attention_layernorm.weight": torch.ones(32),
+              p + "self_attn.q_proj.weight": rnd(32, 32),
+              p + "self_attn.k_proj.weight": rnd(kv_heads * 8, 32),
+              p + "self_attn.v_proj.weight": rnd(kv_heads * 8, 32),
+              p + "self_attn.o_proj.weight": rnd(32, 32),
+              p + "mlp.gate_proj.weight": rnd(48, 32), p + "mlp.up_proj.weight": rnd(48, 32),
+              p + "mlp.down_proj.weight": rnd(32, 48)}
+    model = LlamaModel(c, t, torch.device("cpu"), torch.float32, 1024, "reference")
+    bm = BlockManager(num_blocks, block_size)
+    return ModelRunner(model, bm), bm
+
+
+def test_policy_and_budget_parsing_errors_name_the_input():
+    assert parse_policy("none") is None and parse_policy(None) is None
+    assert parse_policy("StreamingLLM").name == "streaming"
+    with pytest.raises(RequestError, match="Unknown KV eviction policy 'lru'"):
+        parse_policy("lru")
+    assert resolve_budget(0.25, 400, 16) == 100
+    assert resolve_budget(0.25, 40, 16) == 32  # a fraction of a short request: the minimum
+    assert resolve_budget(64, 400, 16) == 64
+    with pytest.raises(RequestError, match="needs kv_budget"):
+        resolve_budget(None, 400, 16)
+    with pytest.raises(RequestError, match=r"in \(0, 1\]"):
+        resolve_budget(1.5, 400, 16)
+    with pytest.raises(RequestError, match="below the minimum of 32"):
+        resolve_budget(20, 400, 16)
+
+
+def test_move_kv_copies_each_layer_and_heads_own_tokens():
+    runner, _ = _tiny_runner(8, 4)
+    runner.kv.copy_(torch.randn_like(runner.kv))
+    before = runner.kv.clone()
+    src = torch.tensor([[[9, 3, 17], [1, 2, 30]], [[5, 6, 7], [0, 11, 12]]])  # [layers, heads, 3]
+    dst = torch.tensor([0, 1, 2])
+    runner.move_kv(src, dst, None)
+    for layer in range(2):
+        for head in range(2):
+            for j in range(3):
+                torch.testing.assert_close(runner.kv[layer, :, dst[j], head],
+                                           before[layer, :, src[layer, head, j], head])
+
+
+def test_rerotating_a_cached_key_equals_computing_it_at_the_new_position():
+    runner, _ = _tiny_runner(8, 4)
+    model = runner.model
+    k_raw = torch.randn(5, 2, 8)
+    old = torch.tensor([40, 41, 97, 300, 301])
+    new = torch.tensor([4, 5, 6, 7, 8])
+    q0 = torch.zeros(5, 4, 8)
+    _, k_old = reference.rotary(q0, k_raw, model.cos[old], model.sin[old])
+    _, k_new = reference.rotary(q0, k_raw, model.cos[new], model.sin[new])
+    moved = runner._rotate(k_old.transpose(0, 1), new - old).transpose(0, 1)
+    torch.testing.assert_close(moved, k_new, atol=1e-5, rtol=1e-5)
+
+
+def test_h2o_keeps_each_heads_heaviest_tokens_and_the_recent_window():
+    runner, bm = _tiny_runner(16, 4, layers=1, kv_heads=2)
+    evictor = KVEvictor(runner, bm)
+    seq = Sequence("a", list(range(20)), SamplingParams(max_tokens=4), 0.0)
+    bm.append_slots(seq, 20)
+    seq.num_computed_tokens = 20
+    seq.kv = KVState(Policy("h2o"), budget=8)
+    scores = torch.zeros(1, 2, 20)
+    scores[0, 0, [2, 5, 9, 11]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    scores[0, 1, [0, 7, 8, 13]] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    seq.kv.scores = scores
+    chosen = evictor._select(seq, 0, 8)
+    assert chosen[0, 0].tolist() == [2, 5, 9, 11, 16, 17, 18, 19]
+    assert chosen[0, 1].tolist() == [0, 7, 8, 13, 16, 17, 18, 19]
+    runner.kv.copy_(torch.randn_like(runner.kv))
+    before, old_table = runner.kv.clone(), list(seq.block_table)
+    assert evictor.maybe_compact(seq) == 12
+    assert seq.kv_len == 8 and len(seq.block_table) == 2 and seq.position_offset == 12
+    assert bm.num_used_blocks == 2 and seq.block_table == old_table[:2]
+    for head in range(2):
+        for j, src in enumerate(chosen[0, head].tolist()):
+            torch.testing.assert_close(runner.kv[0, :, old_table[j // 4] * 4 + j % 4, head],
+                                       before[0, :, old_table[src // 4] * 4 + src % 4, head])
+    # The scores travel with their tokens.
+    assert seq.kv.scores[0, 0, :4].tolist() == [4.0, 3.0, 2.0, 1.0]
+
+
+def test_streaming_keeps_sinks_and_window_and_repositions():
+    runner, bm = _tiny_runner(16, 4, layers=1)
+    evictor = KVEvictor(runner, bm)
+    seq = Sequence("a", list(range(30)), SamplingParams(max_tokens=4), 0.0)
+    bm.append_slots(seq, 30)
+    seq.num_computed_tokens = 30
+    seq.kv = KVState(Policy("streaming"), budget=12)
+    assert evictor._select(seq, 0, 12)[0, 0].tolist() == [0, 1, 2, 3] + list(range(22, 30))
+    assert evictor.maybe_compact(seq) == 18
+    assert seq.kv_len == 12 and seq.position_offset == 0 and bm.num_used_blocks == 3
+
+
+ops = st.lists(st.tuples(st.sampled_from(["step", "abort", "add"]), st.integers(0, 7)),
+               min_size=1, max_size=80)
+
+
+@settings(max_examples=60, deadline=None)
+@given(script=ops, num_blocks=st.integers(8, 24), policy=st.sampled_from(
+    ["streaming", "h2o", "scissorhands", "snapkv"]), budget=st.sampled_from([8, 12, 20]))
+def test_block_pool_never_leaks_under_sharing_eviction_preemption_and_aborts(
+        script, num_blocks, policy, budget):
+    """The engine loop without sampling: shared prefixes, evictions, preemptions and aborts."""
+    block_size = 4
+    runner, bm = _tiny_runner(num_blocks, block_size, layers=1)
+    cache = PrefixCache(bm)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, prefix_cache=cache)
+    evictor = KVEvictor(runner, bm)
+    gen = torch.Generator().manual_seed(len(script))
+    stem = list(range(100, 124))
+    seqs: list[Sequence] = []
+    for op, i in script:
+        if op == "add" or not seqs:
+            evicting = i % 2 == 0
+            prompt = stem[: 8 + i] + [1000 + len(seqs)] * (i % 3)
+            seq = Sequence(str(len(seqs)), prompt, SamplingParams(max_tokens=6 + i), 0.0)
+            seq.kv = KVState(Policy(policy), budget) if evicting else None
+            seqs.append(seq)
+            sched.add(seq)
+        elif op == "abort":
+            seq = seqs[i % len(seqs)]
+            if seq.status is not Status.FINISHED:
+                sched.finish(seq, "abort")
+        else:
+            plan = sched.schedule()
+            for s in plan.scheduled:
+                s.seq.num_computed_tokens += s.num_new_tokens
+                if s.seq.kv is None:
+                    cache.register(s.seq)
+                if s.samples:
+                    s.seq.output_token_ids.append(7)
+                    if len(s.seq.output_token_ids) >= s.seq.params.max_tokens:
+                        sched.finish(s.seq, "length")
+                        continue
+                if s.seq.kv is not None:
+                    mass = torch.rand(1, 2, s.seq.kv_len, generator=gen)
+                    shared = list(s.seq.block_table[: s.seq.num_cached_blocks])
+                    evictor.observe(s.seq, mass)
+                    evictor.maybe_compact(s.seq)
+                    assert s.seq.block_table[: len(shared)] == shared, "a shared block moved"
+                    assert len(s.seq.block_table) * block_size >= s.seq.kv_len
+        check_invariants(bm, seqs)
+        for seq in seqs:
+            if seq.kv is not None and seq.status is Status.RUNNING:
+                # The cache stays within budget + a block (+ one prefill chunk before compaction).
+                assert seq.kv_len <= max(budget, seq.num_cached_blocks * block_size) + 4 + 16
+    for seq in seqs:
+        if seq.status is not Status.FINISHED:
+            sched.finish(seq, "abort")
+    check_invariants(bm, seqs)
+    assert bm.num_free_blocks == num_blocks
+
+
+# ---- the real demo model ----
+
+@pytest.fixture(scope="module")
+def llm(demo_gguf) -> LLM:
+    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=4096, max_num_seqs=8,
+               max_model_len=1024, prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def text_ids(llm) -> list[int]:
+    with open(TEXT, encoding="utf-8") as f:
+        return llm.tokenizer.encode(f.read())
+
+
+def test_tokens_before_the_first_compaction_match_the_full_cache(llm, text_ids):
+    prompt = text_ids[:60]
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for policy in ("streaming", "h2o", "scissorhands"):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                    kv_policy=policy, kv_budget=48))
+        # 60 prompt tokens > 48 + 16: the prompt is compacted at once, so compare with the budget
+        # large enough that the first compaction comes after 20 generated tokens.
+        late = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40,
+                                                     ignore_eos=True, kv_policy=policy,
+                                                     kv_budget=64))
+        assert late[0].token_ids[:20] == full[0].token_ids[:20], policy
+        assert len(out[0].token_ids) == 40
+
+
+def test_teacher_forced_quality_is_measured_against_the_full_cache(llm, text_ids):
+    ids = text_ids[:260]
+    scores = evaluate_policies(llm, ids, 100, [("h2o", 1.0), ("streaming", 0.4), ("h2o", 0.4)])
+    full, unevicted, streaming, h2o = scores
+    assert full.policy == "none" and full.top1_agreement is None
+    assert 2.0 < full.perplexity < 60.0  # a real model on real English
+    # A budget of the whole request evicts nothing and changes nothing.
+    assert unevicted.tokens_evicted == 0 and unevicted.top1_agreement == 1.0
+    assert unevicted.perplexity == pytest.approx(full.perplexity, rel=1e-4)
+    for s in (streaming, h2o):
+        assert s.budget_tokens == 104 and s.tokens_evicted > 0
+        assert s.peak_kv_tokens <= 104 + 16 + 100  # budget + a block (+ the prompt chunk)
+        assert s.final_kv_tokens <= 104 + 16
+        assert 0.5 < s.top1_agreement < 1.0
+        assert full.perplexity * 0.8 < s.perplexity < full.perplexity * 2.0
+
+
+def test_streaming_generates_past_the_context_length(demo_gguf):
+    small = LLM(str(demo_gguf), device="cpu", max_model_len=128, max_num_batched_tokens=32,
+                kv_cache_tokens=512)
+    out = small.generate(["Count from one to two hundred: one, two, three,"],
+                         SamplingParams(temperature=0, max_tokens=200, ignore_eos=True,
+                                        kv_policy="streaming", kv_budget=64))[0]
+    assert len(out.token_ids) == 200 and out.finish_reason == "length"
+    assert small.evictor.tokens_evicted > 100
+    with pytest.raises(RequestError, match="context holds 128"):
+        small.generate(["hello " * 10], SamplingParams(max_tokens=300, kv_policy="h2o",
+                                                       kv_budget=64))
+    assert small.block_manager.num_used_blocks == 0
+
+
+def test_shared_prefix_blocks_are_never_moved(llm, text_ids):
+    prompt = text_ids[:70]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # caches the prefix
+    cached = [llm.block_manager.cached_block(h) for h in
+              __import__("engine.prefix_cache", fromlist=["x"]).block_hashes(prompt, 16, 4)]
+    assert all(b is not None for b in cached)
+    snapshot = llm.runner.kv[:, :, [b * 16 + j for b in cached for j in range(16)]].clone()
+    plain = llm.generate([prompt + [13]], SamplingParams(temperature=0, max_tokens=30))[0]
+    evicting = llm.generate([prompt + [13]], SamplingParams(temperature=0, max_tokens=30,
+                                                            kv_policy="h2o", kv_budget=72))[0]
+    after = llm.runner.kv[:, :, [b * 16 + j for b in cached for j in range(16)]]
+    assert torch.equal(snapshot, after), "eviction wrote into blocks shared by the prefix cache"
+    assert plain.token_ids[:5] == evicting.token_ids[:5]
+
+
+def test_draft_model_with_eviction_is_refused(demo_gguf):
+    with pytest.raises(RequestError, match="draft model"):
+        LLM(str(demo_gguf), device="cpu", speculative=f"draft:{demo_gguf}", kv_policy="h2o",
+            kv_budget=64, kv_cache_tokens=1024)
+
+
+def test_ngram_speculation_with_eviction_keeps_greedy_output(llm, text_ids):
+    spec = LLM(llm.model_path, device="cpu", speculative="ngram", kv_cache_tokens=2048,
+               max_model_len=1024)
+    prompt = text_ids[:40] * 2
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, kv_policy="streaming",
+                            kv_budget=48)
+    with_spec = spec.generate([prompt], params)[0].token_ids
+    assert spec.evictor.tokens_evicted > 0 and spec.spec.counters.accepted_tokens > 0
+    # Both compact the prompt alike; the first tokens come before any later compaction.
+    assert with_spec[:12] == llm.generate([prompt], params)[0].token_ids[:12]
