@@ -63,8 +63,13 @@ class LlamaModel:
             self.weight_bytes += head.numel() * head.element_size()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Hidden states after the final norm for every token of the flat batch ([N, hidden])."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                masses: list | None = None) -> torch.Tensor:
+        """Hidden states after the final norm for every token of the flat batch ([N, hidden]).
+
+        With `meta.want_mass`, each layer's AttentionMass (KV-eviction statistics) is appended
+        to `masses`.
+        """
         c, ops = self.config, self.ops
         n = input_ids.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -79,7 +84,11 @@ class LlamaModel:
                               k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
             ops.store_kv(k, v.view(n, c.num_kv_heads, c.head_dim), k_cache, v_cache,
                          meta.slot_mapping)
-            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            if meta.want_mass:
+                attn, mass = ops.paged_attention_mass(q, k_cache, v_cache, meta, self.scale)
+                masses.append(mass)
+            else:
+                attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
             h = ops.linear(attn.reshape(n, q_size), layer.o)
             x, residual = ops.rms_norm(h, layer.post_norm, c.rms_norm_eps, residual)
             h = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import torch
 
 from kernels import onednn, reference
-from kernels.metadata import AttentionMetadata, PrefillChunk
+from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 
 OPS = ("prepare_linear", "linear", "rms_norm", "rotary", "silu_and_mul", "store_kv",
-       "paged_attention")
+       "paged_attention", "paged_attention_mass")
 
 
 def _table(name: str, **overrides) -> SimpleNamespace:
@@ -93,4 +93,4 @@ def _best(device_type: str, dtype: torch.dtype) -> str:
     return "reference"
 
 
-__all__ = ["AttentionMetadata", "PrefillChunk", "available_backends", "ops_for", "OPS"]
+__all__ = ["AttentionMass", "AttentionMetadata", "PrefillChunk", "available_backends", "ops_for", "OPS"]

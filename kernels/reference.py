@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMass, AttentionMetadata
 
 
 def prepare_linear(weight: torch.Tensor) -> torch.Tensor:
@@ -83,6 +83,68 @@ def paged_attention(
         qs = q[chunk.start : chunk.end]
         out[chunk.start : chunk.end] = _prefill_attention(qs, k_cache, v_cache, chunk, scale)
     return out
+
+
+def paged_attention_mass(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> tuple[torch.Tensor, AttentionMass]:
+    """paged_attention plus the attention mass each key received (see AttentionMass).
+
+    An explicit softmax instead of scaled_dot_product_attention, whose fused kernels never
+    materialise the probabilities; slower, so the model calls it only when a KV-eviction
+    policy needs the statistics.
+    """
+    out = torch.empty_like(q)
+    decode_mass = None
+    if meta.decode_token_index is not None:
+        rows = meta.decode_token_index
+        out[rows], decode_mass = _decode_attention_mass(q[rows], k_cache, v_cache, meta, scale)
+    prefill_mass = []
+    for chunk in meta.prefills:
+        o, mass = _prefill_attention_mass(q[chunk.start : chunk.end], k_cache, v_cache, chunk,
+                                          scale)
+        out[chunk.start : chunk.end] = o
+        prefill_mass.append(mass)
+    return out, AttentionMass(decode_mass, prefill_mass)
+
+
+def _decode_attention_mass(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    k = _gather(k_cache, meta.decode_slots).permute(0, 2, 1, 3)  # [B, Hkv, T, D]
+    v = _gather(v_cache, meta.decode_slots).permute(0, 2, 1, 3)
+    qg = q.view(batch, kv_heads, heads // kv_heads, dim)
+    scores = (qg @ k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, T]
+    if meta.decode_mask is not None:
+        scores = scores.masked_fill(~meta.decode_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs.to(v.dtype) @ v).reshape(batch, heads, dim)
+    return out, probs.sum(dim=2)
+
+
+def _prefill_attention_mass(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n, heads, dim = q.shape
+    k = _gather(k_cache, chunk.slots).transpose(0, 1)  # [Hkv, T, D]
+    v = _gather(v_cache, chunk.slots).transpose(0, 1)
+    kv_heads, ctx = k.shape[0], k.shape[1]
+    qg = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads, n, dim)
+    scores = (qg @ k.unsqueeze(1).transpose(-1, -2)).float() * scale  # [Hkv, G, n, T]
+    mask = chunk.mask
+    if mask is None:
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out = (probs.to(v.dtype) @ v.unsqueeze(1)).reshape(heads, n, dim).transpose(0, 1)
+    rows = probs if chunk.mass_rows is None else probs[:, :, n - chunk.mass_rows :]
+    return out, rows.sum(dim=(1, 2))
 
 
 def _decode_attention(

@@ -31,15 +31,20 @@ def test_onednn_linear_matches_reference(rows, out_f, in_f):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-3, rtol=1e-4)
 
 
-def _dense_attention(q, k, v, start):
-    """Causal attention for one sequence, queries at positions start.., keys 0..len-1."""
+def _dense_attention(q, k, v, start, with_mass=False):
+    """Causal attention for one sequence, queries at positions start.., keys 0..len-1; with
+    `with_mass` also each key's probability summed per KV head over its query heads and queries."""
     heads, kv_heads = q.shape[1], k.shape[1]
     k = k.repeat_interleave(heads // kv_heads, dim=1)
     v = v.repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     qpos = torch.arange(start, start + q.shape[0]).unsqueeze(1)
     scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > qpos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    probs = scores.softmax(-1)
+    out = torch.einsum("hqk,khd->qhd", probs, v)
+    if not with_mass:
+        return out
+    return out, probs.view(kv_heads, heads // kv_heads, *probs.shape[1:]).sum(dim=(1, 2))
 
 
 @pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 4, 4), (9, 3, 16), (8, 1, 5)])
@@ -51,7 +56,7 @@ def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, blo
     # (context so far, new tokens): two decodes, a fresh prefill, and a later chunk.
     seqs = [(10, 1), (3, 1), (0, 7), (9, 4)]
     free = list(torch.randperm(slots // block_size, generator=gen).tolist())
-    qs, expected, slot_maps, meta_rows, prefills = [], [], [], [], []
+    qs, expected, slot_maps, meta_rows, prefills, masses = [], [], [], [], [], []
     row = 0
     for ctx, n in seqs:
         total = ctx + n
@@ -63,7 +68,9 @@ def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, blo
         k_cache[seq_slots[:ctx]], v_cache[seq_slots[:ctx]] = k[:ctx], v[:ctx]
         q = torch.randn(n, heads, dim, generator=gen)
         qs.append((q, k[ctx:], v[ctx:]))
-        expected.append(_dense_attention(q, k, v, ctx))
+        out, mass = _dense_attention(q, k, v, ctx, with_mass=True)
+        expected.append(out)
+        masses.append(mass)
         slot_maps.append(seq_slots[ctx:])
         if n == 1:
             meta_rows.append((row, seq_slots))
@@ -89,3 +96,15 @@ def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, blo
     )
     out = reference.paged_attention(q, k_cache, v_cache, meta, 1 / math.sqrt(dim))
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+    # The eviction statistics: same output, and each key's attention mass as the dense softmax.
+    out, mass = reference.paged_attention_mass(q, k_cache, v_cache, meta, 1 / math.sqrt(dim))
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+    decode_masses = [m for (ctx, n), m in zip(seqs, masses, strict=True) if n == 1]
+    for got, want in zip(mass.decode, decode_masses, strict=True):
+        torch.testing.assert_close(got[:, : want.shape[1]], want, atol=1e-5, rtol=1e-5)
+        assert float(got[:, want.shape[1] :].abs().sum()) == 0.0
+    chunk_masses = [m for (ctx, n), m in zip(seqs, masses, strict=True) if n > 1]
+    for got, want in zip(mass.prefill, chunk_masses, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert float(mass.decode.sum()) == pytest.approx(heads * len(decode_masses), rel=1e-5)
