@@ -93,4 +93,5 @@ def _best(device_type: str, dtype: torch.dtype) -> str:
     return "reference"
 
 
-__all__ = ["AttentionMass", "AttentionMetadata", "PrefillChunk", "available_backends", "ops_for", "OPS"]
+__all__ = ["AttentionMass", "AttentionMetadata", "PrefillChunk", "available_backends", "ops_for",
+           "OPS"]

@@ -15,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata, PrefillChunk
+from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 
-OPS = ("rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention")
+OPS = ("rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention",
+       "paged_attention_mass")
 
 # Key block of the decode kernel and query x key tile of the prefill kernel.
 _DECODE_BLOCK_N = 64
@@ -277,14 +278,17 @@ def _decode_scores(q, k_cache_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slots_ptr, mask_ptr, scale,
-                    row0, n_queries, n_keys, dim, group, stride_qn, stride_qh, stride_cs,
-                    stride_ch, stride_mq, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, slots_ptr, mask_ptr,
+                    scale, row0, n_queries, n_keys, mass_from, dim, group, stride_qn, stride_qh,
+                    stride_cs, stride_ch, stride_mq, stride_massh, HAS_MASK: tl.constexpr,
+                    RETURN_MASS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """A tile of one chunk's queries for one query head over the chunk's keys.
 
     Without a mask the chunk is a fresh causal prefill (query i sits at position
-    n_keys - n_queries + i) and key blocks past the tile's last query are skipped.
+    n_keys - n_queries + i) and key blocks past the tile's last query are skipped. With
+    RETURN_MASS a second pass adds each key's probabilities from queries mass_from.. into its KV
+    head's row (atomically: every query tile and query head of the group adds to it).
     """
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -296,27 +300,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slots_ptr, mask_pt
     q_off = (row0 + i[:, None]) * stride_qn + head * stride_qh + d[None, :]
     q_valid = i_valid[:, None] & d_valid[None, :]
     q = tl.load(q_ptr + q_off, mask=q_valid, other=0.0)
-    offset = n_keys - n_queries
     end = n_keys
     if not HAS_MASK:
-        end = tl.minimum(n_keys, offset + (tile + 1) * BLOCK_M)
+        end = tl.minimum(n_keys, n_keys - n_queries + (tile + 1) * BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, end, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        j_valid = j < n_keys
-        slot = tl.load(slots_ptr + j, mask=j_valid, other=0)
-        kv_off = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        kv_valid = j_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_valid, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        if HAS_MASK:
-            allowed = tl.load(mask_ptr + i[:, None] * stride_mq + j[None, :],
-                              mask=i_valid[:, None] & j_valid[None, :], other=0) != 0
-        else:
-            allowed = (j[None, :] <= offset + i[:, None]) & j_valid[None, :]
-        s = tl.where(allowed, s, float("-inf"))
+        s, kv_off, kv_valid = _prefill_scores(
+            q, k_cache_ptr, slots_ptr, mask_ptr, kv_head, start, scale, i, i_valid, n_queries,
+            n_keys, d, d_valid, stride_cs, stride_ch, stride_mq, HAS_MASK, PRECISION, BLOCK_N)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
@@ -325,8 +318,42 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slots_ptr, mask_pt
         v = tl.load(v_cache_ptr + kv_off, mask=kv_valid, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + q_off, out, mask=q_valid)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(out_ptr + q_off, acc / l_safe[:, None], mask=q_valid)
+    if RETURN_MASS:
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        counted = i_valid & (i >= mass_from)
+        for start in range(0, end, BLOCK_N):
+            s, kv_off, kv_valid = _prefill_scores(
+                q, k_cache_ptr, slots_ptr, mask_ptr, kv_head, start, scale, i, i_valid,
+                n_queries, n_keys, d, d_valid, stride_cs, stride_ch, stride_mq, HAS_MASK,
+                PRECISION, BLOCK_N)
+            p = tl.exp(s - m_safe[:, None]) / l_safe[:, None]
+            p = tl.where(counted[:, None], p, 0.0)
+            j = start + tl.arange(0, BLOCK_N)
+            tl.atomic_add(mass_ptr + kv_head * stride_massh + j, tl.sum(p, axis=0),
+                          mask=j < n_keys)
+
+
+@triton.jit
+def _prefill_scores(q, k_cache_ptr, slots_ptr, mask_ptr, kv_head, start, scale, i, i_valid,
+                    n_queries, n_keys, d, d_valid, stride_cs, stride_ch, stride_mq,
+                    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scaled scores [BLOCK_M, BLOCK_N] of keys start.. (-inf where not allowed), and where the
+    keys' rows are in the cache."""
+    j = start + tl.arange(0, BLOCK_N)
+    j_valid = j < n_keys
+    slot = tl.load(slots_ptr + j, mask=j_valid, other=0)
+    kv_off = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+    kv_valid = j_valid[:, None] & d_valid[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_valid, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if HAS_MASK:
+        allowed = tl.load(mask_ptr + i[:, None] * stride_mq + j[None, :],
+                          mask=i_valid[:, None] & j_valid[None, :], other=0) != 0
+    else:
+        allowed = (j[None, :] <= n_keys - n_queries + i[:, None]) & j_valid[None, :]
+    return tl.where(allowed, s, float("-inf")), kv_off, kv_valid
 
 
 def paged_attention(
@@ -343,6 +370,23 @@ def paged_attention(
     for chunk in meta.prefills:
         prefill_attention(q, k_cache, v_cache, chunk, scale, out)
     return out
+
+
+def paged_attention_mass(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> tuple[torch.Tensor, AttentionMass]:
+    """paged_attention plus the attention mass each key received (see AttentionMass)."""
+    out = torch.empty_like(q)
+    decode_mass = None
+    if meta.decode_token_index is not None:
+        decode_mass = decode_attention(q, k_cache, v_cache, meta, scale, out, return_mass=True)
+    prefill_mass = [prefill_attention(q, k_cache, v_cache, chunk, scale, out, return_mass=True)
+                    for chunk in meta.prefills]
+    return out, AttentionMass(decode_mass, prefill_mass)
 
 
 def decode_attention(
@@ -374,20 +418,28 @@ def decode_attention(
 
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk,
-    scale: float, out: torch.Tensor,
-) -> None:
-    """Attention of one chunk's query rows (chunk.start:chunk.end) written into `out`."""
+    scale: float, out: torch.Tensor, return_mass: bool = False,
+) -> torch.Tensor | None:
+    """Attention of one chunk's query rows (chunk.start:chunk.end) written into `out`; with
+    `return_mass`, also each key's probability summed over the query heads of its KV head and
+    over the chunk's queries, or its last `chunk.mass_rows` ([Hkv, context] float32)."""
     _check_attention_inputs(q, k_cache, v_cache, out)
     n_queries, n_keys = chunk.end - chunk.start, chunk.slots.shape[0]
     heads, dim = q.shape[1], q.shape[2]
-    group = heads // k_cache.shape[1]
+    kv_heads = k_cache.shape[1]
     mask = chunk.mask
     mask_arg = mask if mask is not None else chunk.slots.view(1, -1)
+    mass = (torch.zeros((kv_heads, n_keys), dtype=torch.float32, device=q.device)
+            if return_mass else None)
+    mass_arg = mass if mass is not None else out[0]
+    mass_from = n_queries - (chunk.mass_rows if chunk.mass_rows is not None else n_queries)
     _prefill_kernel[(triton.cdiv(n_queries, _PREFILL_BLOCK_M), heads)](
-        q, k_cache, v_cache, out, chunk.slots, mask_arg, scale, chunk.start, n_queries, n_keys,
-        dim, group, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        mask_arg.stride(0), HAS_MASK=mask is not None, PRECISION=_dot_precision(q.dtype),
+        q, k_cache, v_cache, out, mass_arg, chunk.slots, mask_arg, scale, chunk.start,
+        n_queries, n_keys, mass_from, dim, heads // kv_heads, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), mask_arg.stride(0), mass_arg.stride(0),
+        HAS_MASK=mask is not None, RETURN_MASS=return_mass, PRECISION=_dot_precision(q.dtype),
         BLOCK_M=_PREFILL_BLOCK_M, BLOCK_N=_PREFILL_BLOCK_N, BLOCK_D=_pow2(dim, 16))
+    return mass
 
 
 def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -203,6 +203,24 @@ def test_decode_attention_mass_is_the_summed_softmax(heads, kv_heads):
                                [meta.decode_token_index], **_tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,dtype", ATTENTION_CASES)
+def test_paged_attention_mass_matches_reference(heads, kv_heads, dim, block_size, dtype):
+    gen = torch.Generator().manual_seed(heads * 7 + dim)
+    seqs = [(0, 1), (70, 1), (0, 13), (37, 29), (5, 70)]
+    q, k_cache, v_cache, meta = _paged_batch(gen, seqs, heads, kv_heads, dim, block_size, dtype)
+    meta.prefills[1].mass_rows = 8  # an observation window of the chunk's last 8 queries
+    meta.prefills[2].mass_rows = 70  # all of them, spelled out
+    scale = 1 / math.sqrt(dim)
+    got, got_mass = tops.paged_attention_mass(q, k_cache, v_cache, meta, scale)
+    want, want_mass = reference.paged_attention_mass(q, k_cache, v_cache, meta, scale)
+    tol = _tolerance(dtype)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_mass.decode, want_mass.decode, **tol)
+    assert len(got_mass.prefill) == len(want_mass.prefill) == 3
+    for chunk_got, chunk_want in zip(got_mass.prefill, want_mass.prefill, strict=True):
+        torch.testing.assert_close(chunk_got, chunk_want, atol=tol["atol"] * 10, rtol=tol["rtol"])
+
+
 def test_attention_names_a_bad_cache_layout():
     gen = torch.Generator().manual_seed(0)
     q, k_cache, v_cache, meta = _paged_batch(gen, [(4, 1)], 2, 2, 16, 16, torch.float32)
