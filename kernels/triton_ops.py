@@ -22,6 +22,10 @@ OPS = ("rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention",
 
 # Key block of the decode kernel and query x key tile of the prefill kernel.
 _DECODE_BLOCK_N = 64
+# A decode split covers at least this many keys; off CUDA (the interpreter) the split count
+# assumes a GPU of this many multiprocessors, so the tests exercise the split path.
+_MIN_SPLIT_KEYS = 256
+_INTERPRETER_UNITS = 16
 _PREFILL_BLOCK_M = 64
 _PREFILL_BLOCK_N = 64
 
@@ -205,19 +209,26 @@ def store_kv(
 
 # ---- paged attention ----
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, row_ptr, slots_ptr,
-                   mask_ptr, scale, n_keys, dim, group, stride_qn, stride_qh, stride_cs,
-                   stride_ch, stride_sb, stride_mb, stride_massb, stride_massh,
-                   HAS_MASK: tl.constexpr, RETURN_MASS: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One decode query's `group` query heads that share KV head `kv_head`, over its keys.
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, part_ptr, m_ptr, l_ptr,
+                   row_ptr, slots_ptr, mask_ptr, scale, n_keys, keys_per_split, n_splits, n_heads,
+                   dim, group, stride_qn, stride_qh, stride_cs, stride_ch, stride_sb, stride_mb,
+                   stride_massb, stride_massh, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
+                   RETURN_MASS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One decode query's `group` query heads that share KV head `kv_head`, over its keys (or,
+    with SPLIT, over split `program_id(2)` of them, flash-decoding style).
 
     The query heads of one KV head are the rows of one tile, so every key is read once per KV
-    head (grouped-query attention without repeating K/V). Online softmax over key blocks; with
-    RETURN_MASS a second pass writes each key's probability summed over the group.
+    head (grouped-query attention without repeating K/V). Online softmax over key blocks. With
+    SPLIT each split writes its normalised partial output and its running max and sum for
+    _combine_kernel. With RETURN_MASS (never split) a second pass writes each key's probability
+    summed over the group.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    lo = split * keys_per_split
+    hi = tl.minimum(n_keys, lo + keys_per_split)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     g_valid = g < group
@@ -229,9 +240,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, row_ptr, 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(0, n_keys, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         s, keep, kv_off, in_range = _decode_scores(
-            q, k_cache_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale, n_keys, d, d_valid,
+            q, k_cache_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale, hi, d, d_valid,
             stride_cs, stride_ch, stride_sb, stride_mb, HAS_MASK, PRECISION, BLOCK_N)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with no key allowed yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
@@ -244,7 +255,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, row_ptr, 
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(out_ptr + q_off, out, mask=q_valid)
+    if SPLIT:
+        part = (b * n_heads + kv_head * group + g) * n_splits + split
+        tl.store(part_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=q_valid)
+        tl.store(m_ptr + part, m_i, mask=g_valid)
+        tl.store(l_ptr + part, l_i, mask=g_valid)
+    else:
+        tl.store(out_ptr + q_off, out, mask=q_valid)
     if RETURN_MASS:
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         for start in range(0, n_keys, BLOCK_N):
@@ -275,6 +292,29 @@ def _decode_scores(q, k_cache_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     s = tl.where(keep[None, :], s, float("-inf"))
     return s, keep, kv_off, in_range
+
+
+@triton.jit
+def _combine_kernel(out_ptr, part_ptr, m_ptr, l_ptr, row_ptr, n_splits, n_heads, dim, stride_qn,
+                    stride_qh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One decode query head's output from its splits: each split's normalised partial output
+    weighted by its softmax sum rescaled to the common maximum."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_valid = sp < n_splits
+    part = (b * n_heads + head) * n_splits + sp
+    m = tl.load(m_ptr + part, mask=s_valid, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=s_valid, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(l > 0.0, tl.exp(m - m_max) * l, 0.0)
+    o = tl.load(part_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_valid[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total == 0.0, 1.0, total)
+    row = tl.load(row_ptr + b)
+    tl.store(out_ptr + row * stride_qn + head * stride_qh + d, out, mask=d < dim)
 
 
 @triton.jit
@@ -391,29 +431,55 @@ def paged_attention_mass(
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    scale: float, out: torch.Tensor, return_mass: bool = False,
+    scale: float, out: torch.Tensor, return_mass: bool = False, splits: int | None = None,
 ) -> torch.Tensor | None:
     """Attention of the decode rows of q (meta.decode_token_index) written into the same rows of
     `out`; with `return_mass`, also each key's softmax probability summed over the query heads of
-    its KV head ([B, Hkv, T] float32, 0 at masked keys)."""
+    its KV head ([B, Hkv, T] float32, 0 at masked keys). `splits` overrides how many parts each
+    query's keys are split into (see _decode_splits; the mass pass always runs unsplit)."""
     _check_attention_inputs(q, k_cache, v_cache, out)
     rows, slots = meta.decode_token_index, meta.decode_slots
     batch, n_keys = slots.shape
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
+    if return_mass:
+        splits = 1
+    elif splits is None:
+        splits = _decode_splits(batch, kv_heads, n_keys, q.device)
+    keys_per_split = triton.cdiv(triton.cdiv(n_keys, splits), _DECODE_BLOCK_N) * _DECODE_BLOCK_N
+    splits = triton.cdiv(n_keys, keys_per_split)  # no split left without keys
+    block_d = _pow2(dim, 16)
     mask = None if meta.decode_mask is None else meta.decode_mask.reshape(batch, n_keys)
     mass = (torch.empty((batch, kv_heads, n_keys), dtype=torch.float32, device=q.device)
             if return_mass else None)
+    part = m = l = out  # placeholders the unsplit kernel never touches
+    if splits > 1:
+        part = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
+        m, l = torch.empty((2, batch, heads, splits), dtype=torch.float32, device=q.device)
     mass_arg = mass if mass is not None else out
     mask_arg = mask if mask is not None else slots
-    _decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, out, mass_arg, rows, slots, mask_arg, scale, n_keys, dim, group,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), slots.stride(0),
-        mask_arg.stride(0), mass_arg.stride(0), mass_arg.stride(1),
-        HAS_MASK=mask is not None, RETURN_MASS=return_mass, PRECISION=_dot_precision(q.dtype),
-        BLOCK_G=_pow2(group, 16), BLOCK_N=_DECODE_BLOCK_N, BLOCK_D=_pow2(dim, 16))
+    _decode_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, out, mass_arg, part, m, l, rows, slots, mask_arg, scale, n_keys,
+        keys_per_split, splits, heads, dim, group, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), slots.stride(0), mask_arg.stride(0), mass_arg.stride(0),
+        mass_arg.stride(1), HAS_MASK=mask is not None, SPLIT=splits > 1, RETURN_MASS=return_mass,
+        PRECISION=_dot_precision(q.dtype), BLOCK_G=_pow2(group, 16), BLOCK_N=_DECODE_BLOCK_N,
+        BLOCK_D=block_d)
+    if splits > 1:
+        _combine_kernel[(batch, heads)](out, part, m, l, rows, splits, heads, dim, q.stride(0),
+                                        q.stride(1), BLOCK_S=_pow2(splits), BLOCK_D=block_d)
     return mass
+
+
+def _decode_splits(batch: int, kv_heads: int, n_keys: int, device: torch.device) -> int:
+    """Key splits per decode query: enough programs to fill the GPU twice over when the batch
+    alone does not (batch 1 of a 3-KV-head model is 3 programs on a 100+ SM GPU), but never
+    below _MIN_SPLIT_KEYS keys per split, where the combine step would cost more than it saves."""
+    units = (torch.cuda.get_device_properties(device).multi_processor_count
+             if device.type == "cuda" else _INTERPRETER_UNITS)
+    wanted = triton.cdiv(2 * units, batch * kv_heads)
+    return max(1, min(wanted, n_keys // _MIN_SPLIT_KEYS))
 
 
 def prefill_attention(
