@@ -20,14 +20,16 @@ from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 OPS = ("rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention",
        "paged_attention_mass")
 
-# Key block of the decode kernel and query x key tile of the prefill kernel.
+# Key block of the decode kernel and query x key tile of the prefill kernel (float32 tiles
+# halved: at 64 x 64 with head dim 128 they need 115 KB of shared memory, more than the 99 KB of
+# consumer GPUs).
 _DECODE_BLOCK_N = 64
 # A decode split covers at least this many keys; off CUDA (the interpreter) the split count
 # assumes a GPU of this many multiprocessors, so the tests exercise the split path.
 _MIN_SPLIT_KEYS = 256
 _INTERPRETER_UNITS = 16
-_PREFILL_BLOCK_M = 64
-_PREFILL_BLOCK_N = 64
+_PREFILL_BLOCK = {torch.float32: 32}
+_PREFILL_BLOCK_DEFAULT = 64
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -499,13 +501,19 @@ def prefill_attention(
             if return_mass else None)
     mass_arg = mass if mass is not None else out[0]
     mass_from = n_queries - (chunk.mass_rows if chunk.mass_rows is not None else n_queries)
-    _prefill_kernel[(triton.cdiv(n_queries, _PREFILL_BLOCK_M), heads)](
+    block = prefill_block(q.dtype)
+    _prefill_kernel[(triton.cdiv(n_queries, block), heads)](
         q, k_cache, v_cache, out, mass_arg, chunk.slots, mask_arg, scale, chunk.start,
         n_queries, n_keys, mass_from, dim, heads // kv_heads, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), mask_arg.stride(0), mass_arg.stride(0),
         HAS_MASK=mask is not None, RETURN_MASS=return_mass, PRECISION=_dot_precision(q.dtype),
-        BLOCK_M=_PREFILL_BLOCK_M, BLOCK_N=_PREFILL_BLOCK_N, BLOCK_D=_pow2(dim, 16))
+        BLOCK_M=block, BLOCK_N=block, BLOCK_D=_pow2(dim, 16))
     return mass
+
+
+def prefill_block(dtype: torch.dtype) -> int:
+    """The prefill kernel's query and key tile size for a dtype."""
+    return _PREFILL_BLOCK.get(dtype, _PREFILL_BLOCK_DEFAULT)
 
 
 def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
