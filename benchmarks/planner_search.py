@@ -46,6 +46,7 @@ def main() -> int:
                     "python": platform.python_version()},
         "candidates": result.evaluated, "fitting": result.fitting, "screened": result.screened,
         "simulated": result.simulated, "ranked": len(result.candidates),
+        "pareto": len(result.pareto), "folded": result.folded,
         "search_seconds": round(ours, 3), "target_seconds": 2.0, "target_met": ours < 2.0,
         "baseline": "simulate every fitting candidate, no screening (timed on a sample of "
                     f"{BASELINE_SAMPLE}, scaled to {len(fitting)})",

@@ -42,8 +42,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to add so the sequence can hold its computed tokens plus `num_new_tokens`."""
-        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        """Blocks to add so the sequence can hold its cached tokens plus `num_new_tokens`."""
+        total = self.blocks_needed(seq.kv_len + num_new_tokens)
         return max(0, total - len(seq.block_table))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -59,7 +59,8 @@ class BlockManager:
             seq.block_table.append(self._take())
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
-        """Release the sequence's blocks beyond those `num_tokens` tokens need (rejected drafts)."""
+        """Release the sequence's blocks beyond those `num_tokens` cached tokens need (rejected
+        drafts, evicted tokens)."""
         keep = self.blocks_needed(num_tokens)
         while len(seq.block_table) > keep:
             self.release(seq.block_table.pop())

@@ -14,6 +14,7 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.detokenizer import append_token_text, final_text
 from engine.devices import kv_budget_tokens, resolve_device, resolve_dtype
+from engine.kv_eviction import KVEvictor, KVState, parse_policy, resolve_budget
 from engine.model import LlamaModel
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
@@ -53,6 +54,7 @@ class StepStats:
     kv_blocks_total: int
     wall_s: float
     timestamp: float
+    num_evicted_tokens: int = 0  # KV entries dropped by eviction policies this step
 
     @property
     def batch_size(self) -> int:
@@ -68,8 +70,15 @@ class LLM:
                  block_size: int = 16, kernel_backend: str | None = None,
                  progress: Callable[[float], None] | None = None,
                  speculative: str | SpecConfig | None = None,
-                 prefix_caching: bool = False) -> None:
-        """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled."""
+                 prefix_caching: bool = False, kv_policy: str | None = None,
+                 kv_budget: int | float | None = None) -> None:
+        """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled.
+
+        `kv_policy` (none, streaming, h2o, scissorhands, snapkv) with `kv_budget` (tokens, or a
+        fraction of each request's length) evicts KV entries; requests may override both.
+        """
+        if parse_policy(kv_policy) is not None:
+            resolve_budget(kv_budget, 1 << 30, block_size)  # a bad budget fails before loading
         from engine.loader import load_checkpoint
 
         self.device, self.fallback_reason = resolve_device(device)
@@ -95,6 +104,11 @@ class LLM:
         self.runner = ModelRunner(self.model, self.block_manager)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.spec = self._spec_decoder(parse_spec(speculative))
+        self.kv_policy, self.kv_budget = kv_policy, kv_budget
+        self.evictor = KVEvictor(self.runner, self.block_manager)
+        self.max_num_batched_tokens = max(max_num_batched_tokens, block_size)
+        if parse_policy(kv_policy) is not None:
+            self._check_policy_allowed()
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._abort_lock = threading.Lock()
@@ -135,11 +149,13 @@ class LLM:
         """Queue a request; raises RequestError (naming the problem) if it can never run."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
-        self._check_fits(ids, params)
+        kv = self._kv_state(ids, params)
+        self._check_fits(ids, params, kv)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._seqs:
             raise RequestError(f"Request id '{rid}' is already in use: pick another id.")
         seq = Sequence(rid, ids, params, arrival=time.perf_counter())
+        seq.kv = kv
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -173,23 +189,40 @@ class LLM:
             for s in plan.scheduled:
                 if s.seq.metrics.first_scheduled is None:
                     s.seq.metrics.first_scheduled = start
-            logits = self.runner.run(plan.scheduled)
+            want_mass = any(s.seq.kv is not None and s.seq.kv.policy.wants_mass(s.seq.kv)
+                            for s in plan.scheduled)
+            logits = self.runner.run(plan.scheduled, want_mass=want_mass)
             new_tokens = self._choose_tokens(sampling, logits)
             now = time.perf_counter()
             for s in plan.scheduled:
                 # Drafts count as computed only once accepted (see _accept).
                 s.seq.num_computed_tokens += s.num_new_tokens - s.num_draft
-                if self.prefix_cache is not None:
+                # A sequence under an eviction policy keeps its blocks private (it may move them).
+                if self.prefix_cache is not None and s.seq.kv is None:
                     self.prefix_cache.register(s.seq)
             for s, tokens in zip(sampling, new_tokens, strict=True):
                 generated += self._accept(s, tokens, now)
                 accepted += len(tokens) - 1
                 updated.append(s.seq)
+            evicted = self._evict(plan.scheduled, self.runner.last_mass if want_mass else None)
+        else:
+            evicted = 0
         for seq in updated:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
-        self.last_stats = self._stats(plan, updated, start, generated, accepted)
+        self.last_stats = self._stats(plan, updated, start, generated, accepted, evicted)
         return updated, self.last_stats
+
+    def _evict(self, scheduled: list, masses: list | None) -> int:
+        """After acceptance: fold in attention statistics, compact sequences over budget."""
+        evicted = 0
+        for i, s in enumerate(scheduled):
+            seq = s.seq
+            if seq.kv is None or seq.is_finished or seq.status is not Status.RUNNING:
+                continue
+            self.evictor.observe(seq, None if masses is None else masses[i])
+            evicted += self.evictor.maybe_compact(seq)
+        return evicted
 
     # ---- convenience loops ----
     def generate(
@@ -202,7 +235,8 @@ class LLM:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
             try:
-                self._check_fits(self._prompt_ids(p), sp)
+                ids = self._prompt_ids(p)
+                self._check_fits(ids, sp, self._kv_state(ids, sp))
             except RequestError as e:
                 raise RequestError(f"Prompt {i}: {e}") from None
         rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
@@ -271,12 +305,43 @@ class LLM:
                                f"{self.config.vocab_size - 1}): check the token ids.")
         return ids
 
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        if len(ids) >= self.max_model_len:
+    def _kv_state(self, ids: list[int], params: SamplingParams) -> KVState | None:
+        """The request's eviction policy and budget in tokens (its own, else the engine's)."""
+        name = params.kv_policy if params.kv_policy is not None else self.kv_policy
+        policy = parse_policy(name)
+        if policy is None:
+            return None
+        self._check_policy_allowed()
+        budget = params.kv_budget if params.kv_budget is not None else self.kv_budget
+        tokens = resolve_budget(budget, len(ids) + params.max_tokens, self.block_size)
+        if policy.repositions:
+            peak = tokens + self.block_size + min(len(ids), self.max_num_batched_tokens)
+            if peak >= self.max_model_len:
+                raise RequestError(
+                    f"With {policy.name} the cache holds up to {peak} tokens (kv_budget {tokens}, "
+                    f"one block, a prefill chunk of up to {self.max_num_batched_tokens}) but the "
+                    f"context holds {self.max_model_len}: lower kv_budget or "
+                    "max_num_batched_tokens.")
+        return KVState(policy, tokens)
+
+    def _check_policy_allowed(self) -> None:
+        if self.spec is not None and self.spec.draft is not None:
+            raise RequestError("KV eviction does not work with a draft model (its cache mirrors "
+                               "the target's block for block): use --spec ngram or no eviction.")
+
+    def _check_fits(self, ids: list[int], params: SamplingParams,
+                    kv: KVState | None = None) -> None:
+        unbounded = kv is not None and kv.policy.repositions  # positions stay within the cache
+        if len(ids) >= self.max_model_len and not unbounded:
             raise RequestError(
                 f"The prompt has {len(ids)} tokens but the context holds {self.max_model_len}: "
                 "shorten the prompt or load the model with a longer max_model_len.")
-        need = min(len(ids) + params.max_tokens, self.max_model_len)
+        need = len(ids) + params.max_tokens
+        if not unbounded:
+            need = min(need, self.max_model_len)
+        if kv is not None:
+            need = min(need, kv.budget + self.block_size +
+                       min(len(ids), self.max_num_batched_tokens))
         if need > self.kv_cache_tokens:
             raise RequestError(
                 f"The request needs up to {need} KV slots ({len(ids)} prompt + {params.max_tokens} "
@@ -302,6 +367,9 @@ class LLM:
             rows = [starts[i] for i in plain]
             for i, token in zip(plain, sample(logits[rows], [sampling[i].seq for i in plain]),
                                 strict=True):
+                seq = sampling[i].seq
+                if seq.forced_token_ids is not None:
+                    token = _force(seq, logits[starts[i]])
                 chosen[i] = [token]
         for i, s in enumerate(sampling):
             if s.num_draft:
@@ -346,7 +414,10 @@ class LLM:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in self.eos_ids and not seq.params.ignore_eos:
             return "stop"
-        too_long = seq.num_tokens >= self.max_model_len
+        if seq.kv is not None and seq.kv.policy.repositions:
+            too_long = seq.kv_len >= self.max_model_len  # positions are cache indices
+        else:
+            too_long = seq.num_tokens >= self.max_model_len
         if len(seq.output_token_ids) >= seq.params.max_tokens or too_long:
             return "length"
         return None
@@ -367,7 +438,7 @@ class LLM:
         return aborted
 
     def _stats(self, plan, updated: list[Sequence], start: float, generated: int,
-               accepted: int) -> StepStats:
+               accepted: int, evicted: int = 0) -> StepStats:
         bm = self.block_manager
         return StepStats(
             num_prefill_tokens=plan.num_prefill_tokens,
@@ -385,7 +456,18 @@ class LLM:
             kv_blocks_total=bm.num_blocks,
             wall_s=time.perf_counter() - start,
             timestamp=start,
+            num_evicted_tokens=evicted,
         )
+
+
+def _force(seq: Sequence, logits: torch.Tensor) -> int:
+    """Teacher forcing: the given next token, recording the model's log-probability of it and
+    its own top-1 choice."""
+    token = seq.forced_token_ids[len(seq.output_token_ids)]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    seq.forced_logprobs.append(float(logprobs[token]))
+    seq.forced_top1.append(int(logprobs.argmax()))
+    return token
 
 
 def _is_token_list(p) -> bool:

@@ -17,17 +17,23 @@ class RunItem:
     """One sequence's share of a forward pass: its new tokens from position `start` on."""
 
     tokens: list[int]
-    start: int
+    start: int  # cache index of the first new token (its position unless tokens were evicted)
     block_table: list[int]
     logit_rows: int  # how many of the last new tokens need logits (0 = none)
+    position_offset: int = 0  # position = cache index + offset (KV eviction shifts them apart)
+    mass_rows: int | None = None  # with attention statistics: sum only the last rows (SnapKV)
 
     @classmethod
     def from_scheduled(cls, s: ScheduledSeq) -> RunItem:
-        seq, start = s.seq, s.seq.num_computed_tokens
+        seq, computed = s.seq, s.seq.num_computed_tokens
         real = s.num_new_tokens - s.num_draft
-        tokens = seq.all_token_ids[start : start + real] + seq.draft_token_ids[: s.num_draft]
+        tokens = seq.all_token_ids[computed : computed + real] + seq.draft_token_ids[: s.num_draft]
+        mass_rows = None
+        if seq.kv is not None and len(tokens) > 1:
+            mass_rows = seq.kv.policy.mass_rows(seq, len(tokens))
         # The last real token and every draft: the model's distribution at each.
-        return cls(tokens, start, seq.block_table, 1 + s.num_draft if s.samples else 0)
+        return cls(tokens, seq.kv_len, seq.block_table, 1 + s.num_draft if s.samples else 0,
+                   seq.position_offset, mass_rows)
 
 
 class ModelRunner:
@@ -47,28 +53,57 @@ class ModelRunner:
         self.kv = torch.empty(shape, dtype=model.dtype, device=self.device)
         self.kv[:, :, self.null_slot].zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(c.num_layers)]
+        self.last_mass: list[torch.Tensor] | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV pool (the one zeroed padding slot, a few KiB, is not counted)."""
         return self.kv[:, :, : self.null_slot].numel() * self.kv.element_size()
 
-    def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
+    def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False,
+            want_mass: bool = False) -> torch.Tensor:
         """Run the step; logits ([rows, V] float32) for the sequences that sample, in order.
 
         With `all_logits` every token's logits are returned instead (used by prompt_logits).
+        With `want_mass`, `last_mass` holds each sequence's attention statistics afterwards.
         """
-        return self.run_items([RunItem.from_scheduled(s) for s in scheduled], all_logits)
+        return self.run_items([RunItem.from_scheduled(s) for s in scheduled], all_logits,
+                              want_mass)
 
     @torch.inference_mode()
-    def run_items(self, items: list[RunItem], all_logits: bool = False) -> torch.Tensor:
+    def run_items(self, items: list[RunItem], all_logits: bool = False,
+                  want_mass: bool = False) -> torch.Tensor:
         """The forward pass over any batch of run items (the target's step or a draft's)."""
         input_ids, positions, rows = self._inputs(items)
         meta = self._metadata(items)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        meta.want_mass = want_mass
+        masses: list = []
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, masses)
+        self.last_mass = _per_item_mass(items, masses) if want_mass else None
         if not all_logits:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor | None) -> None:
+        """Copy cached K/V from `src` slots ([layers, kv_heads, n], one source per layer and head)
+        to `dst` slots ([n]); with `delta` ([n]), re-rotate each moved key by that many positions.
+        """
+        layers = torch.arange(src.shape[0]).view(-1, 1, 1)
+        heads = torch.arange(src.shape[1]).view(1, -1, 1)
+        src, dst = src.to(self.device), dst.to(self.device)
+        moved = self.kv[layers, :, src, heads]  # [layers, kv_heads, n, 2, D] (a copy)
+        if delta is not None:
+            moved[..., 0, :] = self._rotate(moved[..., 0, :], delta.to(self.device))
+        self.kv[layers, :, dst.view(1, 1, -1), heads] = moved
+
+    def _rotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Keys rotated by `delta` more positions: rotary angles add, and cos/sin are even/odd."""
+        cos = self.model.cos[delta.abs()]
+        sin = self.model.sin[delta.abs()] * delta.sign().unsqueeze(-1).to(k.dtype)
+        half = k.shape[-1] // 2
+        rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
+        return k * cos + rotated * sin
 
     def _inputs(self, items: list[RunItem]) -> tuple[torch.Tensor, torch.Tensor, list]:
         ids: list[int] = []
@@ -76,7 +111,8 @@ class ModelRunner:
         rows: list[int] = []
         for item in items:
             ids.extend(item.tokens)
-            pos.extend(range(item.start, item.start + len(item.tokens)))
+            first = item.start + item.position_offset
+            pos.extend(range(first, first + len(item.tokens)))
             rows.extend(range(len(ids) - item.logit_rows, len(ids)))
         as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), rows
@@ -95,8 +131,8 @@ class ModelRunner:
                 decode_rows.append(i)
                 decode_idx.append(row)
             else:
-                prefills.append(PrefillChunk(row, row + n, slots[i, :ctx], _chunk_mask(n, ctx,
-                                                                                       self.device)))
+                prefills.append(PrefillChunk(row, row + n, slots[i, :ctx],
+                                             _chunk_mask(n, ctx, self.device), item.mass_rows))
             row += n
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), prefills=prefills)
         if decode_rows:
@@ -113,6 +149,23 @@ class ModelRunner:
             t = torch.arange(longest, device=self.device)
             valid = t.unsqueeze(0) < torch.tensor(lengths, device=self.device).unsqueeze(1)
             meta.decode_mask = valid[:, None, None, :]
+
+
+def _per_item_mass(items: list[RunItem], masses: list) -> list[torch.Tensor]:
+    """Each item's attention mass over its context, [layers, kv_heads, context], on the CPU."""
+    decode = None
+    if masses and masses[0].decode is not None:
+        decode = torch.stack([m.decode for m in masses]).cpu()  # [layers, B, kv_heads, T]
+    out, d, c = [], 0, 0
+    for item in items:
+        ctx = item.start + len(item.tokens)
+        if len(item.tokens) == 1:
+            out.append(decode[:, d, :, :ctx])
+            d += 1
+        else:
+            out.append(torch.stack([m.prefill[c] for m in masses]).cpu())
+            c += 1
+    return out
 
 
 def _slot_table(block_tables: list[list[int]], lengths: list[int], block_size: int,

@@ -134,6 +134,9 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_evicted = seq.position_offset = 0
+        if seq.kv is not None:
+            seq.kv = seq.kv.restart()
         seq.draft_token_ids = []
         seq.draft_computed = 0
         seq.num_cached_blocks = 0

@@ -22,6 +22,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # KV eviction for this request (engine/kv_eviction.py); None takes the engine's setting.
+    kv_policy: str | None = None
+    kv_budget: int | float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -161,6 +164,16 @@ class Sequence:
         self.num_cached_blocks = 0  # leading blocks indexed by the prefix cache
         self.spec_rate = 1.0  # running acceptance estimate, optimistic at first
         self.spec_cooldown = 0
+        # KV eviction (engine/kv_eviction.py): computed tokens no longer cached, the position of
+        # cache index 0 for new tokens (position = cache index + offset), and the policy state.
+        self.num_evicted = 0
+        self.position_offset = 0
+        self.kv = None
+        # Teacher forcing (engine/kv_eval.py): the tokens to append instead of sampled ones,
+        # and the model's log-probability and top-1 token at each.
+        self.forced_token_ids: list[int] | None = None
+        self.forced_logprobs: list[float] = []
+        self.forced_top1: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -169,6 +182,11 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose keys and values the cache holds (computed minus evicted)."""
+        return self.num_computed_tokens - self.num_evicted
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -158,12 +158,22 @@ def _load_spec(args: argparse.Namespace):
         raise UserError(str(exc)) from exc
 
 
+def _server_info(args: argparse.Namespace):
+    from monitor.loadgen import ServerInfo
+
+    try:
+        return ServerInfo(gpu=args.gpu, tp=args.tp, pp=args.pp, weights=args.weights,
+                          kv=args.kv, engine=args.engine)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+
+
 def cmd_loadtest(args: argparse.Namespace) -> int:
     """Load an endpoint, print the figures, and store the run when --db is given."""
     from monitor.loadgen import run_load, store_run
 
     try:
-        spec = _load_spec(args)
+        spec, server = _load_spec(args), _server_info(args)
         db = None
         if args.db:
             from storage.db import open_database
@@ -182,7 +192,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
                            f"{(summary.get('errors') or ['no answer'])[0]}")
     if db is not None:
         try:
-            summary["run_id"] = store_run(db, result)
+            summary["run_id"] = store_run(db, result, server=server)
         except (StorageError, RuntimeError) as exc:
             return _fail(args, str(exc))
         finally:
@@ -244,6 +254,14 @@ def add_monitor_parsers(subparsers) -> None:
     lt.add_argument("--slo-e2e-ms", type=float, help="goodput: end-to-end SLO in ms")
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--db", help="store the run in this database (SQLAlchemy URL)")
+    server = lt.add_argument_group("the server measured (stored with the run; the planner "
+                                   "calibrates from runs that name their GPU)")
+    server.add_argument("--gpu", help="its GPU, e.g. 'H100 SXM' or 'NVIDIA L4'")
+    server.add_argument("--tp", type=int, default=1, help="its tensor-parallel size")
+    server.add_argument("--pp", type=int, default=1, help="its pipeline-parallel size")
+    server.add_argument("--weights", help="its weight precision: bf16, fp16, fp8, int8, int4")
+    server.add_argument("--kv", help="its KV-cache precision (default: the weights')")
+    server.add_argument("--engine", help="its engine and version, e.g. 'vLLM 0.8.5'")
     lt.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     lt.set_defaults(func=cmd_loadtest)
 

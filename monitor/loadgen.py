@@ -148,6 +148,36 @@ async def send_one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, promp
                          prompt_tokens=prompt_len, output_tokens=n_out)
 
 
+@dataclass(frozen=True)
+class ServerInfo:
+    """The deployment a load test measured: GPU, parallelism, precisions and engine. Stored with
+    the run so the planner can calibrate its efficiency factors from it (planner.measured)."""
+
+    gpu: str | None = None  # catalog or CUDA device name, e.g. "H100 SXM", "NVIDIA L4"
+    tp: int = 1
+    pp: int = 1
+    weights: str | None = None
+    kv: str | None = None
+    engine: str | None = None  # e.g. "vLLM 0.8.5"
+
+    def __post_init__(self) -> None:
+        from planner.catalog import KV_PRECISIONS, PRECISIONS
+
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tensor and pipeline parallel sizes must be at least 1, got "
+                             f"--tp {self.tp} --pp {self.pp}")
+        if self.weights is not None and self.weights not in PRECISIONS:
+            raise ValueError(f"--weights {self.weights!r} is not a precision the planner "
+                             f"knows; use one of {', '.join(PRECISIONS)}")
+        if self.kv is not None and self.kv not in KV_PRECISIONS:
+            raise ValueError(f"--kv {self.kv!r} is not a KV-cache precision the planner "
+                             f"knows; use one of {', '.join(KV_PRECISIONS)}")
+
+    def as_config(self) -> dict:
+        """The keys a run's config carries (planner.measured reads them); unset ones left out."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
 @dataclass
 class LoadResult:
     """The records of a finished run and its summary (the --json output)."""
@@ -228,12 +258,14 @@ def run_load(spec: LoadSpec, progress: Callable[[int, int], None] | None = None)
     return asyncio.run(_run(spec, progress))
 
 
-def store_run(db, result: LoadResult, name: str = "") -> int:
-    """Save a load test as a run with its request records; returns the run id."""
+def store_run(db, result: LoadResult, name: str = "", server: ServerInfo | None = None) -> int:
+    """Save a load test as a run with its request records; returns the run id. `server` adds
+    the measured deployment (GPU, TP/PP, precisions, engine) to the run's config."""
     from storage.queries import finish_run, save_run
     from storage.writer import Writer
 
     config = {k: v for k, v in asdict(result.spec).items() if k != "token"}
+    config.update(server.as_config() if server is not None else {})
     run_id = save_run(db, "loadtest", name or result.spec.url, config, result.summary,
                       result.started)
     for r in result.records:

@@ -96,7 +96,8 @@ def run_search(args: argparse.Namespace) -> int:
                                                     result.candidates[:args.top]],
                 "pareto": [p.as_dict() for p in result.pareto], "evaluated": result.evaluated,
                 "fitting": result.fitting, "screened": result.screened,
-                "simulated": result.simulated, "seconds": round(result.seconds, 3),
+                "simulated": result.simulated, "folded": result.folded,
+                "seconds": round(result.seconds, 3),
                 "vllm_command": vllm_command(best), "sglang_command": sglang_command(best)}
     return _run(args, work, _print_search)
 

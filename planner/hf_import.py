@@ -93,3 +93,17 @@ def model_from_hf_config(path: Path, name: str | None = None) -> Model:
                      source=f"imported from {path}", date="", **arch, **moe, **mla)
     except ValueError as exc:
         raise CatalogError(f"{path}: {exc}") from exc
+
+
+def model_from_architecture(name: str, source: str, layers: int, hidden: int, heads: int,
+                            kv_heads: int, head_dim: int, intermediate: int, vocab: int,
+                            max_context: int = 4096, qkv_bias: bool = False) -> Model:
+    """A Model from a loaded checkpoint's architecture: the local engine's model, so its
+    benchmark can calibrate the planner ("calibrate from this workstation"). Counted with
+    untied embeddings like every catalog model: a tied checkpoint still reads the matrix as
+    its LM head each step."""
+    arch = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+            "head_dim": head_dim, "intermediate": intermediate, "vocab": vocab}
+    params = count_params(**arch, qkv_bias=qkv_bias) / 1e9
+    return Model(name=name, params_b=params, active_params_b=params, max_context=max_context,
+                 source=source, date="", **arch)

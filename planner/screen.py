@@ -22,8 +22,12 @@ def steady_step(cost: StepCost, rate: float, w: Workload, b_max: int) -> tuple[f
     chunk = prompt / n_chunks
     ctx = w.input_len + w.output_len / 2.0
     batch, tpot = 1.0, cost.decode_seconds(1, ctx) / e
+    last = 0
     for _ in range(FIXED_POINT_ROUNDS):
         b = max(1, round(batch))
+        if b == last:
+            break  # each round depends only on the rounded batch: a repeat is the fixed point
+        last = b
         t_prefill = cost.time(chunk, chunk * (w.input_len - prompt + chunk / 2.0), b, b * ctx,
                               b + 1)
         busy = rate * n_chunks * t_prefill
@@ -54,15 +58,17 @@ def estimate(cost: StepCost, rate: float, w: Workload,
 
 
 def capacity(cost: StepCost, w: Workload, b_max: int) -> float:
-    """Highest rate (requests/s) one replica sustains, by bisection on the steady state."""
+    """Highest rate (requests/s) one replica sustains, by bisection on the steady state, to
+    within 1/2^8 of its doubling bracket. The upper end is returned: the search starts its
+    replica count from rate / capacity and counts up, so erring high never skips the fewest."""
     lo, hi = 0.0, 1.0
     while steady_step(cost, hi, w, b_max) is not None and hi < 1e6:
         lo, hi = hi, hi * 2.0
-    for _ in range(14):
+    for _ in range(8):
         mid = (lo + hi) / 2.0
         if steady_step(cost, mid, w, b_max) is None:
             hi = mid
         else:
             lo = mid
-    return lo
+    return hi
 

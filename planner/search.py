@@ -61,6 +61,7 @@ class Plan:
     memory: MemoryPlan
     simulated: bool
     calibration: str
+    folded: int = 0  # plans of the same shape with another batch limit, folded into this one
 
     def as_dict(self) -> dict:
         d = self.deployment
@@ -77,7 +78,8 @@ class Plan:
                 "cost_per_hour": round(self.cost_per_hour, 4),
                 "cost_per_1m_tokens": round(self.cost_per_1m_tokens, 4),
                 "memory_gb_per_gpu": round(self.memory.total_gb, 3),
-                "simulated": self.simulated, "calibration": self.calibration}
+                "simulated": self.simulated, "calibration": self.calibration,
+                "folded_variants": self.folded}
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class SearchResult:
     seconds: float
     infeasible: str = ""
     notes: list[str] = field(default_factory=list)
+    folded: int = 0
 
 
 def enumerate_deployments(model: Model, catalog: Catalog, space: SearchSpace) -> list[Deployment]:
@@ -114,6 +117,12 @@ class _Screened:
     memory: MemoryPlan
     replicas: int
     cost: float
+    e2e: float  # the analytic estimate of a request's end-to-end seconds
+
+
+def shape(d: Deployment) -> tuple:
+    """A deployment without its batch limit: plans differing only in max_seqs share it."""
+    return d.gpu.name, d.weights, d.kv, d.tp, d.pp, d.spec
 
 
 class _Screen:
@@ -165,7 +174,8 @@ class _Screen:
             est = self._state(key, cost, replicas, memory.max_sequences)
             if (est is not None and est[2] <= b_max * 1.02 and est[0] * 1e3 <= slo.ttft_p99_ms
                     and est[1] * 1e3 <= slo.tpot_p99_ms):
-                return _Screened(d, memory, replicas, self.hourly(d, cost, b_max, replicas))
+                e2e = est[0] + est[1] * max(w.output_len - 1, 0)
+                return _Screened(d, memory, replicas, self.hourly(d, cost, b_max, replicas), e2e)
         return None
 
     def hourly(self, d: Deployment, cost: StepCost, b_max: int, replicas: int) -> float:
@@ -192,18 +202,37 @@ def _confirm(s: _Screened, w: Workload, calibration: Calibration, opts: CostOpti
     return None
 
 
+def _front(items: list, cost: Callable, latency: Callable) -> list:
+    """Items no other item beats on both cost and latency, cheapest first."""
+    front: list = []
+    for item in sorted(items, key=lambda i: (cost(i), latency(i))):
+        if not front or latency(item) < latency(front[-1]):
+            front.append(item)
+    return front
+
+
 def pareto_front(plans: list[Plan]) -> list[Plan]:
     """Plans no other plan beats on both $/hour and p99 end-to-end latency."""
-    front: list[Plan] = []
-    for p in sorted(plans, key=lambda p: (p.cost_per_hour, p.e2e_p99_ms)):
-        if not front or p.e2e_p99_ms < front[-1].e2e_p99_ms:
-            front.append(p)
-    return front
+    return _front(plans, lambda p: p.cost_per_hour, lambda p: p.e2e_p99_ms)
+
+
+def fold_batch_limits(plans: list[Plan]) -> tuple[list[Plan], int]:
+    """Keep the first (best-ranked) plan of each shape; the others differ only in max_seqs.
+    Returns the kept plans, each counting what it absorbed, and how many were folded."""
+    kept: dict[tuple, Plan] = {}
+    for p in plans:
+        key = shape(p.deployment)
+        if key in kept:
+            kept[key] = replace(kept[key], folded=kept[key].folded + 1)
+        else:
+            kept[key] = p
+    out = list(kept.values())
+    return out, len(plans) - len(out)
 
 
 def search(model: Model, w: Workload, catalog: Catalog, space: SearchSpace | None = None,
            budget_per_hour: float | None = None, calibration: Calibration | None = None,
-           cost_opts: CostOptions | None = None, simulate_top: int = 12,
+           cost_opts: CostOptions | None = None, simulate_cheapest: int = 16,
            progress: Progress | None = None,
            cancel: Callable[[], bool] | None = None) -> SearchResult:
     """Rank deployments of `model` serving open-loop workload `w` within its SLOs and budget."""
@@ -231,26 +260,47 @@ def search(model: Model, w: Workload, catalog: Catalog, space: SearchSpace | Non
             passed.append(screened)
         else:
             screen.over_budget = min(screen.over_budget, screened.cost)
-    plans = _simulate_best(passed, w, calibration, opts, simulate_top, progress, cancel)
+    chosen = to_simulate(passed, simulate_cheapest)
+    plans = _simulate(chosen, w, calibration, opts, progress, cancel)
     if budget_per_hour is not None:
         plans = [p for p in plans if p.cost_per_hour <= budget_per_hour]
     plans.sort(key=lambda p: (p.cost_per_hour, p.e2e_p99_ms))
+    # The front keeps every simulated trade-off (a smaller batch limit can buy latency with
+    # money); the ranking shows one row per shape.
+    front = pareto_front(plans)
+    ranked, folded = fold_batch_limits(plans)
     why = "" if plans else explain(model, w, catalog, space, screen, passed, fitting,
                                    budget_per_hour)
-    return SearchResult(plans, pareto_front(plans), len(deployments), fitting, len(passed),
-                        min(simulate_top, len(passed)), time.perf_counter() - started, why)
+    notes = [f"{folded} plan(s) differing only in the batch limit folded into the best of "
+             f"their shape"] if folded else []
+    return SearchResult(ranked, front, len(deployments), fitting, len(passed), len(chosen),
+                        time.perf_counter() - started, why, notes, folded)
 
 
-def _simulate_best(passed: list[_Screened], w: Workload, calibration: Calibration,
-                   opts: CostOptions, top: int, progress: Progress | None,
-                   cancel: Callable[[], bool] | None) -> list[Plan]:
+def to_simulate(passed: list[_Screened], cheapest: int) -> list[_Screened]:
+    """What to simulate: the screened Pareto set (cost against estimated end-to-end latency),
+    so the simulated front spans the trade-off, plus the cheapest variant of each of the
+    `cheapest` cheapest shapes, so the top of the ranking is confirmed by simulation."""
+    chosen = {id(s): s for s in _front(passed, lambda s: s.cost, lambda s: s.e2e)}
+    shapes: set[tuple] = set()
+    for s in sorted(passed, key=lambda s: (s.cost, s.e2e)):
+        if len(shapes) >= cheapest:
+            break
+        if shape(s.deployment) not in shapes:
+            shapes.add(shape(s.deployment))
+            chosen.setdefault(id(s), s)
+    return sorted(chosen.values(), key=lambda s: (s.cost, s.e2e))
+
+
+def _simulate(chosen: list[_Screened], w: Workload, calibration: Calibration,
+              opts: CostOptions, progress: Progress | None,
+              cancel: Callable[[], bool] | None) -> list[Plan]:
     plans = []
-    ranked = sorted(passed, key=lambda s: (s.cost, -s.deployment.max_seqs))[:top]
-    for i, s in enumerate(ranked):
+    for i, s in enumerate(chosen):
         if cancel is not None and cancel():
             raise Cancelled("search cancelled")
         if progress is not None:
-            progress(0.6 + 0.4 * i / max(1, len(ranked)), f"simulating {i + 1}/{len(ranked)}")
+            progress(0.6 + 0.4 * i / max(1, len(chosen)), f"simulating {i + 1}/{len(chosen)}")
         plan = _confirm(s, w, calibration, opts)
         if plan is not None:
             plans.append(plan)

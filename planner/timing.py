@@ -12,10 +12,14 @@ MAX_TP = 8  # one NVLink / PCIe node; TP across nodes is not worth modelling for
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Achieved fractions of peak; defaults from aiconfigurator (memory 0.8) and llm-analysis
-    (FLOPs up to 0.7 for inference); calibration replaces them with fitted values."""
+    """Achieved fractions of peak; calibration replaces them with fitted values.
 
-    flops: float = 0.6
+    memory 0.8 is aiconfigurator's mem_bw_empirical_scaling_factor. flops 0.5 is the low end of
+    the 0.5-0.7 range the research note (planner.md section 6) starts from: the FLOP count covers
+    the GEMMs and attention only, not the norms, RoPE, activation and quantize kernels between
+    them, and FP8 GEMMs reach a smaller share of their doubled peak than 16-bit ones do."""
+
+    flops: float = 0.5
     memory: float = 0.8
     link: float = 0.7
     overhead_ms: float = 0.3
@@ -85,20 +89,39 @@ class Deployment:
         return self.tp * self.pp
 
 
+# NCCL's own cost model (src/graph/tuning.cc, baseLat for the ring algorithm, LL/LL128
+# protocols): a collective pays a fixed 3.6 us launch/sync latency, then one link latency per ring
+# step. The per-step latency is the catalog's link_latency_us (NCCL's hwLat for that link).
+COLLECTIVE_BASE_US = 3.6
+
+
+def ring_steps(tp: int) -> int:
+    """A ring all-reduce is a reduce-scatter then an all-gather: 2(N-1) dependent steps."""
+    return 2 * (tp - 1)
+
+
 def allreduce_seconds(gpu: Gpu, tp: int, message_bytes: float, link_eff: float) -> float:
-    """Ring all-reduce: one hop latency plus 2(N-1)/N of the message over the link."""
+    """Ring all-reduce: base latency plus 2(N-1) step latencies, plus 2(N-1)/N of the message
+    over the link (GenZ collective_times.py and NCCL's tuning model share this form)."""
     if tp == 1:
         return 0.0
-    return gpu.link_latency_us * 1e-6 + 2.0 * (tp - 1) / tp * message_bytes / (
-        gpu.link_gbs * 1e9 * link_eff)
+    latency = (COLLECTIVE_BASE_US + ring_steps(tp) * gpu.link_latency_us) * 1e-6
+    return latency + ring_steps(tp) / tp * message_bytes / (gpu.link_gbs * 1e9 * link_eff)
+
+
+def send_seconds(gpu: Gpu, message_bytes: float, link_eff: float) -> float:
+    """A pipeline hand-off: one point-to-point send, base latency plus one step (GenZ's PP)."""
+    latency = (COLLECTIVE_BASE_US + gpu.link_latency_us) * 1e-6
+    return latency + message_bytes / (gpu.link_gbs * 1e9 * link_eff)
 
 
 class StepCost:
     """Time of one engine iteration for a deployment, with its constants computed once."""
 
     __slots__ = ("d", "eff", "flops_per_token", "lm_head_flops", "attn_flops", "dense_bytes",
-                 "expert_bytes", "kv_read", "flops_rate", "bw", "comm_per_token", "comm_fixed",
-                 "stage_layers", "spec_tokens", "draft_fraction")
+                 "expert_bytes", "kv_read", "flops_rate", "attn_rate", "bw", "comm_per_token",
+                 "comm_fixed", "stage_layers", "spec_tokens", "draft_fraction", "pp",
+                 "handoff_fixed", "handoff_per_token", "overhead", "draft_seconds", "moe")
 
     def __init__(self, d: Deployment, eff: Efficiency | None = None) -> None:
         m, g, self.d = d.model, d.gpu, d
@@ -113,15 +136,26 @@ class StepCost:
         self.expert_bytes = m.moe_layers * m.expert_params * bpp / d.gpus
         self.kv_read = kv_bytes_per_token_per_gpu(m, d.kv, d.tp, d.pp)
         self.flops_rate = g.compute_tflops(d.weights) * 1e12 * self.eff.flops * d.gpus
+        # Attention (QK^T and PV over the cache) runs in 16-bit FMHA kernels whatever the weight
+        # precision: FP8/INT8 weights speed up the linear layers only.
+        self.attn_rate = g.compute_tflops("bf16") * 1e12 * self.eff.flops * d.gpus
         self.bw = g.bandwidth_gbs * 1e9 * self.eff.memory
         self.stage_layers = m.layers / d.pp
-        # Two all-reduces per layer (after attention and after the MLP) of bf16 activations.
-        hops = 2 * self.stage_layers if d.tp > 1 else 0.0
-        self.comm_fixed = hops * g.link_latency_us * 1e-6
-        self.comm_per_token = hops * 2.0 * (d.tp - 1) / d.tp * 2.0 * m.hidden / (
-            g.link_gbs * 1e9 * self.eff.link)
+        # Two all-reduces per layer (after attention and after the MLP) of bf16 activations,
+        # each costing allreduce_seconds: its latency part is fixed, its size part per token.
+        reduces = 2 * self.stage_layers if d.tp > 1 else 0.0
+        self.comm_fixed = reduces * allreduce_seconds(g, d.tp, 0.0, self.eff.link)
+        self.comm_per_token = reduces * (allreduce_seconds(g, d.tp, 2.0 * m.hidden, self.eff.link)
+                                         - allreduce_seconds(g, d.tp, 0.0, self.eff.link))
         self.spec_tokens = d.spec.draft_len + 1 if d.spec else 1
         self.draft_fraction = d.spec.draft_len * d.spec.draft_cost if d.spec else 0.0
+        # Constants of time(), which the search calls hundreds of thousands of times.
+        self.pp, self.moe = d.pp, m.is_moe
+        self.handoff_fixed = (d.pp - 1) * send_seconds(g, 0.0, self.eff.link)
+        self.handoff_per_token = (d.pp - 1) * (send_seconds(g, 2.0 * m.hidden, self.eff.link)
+                                               - send_seconds(g, 0.0, self.eff.link))
+        self.overhead = self.eff.overhead_ms * 1e-3
+        self.draft_seconds = self.draft_fraction * self.dense_bytes / self.bw * d.pp
 
     def _experts_touched(self, tokens: float) -> float:
         """Distinct routed experts a layer reads for `tokens` tokens routed uniformly at random."""
@@ -135,23 +169,28 @@ class StepCost:
         """Seconds for one iteration: `prefill_tokens` prompt tokens whose attention covers
         `prefill_attn` (query, key) pairs, plus `decode_seqs` decodes over `decode_ctx` cached
         tokens in all; `sampled` sequences produce logits."""
-        pp = self.d.pp
+        pp = self.pp
         tokens = prefill_tokens + decode_seqs * self.spec_tokens
         if tokens <= 0:
             return 0.0
         micro = min(pp, max(decode_seqs + (1 if prefill_tokens else 0), 1))
-        flops = (tokens * self.flops_per_token + sampled * self.spec_tokens * self.lm_head_flops
-                 + self.attn_flops * (prefill_attn + decode_ctx * self.spec_tokens))
-        weights = self.dense_bytes + self.expert_bytes * self._experts_touched(tokens / micro)
+        gemm_flops = tokens * self.flops_per_token + sampled * self.spec_tokens * self.lm_head_flops
+        attn_flops = self.attn_flops * (prefill_attn + decode_ctx * self.spec_tokens)
+        weights = self.dense_bytes
+        if self.moe:
+            weights += self.expert_bytes * self._experts_touched(tokens / micro)
         kv = (decode_ctx + tokens) * self.kv_read
-        compute = flops / self.flops_rate / micro
-        memory = (weights + kv / micro) / self.bw
+        # A roofline per operator, as LLM-Viewer does: the linear layers (bound by FLOPs or by
+        # reading the weights) and attention (bound by its FLOPs or by reading the KV cache) are
+        # separate kernels that run one after the other, so their times add. One max() over the
+        # summed work would let a KV-bound attention hide behind compute-bound GEMMs.
+        linear = max(gemm_flops / self.flops_rate, weights / self.bw * micro) / micro
+        attention = max(attn_flops / self.attn_rate, kv / self.bw) / micro
         comm = self.comm_fixed + self.comm_per_token * tokens / micro
-        stage = max(compute, memory) + comm
-        handoff = (pp - 1) * allreduce_seconds(self.d.gpu, 2, 2.0 * self.d.model.hidden
-                                               * tokens / micro, self.eff.link) if pp > 1 else 0.0
-        draft = self.draft_fraction * self.dense_bytes / self.bw * pp if decode_seqs else 0.0
-        return self.eff.overhead_ms * 1e-3 + pp * stage + handoff + draft
+        stage = linear + attention + comm
+        handoff = self.handoff_fixed + self.handoff_per_token * tokens / micro
+        draft = self.draft_seconds if decode_seqs else 0.0
+        return self.overhead + pp * stage + handoff + draft
 
     def prefill_seconds(self, input_len: int) -> float:
         """One prompt alone, in chunks of max_batched_tokens: its TTFT on an idle replica."""

@@ -13,6 +13,7 @@ from app.panes.planner.pane import PlannerPane
 from app.panes.planner.state import FormState, plan_label
 
 SEARCH_MS = 60_000
+BENCH_MS = 600_000  # loading and benchmarking the demo model on a busy CPU
 SMALL = FormState(model="Llama-3.1-8B", rate=4.0, gpus=("L4", "L40S"), weights=("fp8", "int4"),
                   kv=("fp8",), speculative=False, num_requests=300)
 DOCS_SHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
@@ -219,3 +220,39 @@ def test_calibrate_from_engine_results_recomputes(qtbot, tmp_path: Path) -> None
     assert report.calibration.name in text and "fit error" in text
     assert pane.outcome.best.calibration == report.calibration.name
     assert any("CPU run" in t for _, t in seen)
+
+
+def test_calibrate_from_this_workstation(qtbot, tmp_path: Path, demo_gguf: Path) -> None:
+    """The action benchmarks the real demo model off the GUI thread, keeps the result where
+    calibration reads it, and calibrates from it: on a GPU it fits that GPU's factors; on the
+    CPU it says why a CPU run cannot calibrate a catalog GPU."""
+    pane = _pane(qtbot, tmp_path)
+    seen = _notices(pane)
+    steps = []
+    pane.bench_runner.progressed.connect(lambda p: steps.append(p.message))
+    with qtbot.waitSignal(pane.bench_runner.finished, timeout=BENCH_MS):
+        assert pane.calibrate_workstation(quick=True)
+        assert not pane.calibrate_workstation(quick=True)  # one at a time
+    assert "loading the demo model" in steps and any("concurrent" in m for m in steps)
+    lines = (Path(os.environ["SERVESCOPE_DATA_DIR"]) / "bench_results.jsonl").read_text()
+    result = json.loads(lines.splitlines()[-1])
+    assert result["model"] == "smollm2-135m-instruct"
+    assert set(result["throughput_tokens_per_s"]) == {"1", "4"}
+    assert all(v > 0 for v in result["throughput_tokens_per_s"].values())
+    assert f"Benchmarked smollm2-135m-instruct on {result['device']}" in (
+        pane.status.text() + "".join(t for _, t in seen if t.startswith("Calibrated")))
+    if result["device"].startswith("cuda"):
+        assert pane.calibration.points == 2 and "bf16" in pane.calibration.name
+    else:
+        assert any("a CPU run says nothing about a catalog GPU" in t for _, t in seen)
+        assert pane.calibration.name == "default (uncalibrated)"
+    assert pane.workstation_button.isEnabled()
+
+
+def test_cancel_the_workstation_benchmark(qtbot, tmp_path: Path, demo_gguf: Path) -> None:
+    pane = _pane(qtbot, tmp_path)
+    with qtbot.waitSignal(pane.bench_runner.cancelled, timeout=BENCH_MS):
+        pane.calibrate_workstation(quick=True)
+        pane.cancel()
+    assert "cancelled" in pane.status.text() and pane.workstation_button.isEnabled()
+    assert not (Path(os.environ["SERVESCOPE_DATA_DIR"]) / "bench_results.jsonl").exists()

@@ -149,6 +149,46 @@ def test_loadtest_command_prints_one_json_object_and_stores_the_run(openai_serve
     assert stored["requests"]["ttft_ms"]["p99"] == pytest.approx(out["ttft_ms"]["p99"])
 
 
+def test_a_stored_run_names_its_server_and_calibrates_the_planner(openai_server, tmp_path,
+                                                                  capsys):
+    """--gpu/--tp/--weights/--kv/--engine go into the run's config; the planner reads the
+    stored run back as a calibration point for that GPU and precision."""
+    from planner.catalog import load_catalog
+    from planner.measured import calibrate_measured, from_runs
+
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    code = main(["loadtest", "--url", openai_server.url, "--concurrency", "2", "--requests",
+                 "4", "--input-len", "16", "--output-len", "4", "--model",
+                 "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "NVIDIA L4", "--tp", "1",
+                 "--weights", "bf16", "--kv", "fp8", "--engine", "test server", "--json",
+                 "--db", url])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    db = open_database(url)
+    runs = queries.list_runs(db, "loadtest")
+    db.close()
+    config = runs[0]["config"]
+    assert (config["gpu"], config["tp"], config["pp"], config["weights"], config["kv"],
+            config["engine"]) == ("NVIDIA L4", 1, 1, "bf16", "fp8", "test server")
+    catalog = load_catalog()
+    points, skipped = from_runs(runs, catalog)
+    assert skipped == [] and len(points) == 1
+    p = points[0]
+    assert (p.model, p.gpu, p.weights, p.kv, p.tp, p.batch, p.input_len, p.output_len) == (
+        "Llama-3.1-8B", "L4", "bf16", "fp8", 1, 2, 16, 4)
+    assert p.throughput_tok_s == pytest.approx(out["output_tokens_per_s"])
+    report = calibrate_measured([], runs, catalog)
+    assert report.calibration.name == "measured (L4 bf16)" and report.calibration.points == 1
+
+
+def test_server_flags_are_checked(capsys):
+    code = main(["loadtest", "--url", "http://127.0.0.1:9", "--weights", "fp4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--weights 'fp4' is not a precision the planner knows" in err
+    code = main(["loadtest", "--url", "http://127.0.0.1:9", "--tp", "0"])
+    assert code == 2 and "at least 1" in capsys.readouterr().err
+
+
 def test_user_errors_are_one_sentence_and_exit_2(capsys):
     assert main(["loadtest", "--url", "ftp://nowhere", "--json"]) == 2
     captured = capsys.readouterr()

@@ -11,7 +11,14 @@ from planner.catalog import CatalogError, UnknownNameError, load_catalog
 from planner.cost import CostOptions, autoscaled_cost, cost_per_million, gpu_hour_price
 from planner.hf_import import count_params, model_from_hf_config
 from planner.memory import kv_bytes_per_token, kv_bytes_per_token_per_gpu, plan_memory, weight_bytes
-from planner.timing import Deployment, Efficiency, SpecDecode, StepCost, allreduce_seconds
+from planner.timing import (
+    Deployment,
+    Efficiency,
+    SpecDecode,
+    StepCost,
+    allreduce_seconds,
+    send_seconds,
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +72,14 @@ def test_memory_plan_by_hand(catalog):
 
 def test_allreduce_and_spec_formulas(catalog):
     h100 = catalog.gpu("H100 SXM")
-    # 8 us + 2*(4-1)/4 * 1 MB / (450 GB/s * 0.5)
-    assert allreduce_seconds(h100, 4, 1e6, 0.5) == pytest.approx(8e-6 + 1.5 * 1e6 / 225e9)
+    # NCCL ring: 3.6 us base + 2*(4-1) steps * 2.5 us (NVLink) + 2*(4-1)/4 * 1 MB / (450 GB/s * 0.5)
+    assert allreduce_seconds(h100, 4, 1e6, 0.5) == pytest.approx(18.6e-6 + 1.5 * 1e6 / 225e9)
     assert allreduce_seconds(h100, 1, 1e6, 0.5) == 0.0
+    # PCIe steps cost 5.7 us: 3.6 + 2 * 5.7 = 15.0 us at TP2, plus 1 MB over 64 GB/s * 0.5
+    pcie = catalog.gpu("H100 PCIe")
+    assert allreduce_seconds(pcie, 2, 1e6, 0.5) == pytest.approx(15.0e-6 + 1e6 / 32e9)
+    # a pipeline hand-off is one step: 3.6 + 2.5 us plus the message
+    assert send_seconds(h100, 1e6, 0.5) == pytest.approx(6.1e-6 + 1e6 / 225e9)
     # (1 - 0.7^5) / 0.3 = 2.7731
     assert SpecDecode(4, 0.7).tokens_per_step == pytest.approx(2.7731, abs=1e-4)
 
@@ -83,6 +95,24 @@ def test_decode_is_bandwidth_bound_and_prefill_compute_bound(catalog):
     active = 8.03e9 - 2 * 128256 * 4096
     flops = 2 * active * 2048 + 2 * 128256 * 4096 + 4 * 32 * 32 * 128 * 2048 * 1024
     assert cost.time(2048, 2048 * 1024, 0, 0, 1) == pytest.approx(flops / (989e12 * 0.5), rel=1e-6)
+
+
+def test_linear_and_attention_rooflines_add(catalog):
+    """70B fp8 on 4 x H100 at batch 256: the GEMMs are compute bound, attention is KV bound, and
+    the two kernels' times add, plus 160 all-reduces of 256 tokens."""
+    d = Deployment(catalog.model("Llama-2-70B"), catalog.gpu("H100 SXM"), "fp8", "fp8", tp=4)
+    eff = Efficiency(flops=0.5, memory=0.8, link=0.7, overhead_ms=0.0)
+    cost = StepCost(d, eff)
+    active = 68.98e9 - 2 * 32000 * 8192
+    gemm = (256 * 2 * active + 256 * 2 * 32000 * 8192) / (4 * 1979e12 * 0.5)
+    weights = 68.98e9 / 4 / (3350e9 * 0.8)
+    kv_per_token = 2 * 80 * 8 * 128 * 1.0 / 4
+    kv = (256 * 1000 + 256) * kv_per_token / (3350e9 * 0.8)
+    # attention FLOPs run at the bf16 rate, not fp8's
+    attn = 4 * 80 * 64 * 128 * 256 * 1000 / (4 * 989e12 * 0.5)
+    assert gemm > weights and kv > attn
+    comm = 160 * (18.6e-6 + 1.5 * 256 * 2 * 8192 / (450e9 * 0.7))
+    assert cost.decode_seconds(256, 1000) == pytest.approx(gemm + kv + comm, rel=1e-6)
 
 
 def test_moe_decode_reads_only_touched_experts(catalog):

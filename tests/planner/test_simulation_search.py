@@ -11,7 +11,7 @@ import pytest
 from planner.catalog import load_catalog
 from planner.cli import add_plan_parser
 from planner.export import kubernetes_yaml, ranking_csv, sglang_command, vllm_command
-from planner.search import Cancelled, SearchSpace, search
+from planner.search import Cancelled, SearchSpace, search, shape
 from planner.simulate import Replica, simulate
 from planner.workload import Slo, Workload
 
@@ -63,6 +63,28 @@ def test_search_results_respect_every_constraint(catalog):
         assert p.deployment.gpu.name in space.gpus
     front = result.pareto
     assert all(a.e2e_p99_ms > b.e2e_p99_ms for a, b in zip(front, front[1:], strict=False))
+
+
+def test_ranking_folds_batch_limits_and_the_front_spans_the_trade_off(catalog):
+    """Two batch limits per shape: the ranking shows each shape once, saying how many variants
+    it absorbed; the simulated set includes the screened Pareto set, so the front has several
+    cost/latency points rather than the cheapest plan alone."""
+    w = Workload(1000, 200, rate=20, slo=Slo(2000, 50), num_requests=300)
+    space = SearchSpace(gpus=("H100 SXM", "MI300X"), weights=("fp8",), kv=("fp8",),
+                        max_seqs=(16, 64))
+    result = search(catalog.model("Llama-3.1-70B"), w, catalog, space)
+    shapes = [shape(p.deployment) for p in result.candidates]
+    assert len(shapes) == len(set(shapes))
+    assert sum(p.folded for p in result.candidates) == result.folded
+    assert result.folded >= 1
+    assert f"{result.folded} plan(s) differing only in the batch limit" in result.notes[0]
+    assert result.simulated > 12  # the screened front and 16 cheapest shapes, not 12 plans
+    front = result.pareto
+    assert len(front) >= 3 and all(p.simulated for p in front)
+    assert all(a.cost_per_hour < b.cost_per_hour and a.e2e_p99_ms > b.e2e_p99_ms
+               for a, b in zip(front, front[1:], strict=False))
+    assert front[0].cost_per_hour == result.candidates[0].cost_per_hour
+    assert result.candidates[0].as_dict()["folded_variants"] == result.candidates[0].folded
 
 
 def test_infeasible_memory_names_sizes_and_relaxation(catalog):
@@ -133,3 +155,18 @@ def test_cli_user_error_exit_2(capsys):
     captured = capsys.readouterr()
     assert "did you mean 'Llama-3.1-8B'" in json.loads(captured.out)["error"]
     assert captured.err.count("\n") == 1
+
+
+def test_cli_search_json_says_what_it_folded(capsys):
+    args = _parser().parse_args(["plan", "search", "--model", "Llama-3.1-8B", "--rate", "4",
+                                 "--input-len", "500", "--output-len", "100", "--ttft-p99-ms",
+                                 "3000", "--tpot-p99-ms", "60", "--gpus", "L4", "--num-requests",
+                                 "200", "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"candidates", "pareto", "evaluated", "simulated", "folded", "seconds"} <= set(out)
+    shapes = [(c["gpu"], c["weights"], c["kv"], c["tp"], c["pp"], str(c["spec_decode"]))
+              for c in out["candidates"]]
+    assert len(shapes) == len(set(shapes))
+    assert sum(c["folded_variants"] for c in out["candidates"]) <= out["folded"]
+    assert out["simulated"] >= len(out["pareto"]) >= 1

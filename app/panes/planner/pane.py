@@ -30,10 +30,18 @@ from app.panes.planner.report_writer import write_report
 from app.panes.planner.results import PlanTable, ScenarioTable, WhatIfPanel
 from app.panes.planner.state import Outcome, Scenarios, WhatIf, load_form, plan_label, save_form
 from app.panes.planner.store import PlannerStore
-from app.panes.planner.tasks import USER_ERRORS, Failure, detail_task, search_task, user_message
+from app.panes.planner.tasks import (
+    USER_ERRORS,
+    Failure,
+    WorkstationBench,
+    detail_task,
+    search_task,
+    user_message,
+    workstation_task,
+)
 from app.workers import Progress, TaskRunner
 from planner.calibrate import Calibration
-from planner.catalog import load_catalog
+from planner.catalog import Model, load_catalog
 from planner.evaluate import Evaluation
 from planner.export import kubernetes_yaml, sglang_command, vllm_command
 from planner.measured import CalibrationReport, calibrate_measured, load_engine_results
@@ -77,6 +85,7 @@ class PlannerPane(QWidget):
         self.form.set_state(load_form(form_folder))
         self.runner = TaskRunner(self)
         self.detail_runner = TaskRunner(self)
+        self.bench_runner = TaskRunner(self)
         self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._build()
         self._connect()
@@ -90,6 +99,9 @@ class PlannerPane(QWidget):
         self.scenario_button = QPushButton("Keep as scenario")
         self.save_scenarios_button = QPushButton("Save scenarios")
         self.calibrate_button = QPushButton("Calibrate…")
+        self.workstation_button = QPushButton("Calibrate here")
+        self.workstation_button.setToolTip("Benchmark the demo model on this machine's engine "
+                                           "and calibrate the planner from the result")
         self.report_button = QPushButton("Export report…")
         self.present_button = QPushButton("Presentation", checkable=True)
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -100,7 +112,7 @@ class PlannerPane(QWidget):
         top.addWidget(self.progress)
         top.addWidget(self.cancel_button)
         for w in (self.scenario_button, self.save_scenarios_button, self.calibrate_button,
-                  self.report_button, self.present_button):
+                  self.workstation_button, self.report_button, self.present_button):
             actions.addWidget(w)
         actions.addStretch(1)
         bar.addLayout(top)
@@ -157,12 +169,19 @@ class PlannerPane(QWidget):
         self.runner.failed.connect(self._on_failed)
         self.runner.cancelled.connect(self._on_cancelled)
         self.runner.finished.connect(self._on_finished)
+        self.bench_runner.progressed.connect(self._on_progress)
+        self.bench_runner.succeeded.connect(self._on_workstation_done)
+        self.bench_runner.failed.connect(
+            lambda message: self._bench_ended(f"The calibration benchmark failed: {message}"))
+        self.bench_runner.cancelled.connect(
+            lambda: self._bench_ended("Benchmark cancelled; the calibration is unchanged."))
         self.detail_runner.succeeded.connect(self._on_detail)
         self.detail_runner.failed.connect(self._on_failed)
         self.cancel_button.clicked.connect(self.cancel)
         self.scenario_button.clicked.connect(self.keep_scenario)
         self.save_scenarios_button.clicked.connect(lambda: self.save_scenarios())
         self.calibrate_button.clicked.connect(lambda: self.calibrate())
+        self.workstation_button.clicked.connect(lambda: self.calibrate_workstation())
         self.report_button.clicked.connect(lambda: self.export_report())
         self.present_button.toggled.connect(self.set_presentation)
         self.table.plan_selected.connect(self.choose)
@@ -176,6 +195,8 @@ class PlannerPane(QWidget):
             ("Keep as scenario", "Ctrl+Shift+S", self.keep_scenario),
             ("Save scenarios", "Ctrl+Alt+S", lambda: self.save_scenarios()),
             ("Calibrate from measured runs…", "Ctrl+Shift+B", lambda: self.calibrate()),
+            ("Calibrate from this workstation", "Ctrl+Alt+B",
+             lambda: self.calibrate_workstation()),
             ("Export report…", "Ctrl+Shift+E", lambda: self.export_report()),
             ("Presentation mode", "F11", self.present_button.toggle),
         ]
@@ -210,6 +231,7 @@ class PlannerPane(QWidget):
         self._pending = False
         self.runner.stop()
         self.detail_runner.stop()
+        self.bench_runner.stop()
         self.store.close()
 
     # ---- public API
@@ -229,9 +251,10 @@ class PlannerPane(QWidget):
                                       self.calibration))
 
     def cancel(self) -> None:
-        """Stop the running search; the last ranking stays on screen."""
+        """Stop the running search and calibration benchmark; the last ranking stays."""
         self._pending = False
         self.runner.cancel()
+        self.bench_runner.cancel()
 
     def choose(self, plan: Plan) -> None:
         """Make ``plan`` the one the charts, what-ifs and deploy commands describe."""
@@ -280,16 +303,32 @@ class PlannerPane(QWidget):
             self.scenario_table.show_scenarios(self.scenarios)
         return count
 
-    def calibrate(self) -> CalibrationReport | None:
+    def calibrate_workstation(self, quick: bool | None = None) -> bool:
+        """Benchmark the demo model on this machine's engine in the background, then calibrate
+        from every saved result (this one included). False when a benchmark already runs."""
+        if self.bench_runner.is_running():
+            self.notify.emit("warning", "The calibration benchmark is already running.")
+            return False
+        self.status.setText("Benchmarking this workstation…")
+        self.progress.setValue(0)
+        self.cancel_button.setEnabled(True)
+        self.workstation_button.setEnabled(False)
+        self.bench_runner.start(workstation_task(quick))
+        return True
+
+    def calibrate(self, model: Model | None = None) -> CalibrationReport | None:
         """Fit the efficiency factors to the engine's saved benchmarks and stored load tests,
-        then search again with them."""
+        then search again with them. `model`: one the engine benchmarked that the catalog
+        lacks (the demo model)."""
         try:
             runs = self.store.load_tests()
         except Exception as exc:  # noqa: BLE001 - the engine's results still calibrate
             self._database_failed(exc)
             runs = []
         try:
-            report = calibrate_measured(load_engine_results(), runs, load_catalog())
+            catalog = load_catalog()
+            catalog = catalog.with_model(model) if model is not None else catalog
+            report = calibrate_measured(load_engine_results(), runs, catalog)
         except USER_ERRORS as exc:
             self.notify.emit("warning", f"No calibration: {user_message(exc)}.")
             return None
@@ -342,6 +381,24 @@ class PlannerPane(QWidget):
             self.progress.setValue(int(progress.fraction * 1000))
         self.status.setText(progress.message.capitalize() + "…")
 
+    def _bench_ended(self, message: str) -> None:
+        self.workstation_button.setEnabled(True)
+        self.cancel_button.setEnabled(self.runner.is_running())
+        self.status.setText(message)
+        if "failed" in message:
+            self.notify.emit("error", message)
+
+    def _on_workstation_done(self, bench: WorkstationBench) -> None:
+        r = bench.result
+        rates = ", ".join(f"{n}: {tok_s:.0f}" for n, tok_s in
+                          (r.get("throughput_tokens_per_s") or {}).items())
+        done = (f"Benchmarked {r.get('model')} on {r.get('device')} (tok/s at concurrency "
+                f"{rates})")
+        self._bench_ended(done + "; calibrating…")
+        self.progress.setValue(1000)
+        if self.calibrate(bench.model) is None:
+            self.status.setText(done + "; no calibration: see the message.")
+
     def _on_search_done(self, result: Outcome | Failure | None) -> None:
         if isinstance(result, Failure):
             self.status.setText("No plan: see the message above.")
@@ -352,8 +409,9 @@ class PlannerPane(QWidget):
         self.outcome, self.detail = result, result.detail
         self.progress.setValue(1000)
         r = result.result
+        folded = f"; {r.folded} batch-limit variants folded" if r.folded else ""
         self.status.setText(f"{len(r.candidates)} plans meet every constraint "
-                            f"({r.evaluated} candidates, {r.seconds:.1f} s).")
+                            f"({r.evaluated} candidates, {r.seconds:.1f} s{folded}).")
         self._show_recommendation(result)
         self.what_if.reset()
         self.chosen = None

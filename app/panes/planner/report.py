@@ -73,7 +73,9 @@ def _assumptions(o: Outcome) -> str:
         f"{o.best.calibration}.",
         f"Search: {o.result.evaluated} candidates, {o.result.fitting} fit in memory, "
         f"{o.result.screened} passed the analytic screen, {o.result.simulated} simulated, "
-        f"{len(o.result.candidates)} met every constraint ({o.result.seconds:.1f} s).",
+        f"{len(o.result.candidates)} met every constraint ({o.result.seconds:.1f} s)"
+        + (f"; {o.result.folded} plans differing only in the batch limit were folded into "
+           f"the best of their shape." if o.result.folded else "."),
     ]
     return "<ul>" + "".join(f"<li>{html.escape(i)}</li>" for i in items) + "</ul>"
 

@@ -13,7 +13,7 @@ from app.workers import Progress, TaskFunction
 from planner.calibrate import Calibration
 from planner.catalog import Catalog, CatalogError, Model, load_catalog
 from planner.evaluate import Evaluation, InfeasibleError, evaluate
-from planner.hf_import import model_from_hf_config
+from planner.hf_import import model_from_architecture, model_from_hf_config
 from planner.search import Cancelled, Plan, search
 
 # The planner's own user errors: their message is the one sentence the user sees.
@@ -113,5 +113,56 @@ def detail_task(outcome: Outcome, plan: Plan, what_if: WhatIf) -> TaskFunction:
                             form.cost_options(what_if.spot_share))
         except USER_ERRORS as exc:
             return Failure(user_message(exc))
+
+    return task
+
+
+@dataclass(frozen=True)
+class WorkstationBench:
+    """The engine benchmark of the demo model on this machine, and that model for the planner."""
+
+    result: dict
+    model: Model
+
+
+def planner_model(llm) -> Model:
+    """The loaded engine model as a planner Model, named as its benchmark result names it."""
+    c = llm.config
+    return model_from_architecture(
+        llm.model_name, f"loaded from {llm.model_path}", c.num_layers, c.hidden_size,
+        c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size,
+        c.max_position_embeddings, c.attention_bias)
+
+
+def workstation_task(quick: bool | None = None) -> TaskFunction:
+    """Load the demo model, run the engine benchmark on it and save the result where the
+    calibration reads engine results. `quick` None: the full benchmark on a GPU, the quick one
+    on the CPU (whose result cannot calibrate a catalog GPU, but is kept in the history)."""
+
+    def task(cancel: threading.Event) -> Generator[Progress, None, WorkstationBench | Failure]:
+        from engine.bench import iter_benchmark, save_result
+        from engine.llm import LLM
+        from engine.models import fetch_demo_model
+
+        # A ModelError (no network for the first fetch, a damaged file) reaches the runner,
+        # which reports its one sentence.
+        yield Progress(0.0, "finding the demo model")
+        path = fetch_demo_model(progress=lambda message, fraction: None, cancel=cancel.is_set)
+        yield Progress(0.05, "loading the demo model")
+        llm = LLM(str(path))
+        events = iter_benchmark(llm, quick=llm.device.type != "cuda" if quick is None
+                                else quick)
+        result = None
+        try:
+            # Each benchmark step is a yield, so a cancel lands between steps.
+            for event in events:
+                yield Progress(0.1 + 0.85 * event.fraction, f"benchmark: {event.message}")
+                result = event.result if event.result is not None else result
+        finally:
+            events.close()
+        if result is None:
+            return Failure("The engine benchmark ended without a result.")
+        save_result(result)
+        return WorkstationBench(result, planner_model(llm))
 
     return task
