@@ -267,25 +267,30 @@ def test_dispatch_offers_triton_and_keeps_the_reference_on_the_cpu(monkeypatch):
 
 def test_demo_model_layers_give_the_reference_logits_with_triton_kernels(demo_checkpoint):
     """The real weights through the runner's own metadata: fresh prefills, then one step with a
-    chunk over cached keys and two padded decodes. The first two layers only: the interpreter
-    takes seconds per layer."""
+    chunk over cached keys and two padded decodes, with the KV-eviction statistics asked for.
+    The first two layers only: the interpreter takes seconds per layer."""
     config = dataclasses.replace(demo_checkpoint.config, num_layers=2)
     tokens = torch.randint(config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
     tables = [[3, 7, 1], [5], [0, 2]]
     steps = [
         [RunItem(tokens[0, :20].tolist(), 0, tables[0], 1),
          RunItem(tokens[1, :9].tolist(), 0, tables[1], 1),
-         RunItem(tokens[2, :30].tolist(), 0, tables[2], 1)],
+         RunItem(tokens[2, :30].tolist(), 0, tables[2], 1, mass_rows=6)],
         [RunItem(tokens[0, 20:37].tolist(), 20, tables[0], 1),
          RunItem(tokens[1, 9:10].tolist(), 9, tables[1], 1),
          RunItem(tokens[2, 30:31].tolist(), 30, tables[2], 1)],
     ]
-    logits = {}
+    logits, masses = {}, {}
     for backend in ("reference", "triton"):
         model = LlamaModel(config, demo_checkpoint.tensors, torch.device("cpu"), torch.float32,
                            64, backend)
         assert model.ops.name == backend
         runner = ModelRunner(model, BlockManager(8, 16))
-        logits[backend] = [runner.run_items(items, all_logits=True) for items in steps]
+        logits[backend], masses[backend] = [], []
+        for items in steps:
+            logits[backend].append(runner.run_items(items, all_logits=True, want_mass=True))
+            masses[backend].append(runner.last_mass)
     for got, want in zip(logits["triton"], logits["reference"], strict=True):
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    for got, want in zip(masses["triton"], masses["reference"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
