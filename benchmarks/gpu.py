@@ -4,7 +4,8 @@ Prints ONE JSON object:
 - the device-to-device copy bandwidth of this GPU;
 - batch-1 / 16 / 64 decode tokens/s of the demo model in float16 (and int8 / int4 weights when
   this engine's LLM takes `weights=`), each as a fraction of the bandwidth bound, with the
-  Triton kernels and, as the same-run baseline, the torch reference kernels;
+  Triton kernels, with them and CUDA graphs, and, as the same-run baseline, the torch reference
+  kernels; and how many of 16 greedy outputs each variant shares with the reference;
 - the same decode with transformers' `generate` on the same weights;
 - Triton attention kernel timings against PyTorch's scaled_dot_product_attention on dense
   K/V (and against the reference's gather + SDPA), with the largest difference in their outputs.
@@ -21,6 +22,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 # Run as a script, Python puts benchmarks/ first on sys.path, where the sibling engine.py would
@@ -34,6 +36,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.bench import machine, synthetic_prompts  # noqa: E402
 
 BATCHES = (1, 16, 64)
+CHECK_BATCH = 16  # prompts whose greedy outputs every variant is compared on
 PROMPT_TOKENS = 64
 DEVICE = "cuda"  # one place, so the non-GPU parts can be dry-run on the CPU
 
@@ -103,11 +106,43 @@ def bandwidth_bound(llm: LLM, batch: int, new: int, bandwidth_gbs: float) -> flo
     return batch * bandwidth_gbs * 1e9 / (llm.weight_bytes + kv_bytes)
 
 
-def open_engine(path: Path, precision: str, backend: str, sz: dict) -> LLM:
-    kwargs = {} if precision == "float16" else {"weights": precision}
+@dataclass(frozen=True)
+class Variant:
+    """One engine configuration to measure."""
+
+    name: str
+    precision: str  # float16, or int8 / int4 weights
+    kernels: str
+    cuda_graphs: bool
+
+
+def variants() -> tuple[list[Variant], list[str]]:
+    """The torch reference kernels (the same-run baseline), the Triton kernels, and with them
+    CUDA graphs and quantized weights where this engine's LLM has those options."""
+    params = inspect.signature(LLM.__init__).parameters
+    graphs = "cuda_graphs" in params
+    suffix = "_graphs" if graphs else ""
+    chosen = [Variant("float16_reference", "float16", "reference", False),
+              Variant("float16_triton", "float16", "triton", False)]
+    skipped = []
+    if graphs:
+        chosen.append(Variant("float16_triton_graphs", "float16", "triton", True))
+    else:
+        skipped.append("LLM(cuda_graphs=...) is not in this engine: CUDA graphs not measured")
+    if "weights" in params:
+        chosen += [Variant(f"{p}_triton{suffix}", p, "triton", graphs) for p in ("int8", "int4")]
+    else:
+        skipped.append("LLM(weights=...) is not in this engine: int8 / int4 weights skipped")
+    return chosen, skipped
+
+
+def open_engine(path: Path, variant: Variant, sz: dict) -> LLM:
+    kwargs = {} if variant.precision == "float16" else {"weights": variant.precision}
+    if variant.cuda_graphs:
+        kwargs["cuda_graphs"] = True
     tokens = max(BATCHES) * (PROMPT_TOKENS + sz["new_tokens"] + 16)
     return LLM(str(path), device=DEVICE, dtype="float16", max_num_seqs=max(BATCHES),
-               kv_cache_tokens=tokens, kernel_backend=backend, **kwargs)
+               kv_cache_tokens=tokens, kernel_backend=variant.kernels, **kwargs)
 
 
 def engine_decode(llm: LLM, prompts: dict[int, list[list[int]]], sz: dict,
@@ -121,6 +156,16 @@ def engine_decode(llm: LLM, prompts: dict[int, list[list[int]]], sz: dict,
         result[f"batch_{batch}"] = {"tokens_per_s": rate, "bound_tokens_per_s": bound,
                                     "fraction_of_bound": rate / bound}
     return result
+
+
+def greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """32 greedy tokens per prompt, to compare every variant's outputs with the reference's."""
+    return [o.token_ids for o in llm.generate(prompts, greedy(32))]
+
+
+def same_outputs(tokens: list[list[int]], reference: list[list[int]]) -> str:
+    same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+    return f"{same} of {len(reference)}"
 
 
 def transformers_decode(path: Path, prompts: dict[int, list[list[int]]], sz: dict) -> dict:
@@ -196,7 +241,9 @@ def attention_kernels(contexts: list[int]) -> list[dict]:
              for batch in BATCHES for context in contexts]
     cases += [(name, shape, 1, context, True) for name, shape in shapes.items()
               for context in contexts]
-    return [attention_case(*case) for case in cases]
+    return [{"kind": "prefill" if case[4] else "decode", "shape": case[0], "batch": case[2],
+             "context": case[3], **attempt(lambda case=case: attention_case(*case))}
+            for case in cases]
 
 
 def attention_case(name: str, shape: tuple[int, int, int], batch: int, context: int,
@@ -217,8 +264,7 @@ def attention_case(name: str, shape: tuple[int, int, int], batch: int, context: 
     error = (runs["triton"]().float() - runs["reference"]().float()).abs().max().item()
     ms = {k: do_bench(fn, return_mode="median") for k, fn in runs.items()}
     kv_bytes = 2 * slots.numel() * kv_heads * dim * k_cache.element_size()
-    return {"kind": "prefill" if prefill else "decode", "shape": name, "batch": batch,
-            "context": context, "triton_ms": ms["triton"], "sdpa_dense_ms": ms["sdpa_dense"],
+    return {"triton_ms": ms["triton"], "sdpa_dense_ms": ms["sdpa_dense"],
             "reference_gather_sdpa_ms": ms["reference"],
             "sdpa_over_triton": ms["sdpa_dense"] / ms["triton"],
             "reference_over_triton": ms["reference"] / ms["triton"],
@@ -227,11 +273,15 @@ def attention_case(name: str, shape: tuple[int, int, int], batch: int, context: 
 
 
 # ---- report ----
-def weight_precisions() -> tuple[list[str], str | None]:
-    """float16 always; int8 and int4 when this engine's LLM can quantize weights."""
-    if "weights" in inspect.signature(LLM.__init__).parameters:
-        return ["float16", "int8", "int4"], None
-    return ["float16"], "LLM(weights=...) is not in this engine: int8 / int4 weights skipped"
+def attempt(measure: Callable[[], dict]) -> dict:
+    """measure(), or the error it raised: one failing part (a kernel that does not compile on
+    this GPU, a capture that fails) is reported without losing the rest of the run."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON, the run goes on
+        log(f"failed: {type(exc).__name__}: {exc}")
+        torch.cuda.empty_cache()
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def run(model: str | None, quick: bool) -> dict:
@@ -244,25 +294,39 @@ def run(model: str | None, quick: bool) -> dict:
     path = resolve_model(model) if model else fetch_demo_model(lambda message, fraction: None)
     log("copy bandwidth")
     bw = copy_bandwidth(sz["copy_mib"])
-    precisions, skipped = weight_precisions()
-    decode, prompts = {}, {}
-    for precision in precisions:
-        for backend in ("triton", "reference"):
-            llm = open_engine(path, precision, backend, sz)
+    chosen, skipped = variants()
+    decode, outputs, prompts = {}, {}, {}
+    for variant in chosen:
+        def measure(variant=variant) -> dict:
+            nonlocal prompts
+            llm = open_engine(path, variant, sz)
             try:
                 prompts = prompts or {b: synthetic_prompts(llm.tokenizer, b, PROMPT_TOKENS)
-                                      for b in BATCHES}
-                decode[f"{precision}_{backend}"] = engine_decode(llm, prompts, sz,
-                                                                 bw["bandwidth_gbs"])
+                                      for b in {*BATCHES, CHECK_BATCH}}
+                result = engine_decode(llm, prompts, sz, bw["bandwidth_gbs"])
+                outputs[variant.name] = greedy_tokens(llm, prompts[CHECK_BATCH])
+                return result
             finally:
                 llm.close()
                 torch.cuda.empty_cache()
-    hf = transformers_decode(path, prompts, sz)
-    ratios = {f"batch_{b}": decode["float16_triton"][f"batch_{b}"]["tokens_per_s"]
-              / hf[f"batch_{b}"]["tokens_per_s"] for b in BATCHES}
-    kernels_vs_reference = {
-        f"batch_{b}": decode["float16_triton"][f"batch_{b}"]["tokens_per_s"]
-        / decode["float16_reference"][f"batch_{b}"]["tokens_per_s"] for b in BATCHES}
+
+        decode[variant.name] = attempt(measure)
+    reference = outputs.get("float16_reference")
+    for name, tokens in outputs.items():
+        if reference is not None:
+            decode[name]["same_greedy_outputs_as_reference"] = same_outputs(tokens, reference)
+    working = [n for n in ("float16_triton_graphs", "float16_triton") if n in outputs]
+    best = working[0] if working else None
+    hf = attempt(lambda: transformers_decode(path, prompts, sz)) if prompts else {
+        "error": "no engine run finished, so there were no prompts to give transformers"}
+
+    def ratio(a: str | None, b: str) -> dict | None:
+        runs = {**decode, "transformers": hf}
+        if a is None or "error" in runs.get(a, {}) or "error" in runs.get(b, {"error": ""}):
+            return None  # the failure is reported where it happened
+        return {f"batch_{n}": runs[a][f"batch_{n}"]["tokens_per_s"]
+                / runs[b][f"batch_{n}"]["tokens_per_s"] for n in BATCHES}
+
     return {
         "benchmark": "gpu", "quick": quick, "model_path": str(path), "machine": machine(),
         "gpu": torch.cuda.get_device_name(0),
@@ -274,8 +338,10 @@ def run(model: str | None, quick: bool) -> dict:
         "bound_method": "batch * bandwidth / (weight bytes + batch * mean context * KV bytes "
                         "per token): one read of the weights and of each sequence's KV per step",
         "decode": decode, "decode_skipped": skipped, "transformers": hf,
-        "engine_triton_over_transformers": ratios,
-        "triton_over_reference_kernels": kernels_vs_reference,
+        "best_variant": best,
+        "best_over_transformers": ratio(best, "transformers"),
+        "best_over_reference_kernels": ratio(best, "float16_reference"),
+        "triton_over_reference_kernels": ratio("float16_triton", "float16_reference"),
         "attention": attention_kernels(sz["contexts"]),
         "attention_method": "triton.testing.do_bench medians (ms), float16; sdpa_dense: "
                             "F.scaled_dot_product_attention on K/V already dense [B, Hkv, T, "
