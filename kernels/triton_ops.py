@@ -53,7 +53,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride
     x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0)
     if HAS_RESIDUAL:
         # The sum is rounded to the input dtype before the norm, as the reference's x + residual.
-        x = x + tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0)
+        r = tl.load(res_ptr + row * stride_res + cols, mask=valid, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=valid)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
