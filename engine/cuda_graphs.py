@@ -2,9 +2,11 @@
 
 A decode step launches several kernels per layer, each reading little memory for a small
 model, so issuing them from Python can take longer than running them; a graph replays the whole
-forward pass as one launch (benchmarks/gpu.py measures both against the bandwidth bound). Shapes are baked into a graph, so a step is padded up to its
-bucket: batch to the next size in BATCH_BUCKETS, the keys' width to the next power of two. Padded
-rows read and write only the runner's null slot, which is zeroed again after every replay.
+forward pass as one launch (benchmarks/gpu.py measures both against the bandwidth bound).
+
+Shapes are baked into a graph, so a step is padded up to its bucket: batch to the next size in
+BATCH_BUCKETS, the keys' width to the next power of two. Padded rows read and write only the
+runner's null slot, which is zeroed again after every replay.
 """
 
 from __future__ import annotations

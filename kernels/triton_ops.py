@@ -441,7 +441,7 @@ def decode_attention(
     its KV head ([B, Hkv, T] float32, 0 at masked keys). `splits` overrides how many parts each
     query's keys are split into (see _decode_splits; the mass pass always runs unsplit)."""
     _check_attention_inputs(q, k_cache, v_cache, out)
-    rows, slots = meta.decode_token_index, meta.decode_slots
+    rows, slots = meta.decode_token_index, _unit_last(meta.decode_slots)
     batch, n_keys = slots.shape
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
@@ -453,7 +453,8 @@ def decode_attention(
     keys_per_split = triton.cdiv(triton.cdiv(n_keys, splits), _DECODE_BLOCK_N) * _DECODE_BLOCK_N
     splits = triton.cdiv(n_keys, keys_per_split)  # no split left without keys
     block_d = _pow2(dim, 16)
-    mask = None if meta.decode_mask is None else meta.decode_mask.reshape(batch, n_keys)
+    mask = (None if meta.decode_mask is None
+            else _unit_last(meta.decode_mask.reshape(batch, n_keys)))
     mass = (torch.empty((batch, kv_heads, n_keys), dtype=torch.float32, device=q.device)
             if return_mass else None)
     part = m = l = out  # placeholders the unsplit kernel never touches
@@ -494,17 +495,18 @@ def prefill_attention(
     over the chunk's queries, or its last `chunk.mass_rows` ([Hkv, context] float32)."""
     _check_attention_inputs(q, k_cache, v_cache, out)
     n_queries, n_keys = chunk.end - chunk.start, chunk.slots.shape[0]
+    slots = chunk.slots.contiguous()
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
-    mask = chunk.mask
-    mask_arg = mask if mask is not None else chunk.slots.view(1, -1)
+    mask = None if chunk.mask is None else _unit_last(chunk.mask)
+    mask_arg = mask if mask is not None else slots.view(1, -1)
     mass = (torch.zeros((kv_heads, n_keys), dtype=torch.float32, device=q.device)
             if return_mass else None)
     mass_arg = mass if mass is not None else out[0]
     mass_from = n_queries - (chunk.mass_rows if chunk.mass_rows is not None else n_queries)
     block = prefill_block(q.dtype)
     _prefill_kernel[(triton.cdiv(n_queries, block), heads)](
-        q, k_cache, v_cache, out, mass_arg, chunk.slots, mask_arg, scale, chunk.start,
+        q, k_cache, v_cache, out, mass_arg, slots, mask_arg, scale, chunk.start,
         n_queries, n_keys, mass_from, dim, heads // kv_heads, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), mask_arg.stride(0), mass_arg.stride(0),
         HAS_MASK=mask is not None, RETURN_MASS=return_mass, PRECISION=_dot_precision(q.dtype),
