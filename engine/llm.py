@@ -12,6 +12,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs, check_device
 from engine.detokenizer import append_token_text, final_text
 from engine.devices import kv_budget_tokens, resolve_device, resolve_dtype
 from engine.kv_eviction import KVEvictor, KVState, parse_policy, resolve_budget
@@ -71,17 +72,20 @@ class LLM:
                  progress: Callable[[float], None] | None = None,
                  speculative: str | SpecConfig | None = None,
                  prefix_caching: bool = False, kv_policy: str | None = None,
-                 kv_budget: int | float | None = None) -> None:
+                 kv_budget: int | float | None = None, cuda_graphs: bool = False) -> None:
         """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled.
 
         `kv_policy` (none, streaming, h2o, scissorhands, snapkv) with `kv_budget` (tokens, or a
         fraction of each request's length) evicts KV entries; requests may override both.
+        `cuda_graphs` replays decode-only steps from CUDA graphs (CUDA only).
         """
         if parse_policy(kv_policy) is not None:
             resolve_budget(kv_budget, 1 << 30, block_size)  # a bad budget fails before loading
         from engine.loader import load_checkpoint
 
         self.device, self.fallback_reason = resolve_device(device)
+        if cuda_graphs:
+            check_device(self.device)  # before the weights load
         self._dtype = resolve_dtype(dtype, self.device)
         ckpt = load_checkpoint(model, dtype=torch.float32, progress=progress)
         self.config: ModelConfig = ckpt.config
@@ -102,6 +106,8 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs,
                                    max(max_num_batched_tokens, block_size), self.prefix_cache)
         self.runner = ModelRunner(self.model, self.block_manager)
+        if cuda_graphs:
+            self.runner.decode_graphs = DecodeGraphs(self.runner, max_num_seqs, self.max_model_len)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.spec = self._spec_decoder(parse_spec(speculative))
         self.kv_policy, self.kv_budget = kv_policy, kv_budget

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
 from kernels import AttentionMetadata, PrefillChunk
@@ -54,6 +55,7 @@ class ModelRunner:
         self.kv[:, :, self.null_slot].zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(c.num_layers)]
         self.last_mass: list[torch.Tensor] | None = None
+        self.decode_graphs: DecodeGraphs | None = None  # set by LLM(cuda_graphs=True)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -78,7 +80,10 @@ class ModelRunner:
         meta = self._metadata(items)
         meta.want_mass = want_mass
         masses: list = []
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, masses)
+        if self.decode_graphs is not None and self.decode_graphs.handles(items, meta, all_logits):
+            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, masses)
         self.last_mass = _per_item_mass(items, masses) if want_mass else None
         if not all_logits:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]

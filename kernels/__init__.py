@@ -2,11 +2,13 @@
 
 Every op the model runs is looked up here, so a faster implementation (oneDNN linear layers on
 the CPU, Triton on CUDA) can replace the reference for one device without the model knowing.
-`SERVESCOPE_KERNELS=reference` forces the reference everywhere.
+`SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from types import SimpleNamespace
 
@@ -28,11 +30,31 @@ _BACKENDS: dict[str, SimpleNamespace] = {"reference": _table("reference")}
 if onednn.available():
     _BACKENDS["onednn"] = _table("onednn", prepare_linear=onednn.prepare_linear,
                                  linear=onednn.linear)
+# Importing triton takes a while and is only needed on CUDA: its table is built on first use.
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _triton_table() -> SimpleNamespace:
+    from kernels import triton_ops
+
+    return _table("triton", **{op: getattr(triton_ops, op) for op in triton_ops.OPS})
+
+
+def _triton_imports() -> bool:
+    """Whether the triton kernels load (an installed but broken triton counts as absent)."""
+    if not _HAS_TRITON:
+        return False
+    try:
+        _triton_table()
+    except ImportError:
+        return False
+    return True
 
 
 def available_backends() -> tuple[str, ...]:
     """Names of the kernel backends this installation has."""
-    return tuple(_BACKENDS)
+    return (*_BACKENDS, "triton") if _HAS_TRITON else tuple(_BACKENDS)
 
 
 def ops_for(device_type: str, dtype: torch.dtype, backend: str | None = None) -> SimpleNamespace:
@@ -40,22 +62,36 @@ def ops_for(device_type: str, dtype: torch.dtype, backend: str | None = None) ->
     choice = backend or os.environ.get("SERVESCOPE_KERNELS", "auto")
     if choice == "auto":
         choice = _best(device_type, dtype)
-    if choice not in _BACKENDS:
+    if choice not in available_backends():
         raise ValueError(
             f"Kernel backend '{choice}' is not available: choose one of "
-            f"{', '.join(_BACKENDS)} (SERVESCOPE_KERNELS)."
+            f"{', '.join(available_backends())} (SERVESCOPE_KERNELS)."
         )
     if choice == "onednn" and (device_type != "cpu" or dtype != torch.float32):
         raise ValueError("The onednn kernels run float32 on the CPU only: use reference.")
+    if choice == "triton":
+        return _triton_for(device_type)
     return _BACKENDS[choice]
 
 
+def _triton_for(device_type: str) -> SimpleNamespace:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device_type != "cuda" and not interpreted:
+        raise ValueError(
+            f"The triton kernels need a CUDA device, not '{device_type}': use the reference "
+            "kernels there, or set TRITON_INTERPRET=1 before starting to run them (slowly) in "
+            "Triton's interpreter."
+        )
+    return _triton_table()
+
+
 def _best(device_type: str, dtype: torch.dtype) -> str:
-    if device_type == "cuda" and "triton" in _BACKENDS:
+    if device_type == "cuda" and _triton_imports():
         return "triton"
     if device_type == "cpu" and dtype == torch.float32 and "onednn" in _BACKENDS:
         return "onednn"
     return "reference"
 
 
-__all__ = ["AttentionMass", "AttentionMetadata", "PrefillChunk", "available_backends", "ops_for", "OPS"]
+__all__ = ["AttentionMass", "AttentionMetadata", "PrefillChunk", "available_backends", "ops_for",
+           "OPS"]
