@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtGui import QFont
 from PySide6.QtWidgets import QWidget
 
 from app.panes.engine.state import StepSeries
@@ -22,14 +23,19 @@ class KVChart(pg.GraphicsLayoutWidget):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.setMinimumHeight(240)
+        self.setMinimumHeight(200)
         self.plots: dict[str, pg.PlotItem] = {}
         self.curves: dict[str, pg.PlotDataItem] = {}
         first = None
+        tick_font = QFont()
+        tick_font.setPointSize(7)
         for row, (key, title) in enumerate(SERIES):
-            plot = self.addPlot(row=row, col=0, title=title)
+            plot = self.addPlot(row=row, col=0)
+            plot.setTitle(title, size="8pt")
             plot.showGrid(x=True, y=True, alpha=0.2)
             plot.setMenuEnabled(False)
+            for side in ("left", "bottom"):
+                plot.getAxis(side).setStyle(tickFont=tick_font)
             plot.getAxis("left").setWidth(40)
             if first is None:
                 first = plot
@@ -38,12 +44,14 @@ class KVChart(pg.GraphicsLayoutWidget):
             if row < len(SERIES) - 1:
                 plot.getAxis("bottom").setStyle(showValues=False)
             else:
-                plot.setLabel("bottom", "engine step")
+                plot.setLabel("bottom", "engine step", **{"font-size": "8pt"})
             self.plots[key] = plot
             self.curves[key] = plot.plot(pen=pg.mkPen(PALETTE[row], width=1),
                                          connect="finite")
-        self.plots["prefix_hit_rate"].setYRange(0, 1, padding=0.05)
-        self.plots["prefix_hit_rate"].enableAutoRange(y=False)
+        rate = self.plots["prefix_hit_rate"]
+        rate.setYRange(0, 1, padding=0.05)
+        rate.enableAutoRange(y=False)
+        rate.getAxis("left").setTicks([[(0.0, "0"), (0.5, "50%"), (1.0, "100%")]])
 
     def update_series(self, series: StepSeries) -> None:
         """Show the recorded steps."""

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -30,11 +30,11 @@ from app.workers import Progress, TaskRunner
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # engine.kv_eviction.POLICIES with what each keeps (the engine module imports torch).
 KV_POLICIES = (
-    ("none", "Off: keep every token"),
-    ("streaming", "StreamingLLM: attention sinks + recent window"),
-    ("h2o", "H2O: heavy hitters + recent window"),
-    ("scissorhands", "Scissorhands: persistently important + recent"),
-    ("snapkv", "SnapKV: compress the prompt once"),
+    ("none", "No eviction", "Keep every token"),
+    ("streaming", "StreamingLLM", "Attention sinks + a recent window"),
+    ("h2o", "H2O", "Heavy hitters (most attention so far) + a recent window"),
+    ("scissorhands", "Scissorhands", "Persistently important tokens + a recent window"),
+    ("snapkv", "SnapKV", "The prompt compressed once at its end + a recent window"),
 )
 
 
@@ -66,9 +66,9 @@ class LoadPanel(QGroupBox):
         self.context_spin = QSpinBox(minimum=64, maximum=131072, singleStep=256)
         self.concurrency_spin = QSpinBox(minimum=1, maximum=256)
         self.spec_combo = QComboBox()
-        self.prefix_check = QCheckBox("Share common prompt prefixes")
+        self.prefix_check = QCheckBox("Share prefixes")
         self.kv_policy_combo = QComboBox()
-        self.kv_budget_edit = QLineEdit(placeholderText="tokens (512) or a fraction (0.2)")
+        self.kv_budget_edit = QLineEdit(placeholderText="budget: 512 or 0.2")
         self.estimate_label = QLabel(wordWrap=True)
         self.load_button = QPushButton("Load")
         self.cancel_button = QPushButton("Cancel load")
@@ -97,21 +97,30 @@ class LoadPanel(QGroupBox):
                                    "from the prompt (edits, summaries, code)")
         self.prefix_check.setToolTip("Prefix caching: requests that share a beginning (a system "
                                      "prompt, earlier chat turns) reuse its KV blocks")
-        for policy, label in KV_POLICIES:
+        for i, (policy, label, tip) in enumerate(KV_POLICIES):
             self.kv_policy_combo.addItem(label, policy)
+            self.kv_policy_combo.setItemData(i, tip, Qt.ItemDataRole.ToolTipRole)
         self.kv_policy_combo.setToolTip("KV-cache eviction: keep only the cached tokens "
                                         "attention still uses, within the budget")
+        self.kv_budget_edit.setMaximumWidth(140)
         self.kv_budget_edit.setToolTip("KV entries each request keeps: tokens (e.g. 512) or a "
                                        "fraction of its length (e.g. 0.2)")
         form = QFormLayout()
         form.addRow("Device", self.device_combo)
         form.addRow("Dtype", self.dtype_combo)
-        form.addRow("Context", self.context_spin)
-        form.addRow("Concurrency", self.concurrency_spin)
+        # Context and concurrency share a row, as do the KV options, to keep the panel short.
+        sizing = QHBoxLayout()
+        sizing.addWidget(self.context_spin)
+        sizing.addWidget(QLabel("×"))
+        sizing.addWidget(self.concurrency_spin)
+        sizing.addWidget(QLabel("requests"), 1)
+        kv = QHBoxLayout()
+        kv.addWidget(self.kv_policy_combo)
+        kv.addWidget(self.kv_budget_edit)
+        kv.addWidget(self.prefix_check, 1)
+        form.addRow("Context", sizing)
         form.addRow("Speculative", self.spec_combo)
-        form.addRow("Prefix cache", self.prefix_check)
-        form.addRow("KV eviction", self.kv_policy_combo)
-        form.addRow("KV budget", self.kv_budget_edit)
+        form.addRow("KV cache", kv)
         form.addRow("Memory", self.estimate_label)
         buttons = QHBoxLayout()
         for button in (self.load_button, self.cancel_button, self.unload_button):
