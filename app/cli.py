@@ -61,6 +61,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "(a smaller model with the same tokenizer); default off")
     p.add_argument("--prefix-caching", action="store_true",
                    help="share the KV blocks of common prompt prefixes between requests")
+    p.add_argument("--kv-policy", default=None,
+                   help="KV-cache eviction: none, streaming, h2o, scissorhands or snapkv "
+                        "(default none)")
+    p.add_argument("--kv-budget", default=None,
+                   help="KV entries each request keeps under --kv-policy: tokens (512) or a "
+                        "fraction of the request's length (0.2)")
 
 
 # ---- models ----
@@ -148,13 +154,16 @@ def _generate_parser(sub) -> None:
 
 def _load(args, **engine_kwargs):
     from engine import LLM
+    from engine.kv_options import parse_kv_budget
     from engine.models import DEMO_MODEL, fetch_demo_model
 
+    kv_budget = parse_kv_budget(args.kv_budget)  # a bad value fails before the model loads
     if args.model == DEMO_MODEL:
         fetch_demo_model()
     t = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative=args.spec,
-              prefix_caching=args.prefix_caching, **engine_kwargs)
+              prefix_caching=args.prefix_caching, kv_policy=args.kv_policy,
+              kv_budget=kv_budget, **engine_kwargs)
     print(f"loaded {llm.model_name} on {llm.device} ({llm.dtype}) in "
           f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
     if llm.fallback_reason:
@@ -181,12 +190,22 @@ def _generate(args) -> int:
             "tokens_per_s": m.generated_tokens / (m.finished - m.arrival),
             "prompt_tokens": m.prompt_tokens, "generated_tokens": m.generated_tokens,
             "model": llm.model_name, "device": str(llm.device), "dtype": llm.dtype,
-            "speculative": None if llm.spec is None else llm.spec.summary()}))
+            "speculative": None if llm.spec is None else llm.spec.summary(),
+            **_kv_report(llm)}))
     else:
         print(out.text)
         print(f"[{m.generated_tokens} tokens, TTFT {_ms(m.ttft_s):.0f} ms, "
               f"TPOT {_ms(m.tpot_s) or 0:.1f} ms, {out.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _kv_report(llm) -> dict:
+    """The KV options in force and what they did: tokens evicted, prefix-cache hit rate."""
+    return {"kv_policy": llm.kv_policy or "none", "kv_budget": llm.kv_budget,
+            "kv_tokens_evicted": llm.evictor.tokens_evicted,
+            "prefix_caching": llm.prefix_cache is not None,
+            "prefix_cache_hit_rate": None if llm.prefix_cache is None
+            else llm.prefix_cache.counters.hit_rate}
 
 
 def _ms(v: float | None) -> float | None:
@@ -210,6 +229,7 @@ def _bench(args) -> int:
                            progress=lambda e: print(f"[{e.fraction:4.0%}] {e.message}",
                                                     file=sys.stderr))
     result["speculative"] = None if llm.spec is None else llm.spec.summary()
+    result.update(_kv_report(llm))
     if not args.no_save:
         save_result(result)
     if args.json:

@@ -16,9 +16,11 @@ from app.panes.engine.state import (
     RateMeter,
     ReplyFigures,
     SamplingSettings,
+    StepHistory,
     StreamBuffer,
 )
 from engine.config import ModelError
+from engine.sequence import RequestError
 
 log = logging.getLogger(__name__)
 FinishedListener = Callable[[list[Any]], None]
@@ -91,9 +93,10 @@ class _EngineWorker(QObject):
     event = Signal(str, object)
 
     def __init__(self, epochs: _Epochs, buffer: StreamBuffer, meter: RateMeter,
-                 finished: FinishedListeners) -> None:
+                 finished: FinishedListeners, history: StepHistory) -> None:
         super().__init__()
         self._finished = finished
+        self._history = history
         self._epochs = epochs
         self._buffer = buffer
         self._meter = meter
@@ -136,6 +139,8 @@ class _EngineWorker(QObject):
             return
         self._llm = llm
         self.stats = None
+        self._history.reset()
+        llm.step_observers.append(self._history.record)  # every step, chat or benchmark
         self._emit("loaded", EngineInfo.from_llm(llm, time.perf_counter() - started))
 
     def spec_summary(self) -> dict | None:
@@ -230,14 +235,15 @@ class _EngineWorker(QObject):
             return
         llm, self._llm = self._llm, None
         self.stats = None
+        self._history.reset()
         llm.close()
         self._emit("unloaded")
 
 
 def describe_load_error(request: LoadRequest, exc: BaseException) -> str:
     """One sentence for a failed load that names the input and what to do."""
-    if isinstance(exc, ModelError):
-        return str(exc)
+    if isinstance(exc, ModelError | RequestError):
+        return str(exc)  # already one sentence naming the input (a bad KV policy or budget)
     if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
         return (f"Not enough memory on {request.device} to load {request.model}: lower the "
                 "context or concurrency, pick a smaller dtype, or choose another device.")
@@ -280,9 +286,12 @@ class EngineHost(QObject):
         self._pending = 0
         # Listeners of finished requests (the monitor's engine source); called on the engine thread.
         self.finished = FinishedListeners()
+        # KV blocks used, tokens evicted and prefix hit rate per engine step, for the live chart.
+        self.history = StepHistory()
         self._thread = QThread()
         self._thread.setObjectName("servescope-engine")
-        self.worker = _EngineWorker(self._epochs, self.buffer, self.meter, self.finished)
+        self.worker = _EngineWorker(self._epochs, self.buffer, self.meter, self.finished,
+                                    self.history)
         self.worker.moveToThread(self._thread)
         self._thread.finished.connect(self.worker.release, Qt.ConnectionType.DirectConnection)
         self._connect_worker()

@@ -120,6 +120,8 @@ class LLM:
         self._abort_lock = threading.Lock()
         self._to_abort: set[str] = set()
         self.last_stats: StepStats | None = None
+        # Called with every step's StepStats on the stepping thread (the app's live chart).
+        self.step_observers: list[Callable[[StepStats], None]] = []
 
     def _spec_decoder(self, config: SpecConfig | None) -> SpecDecoder | None:
         if config is None:
@@ -217,6 +219,8 @@ class LLM:
             if seq.is_finished:
                 self._seqs.pop(seq.request_id, None)
         self.last_stats = self._stats(plan, updated, start, generated, accepted, evicted)
+        for observe in self.step_observers:
+            observe(self.last_stats)
         return updated, self.last_stats
 
     def _evict(self, scheduled: list, masses: list | None) -> int:

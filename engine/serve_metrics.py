@@ -41,6 +41,10 @@ class ServerMetrics:
                                       "tokens", labels, registry=r).labels(model_name)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens",
                                    labels, registry=r).labels(model_name)
+        # vLLM has no eviction counter, so this one lives in servescope's own namespace.
+        self.kv_evicted = Counter("servescope:kv_evicted_tokens", "KV-cache entries dropped by "
+                                  "eviction policies, in tokens", labels,
+                                  registry=r).labels(model_name)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions", labels,
                                    registry=r).labels(model_name)
         self._success = Counter("vllm:request_success", "Finished requests", labels +
@@ -63,6 +67,7 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preempted)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
+        self.kv_evicted.inc(stats.num_evicted_tokens)
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Latency histograms and the success counter from a finished request."""

@@ -9,6 +9,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from engine.kv_options import parse_kv_budget
 from engine.sequence import RequestError, SamplingParams, StreamDelta
 from engine.serve_loop import EngineLoop
 from engine.serve_metrics import ServerMetrics
@@ -302,9 +303,24 @@ def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
             seed=None if body.get("seed") is None else int(body["seed"]),
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             ignore_eos=bool(body.get("ignore_eos", False)),
+            **_kv_fields(body),
         )
     except (RequestError, TypeError, ValueError) as exc:
         raise ApiError(400, f"Bad sampling parameters: {exc}") from exc
+
+
+def _kv_fields(body: dict) -> dict:
+    """servescope's extra fields (as vLLM takes extra sampling params in the body): the KV
+    eviction policy and budget of this request; the engine checks the values on admission."""
+    policy = body.get("kv_policy")
+    if policy is not None and not isinstance(policy, str):
+        raise ApiError(400, "'kv_policy' must be a string: none, streaming, h2o, scissorhands "
+                            "or snapkv.")
+    try:
+        budget = parse_kv_budget(body.get("kv_budget"))
+    except RequestError as exc:
+        raise ApiError(400, str(exc)) from exc
+    return {"kv_policy": policy, "kv_budget": budget}
 
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> Server:

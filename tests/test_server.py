@@ -176,3 +176,36 @@ def test_spec_decode_counters_on_metrics(demo_gguf):
             assert _metric(c, "vllm:spec_decode_num_drafts_total") == spec_llm.spec.counters.drafts
     finally:
         srv.close()
+
+
+LONG_PROMPT = "The history of the Roman Empire spans many centuries, beginning with"
+
+
+def test_per_request_kv_policy_evicts_and_metrics_count_it(client, llm):
+    evicted_before = _metric(client, "servescope:kv_evicted_tokens_total")
+    engine_before = llm.evictor.tokens_evicted
+    out = _complete(client, LONG_PROMPT, max_tokens=40, kv_policy="h2o", kv_budget=32)
+    assert out["usage"]["completion_tokens"] == 40
+    assert out["choices"][0]["text"].strip()
+    evicted = _metric(client, "servescope:kv_evicted_tokens_total") - evicted_before
+    # The prompt plus 40 tokens exceed the 32-token budget, so entries were dropped and counted.
+    assert evicted == llm.evictor.tokens_evicted - engine_before > 0
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Tell me about Rome."}], "max_tokens": 40,
+        "temperature": 0, "kv_policy": "streaming", "kv_budget": "0.5"})
+    assert chat.status_code == 200, chat.text
+    assert _metric(client, "servescope:kv_evicted_tokens_total") - evicted_before > evicted
+    assert llm.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"kv_policy": "lru", "kv_budget": 32}, "Unknown KV eviction policy 'lru'"),
+    ({"kv_policy": "h2o"}, "needs kv_budget"),
+    ({"kv_policy": "h2o", "kv_budget": "lots"}, "kv_budget must be a number"),
+    ({"kv_policy": "h2o", "kv_budget": 1.5}, "fraction must be in (0, 1]"),
+    ({"kv_policy": 3, "kv_budget": 32}, "'kv_policy' must be a string"),
+])
+def test_bad_kv_fields_get_a_400(client, extra, needle):
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, **extra})
+    assert r.status_code == 400
+    assert needle in r.json()["error"]["message"]

@@ -1,12 +1,13 @@
-"""A small live view of the engine: running and waiting requests, KV blocks in use, tokens/s."""
+"""A small live view of the engine: requests, KV blocks in use, tokens/s, and a KV chart."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import QTimer
 from PySide6.QtGui import QHideEvent, QShowEvent
-from PySide6.QtWidgets import QFormLayout, QGroupBox, QLabel, QProgressBar, QWidget
+from PySide6.QtWidgets import QFormLayout, QGroupBox, QLabel, QProgressBar, QVBoxLayout, QWidget
 
 from app.engine_host import EngineHost
+from app.panes.engine.kv_chart import KVChart
 
 POLL_MS = 250
 
@@ -24,11 +25,16 @@ class LiveView(QGroupBox):
         self.spec_label = QLabel("off")
         self.spec_label.setToolTip("Share of draft tokens accepted, and tokens emitted per "
                                    "verification step (1 + accepted / drafts)")
-        form = QFormLayout(self)
+        self.kv_chart = KVChart()
+        self._drawn_version = -1
+        form = QFormLayout()
         form.addRow("Requests", self.requests_label)
         form.addRow("KV cache", self.kv_bar)
         form.addRow("Tokens/s", self.rate_label)
         form.addRow("Speculative", self.spec_label)
+        layout = QVBoxLayout(self)
+        layout.addLayout(form)
+        layout.addWidget(self.kv_chart, 1)
         # Spyder's lesson: a hidden status widget must not keep polling.
         self._timer = QTimer(self, interval=POLL_MS)
         self._timer.timeout.connect(self.refresh)
@@ -48,6 +54,13 @@ class LiveView(QGroupBox):
         busy = self._host.state in ("generating", "benchmarking")
         self.rate_label.setText(f"{self._host.meter.rate():,.1f}" if busy else "idle")
         self.spec_label.setText(_spec_text(self._host.spec_summary()))
+        self._refresh_chart()
+
+    def _refresh_chart(self) -> None:
+        history = self._host.history
+        if history.version != self._drawn_version:  # redraw only when steps arrived
+            self._drawn_version = history.version
+            self.kv_chart.update_series(history.series())
 
     def _set_kv(self, used: int, total: int) -> None:
         self.kv_bar.setRange(0, max(total, 1))

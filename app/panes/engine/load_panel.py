@@ -6,13 +6,15 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
     QLabel,
+    QLineEdit,
     QProgressBar,
     QPushButton,
     QSpinBox,
@@ -26,6 +28,14 @@ from app.theme import LEVEL_COLOURS, current_theme
 from app.workers import Progress, TaskRunner
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# engine.kv_eviction.POLICIES with what each keeps (the engine module imports torch).
+KV_POLICIES = (
+    ("none", "No eviction", "Keep every token"),
+    ("streaming", "StreamingLLM", "Attention sinks + a recent window"),
+    ("h2o", "H2O", "Heavy hitters (most attention so far) + a recent window"),
+    ("scissorhands", "Scissorhands", "Persistently important tokens + a recent window"),
+    ("snapkv", "SnapKV", "The prompt compressed once at its end + a recent window"),
+)
 
 
 def probe_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]:
@@ -56,6 +66,9 @@ class LoadPanel(QGroupBox):
         self.context_spin = QSpinBox(minimum=64, maximum=131072, singleStep=256)
         self.concurrency_spin = QSpinBox(minimum=1, maximum=256)
         self.spec_combo = QComboBox()
+        self.prefix_check = QCheckBox("Share prefixes")
+        self.kv_policy_combo = QComboBox()
+        self.kv_budget_edit = QLineEdit(placeholderText="budget: 512 or 0.2")
         self.estimate_label = QLabel(wordWrap=True)
         self.load_button = QPushButton("Load")
         self.cancel_button = QPushButton("Cancel load")
@@ -82,12 +95,32 @@ class LoadPanel(QGroupBox):
         self.spec_combo.addItem("Prompt lookup (n-gram), up to 5 draft tokens", "ngram:k=5")
         self.spec_combo.setToolTip("Speculative decoding: lossless; pays off when replies copy "
                                    "from the prompt (edits, summaries, code)")
+        self.prefix_check.setToolTip("Prefix caching: requests that share a beginning (a system "
+                                     "prompt, earlier chat turns) reuse its KV blocks")
+        for i, (policy, label, tip) in enumerate(KV_POLICIES):
+            self.kv_policy_combo.addItem(label, policy)
+            self.kv_policy_combo.setItemData(i, tip, Qt.ItemDataRole.ToolTipRole)
+        self.kv_policy_combo.setToolTip("KV-cache eviction: keep only the cached tokens "
+                                        "attention still uses, within the budget")
+        self.kv_budget_edit.setMaximumWidth(140)
+        self.kv_budget_edit.setToolTip("KV entries each request keeps: tokens (e.g. 512) or a "
+                                       "fraction of its length (e.g. 0.2)")
         form = QFormLayout()
         form.addRow("Device", self.device_combo)
         form.addRow("Dtype", self.dtype_combo)
-        form.addRow("Context", self.context_spin)
-        form.addRow("Concurrency", self.concurrency_spin)
+        # Context and concurrency share a row, as do the KV options, to keep the panel short.
+        sizing = QHBoxLayout()
+        sizing.addWidget(self.context_spin)
+        sizing.addWidget(QLabel("×"))
+        sizing.addWidget(self.concurrency_spin)
+        sizing.addWidget(QLabel("requests"), 1)
+        kv = QHBoxLayout()
+        kv.addWidget(self.kv_policy_combo)
+        kv.addWidget(self.kv_budget_edit)
+        kv.addWidget(self.prefix_check, 1)
+        form.addRow("Context", sizing)
         form.addRow("Speculative", self.spec_combo)
+        form.addRow("KV cache", kv)
         form.addRow("Memory", self.estimate_label)
         buttons = QHBoxLayout()
         for button in (self.load_button, self.cancel_button, self.unload_button):
@@ -107,6 +140,10 @@ class LoadPanel(QGroupBox):
         self.context_spin.setValue(s.get("engine/context_tokens"))
         self.concurrency_spin.setValue(s.get("engine/concurrency"))
         self._select(self.spec_combo, s.get("engine/speculative"))
+        self.prefix_check.setChecked(s.get("engine/prefix_caching"))
+        self._select(self.kv_policy_combo, s.get("engine/kv_policy"))
+        self.kv_budget_edit.setText(s.get("engine/kv_budget"))
+        self._enable_budget()
 
     def _connect(self) -> None:
         self.device_combo.currentIndexChanged.connect(self._on_choice_changed)
@@ -114,6 +151,9 @@ class LoadPanel(QGroupBox):
         self.context_spin.valueChanged.connect(self._on_choice_changed)
         self.concurrency_spin.valueChanged.connect(self._on_choice_changed)
         self.spec_combo.currentIndexChanged.connect(self._on_choice_changed)
+        self.prefix_check.toggled.connect(self._on_choice_changed)
+        self.kv_policy_combo.currentIndexChanged.connect(self._on_choice_changed)
+        self.kv_budget_edit.textChanged.connect(self._on_choice_changed)
         self.load_button.clicked.connect(self.request_load)
         self.cancel_button.clicked.connect(self.cancel_requested)
         self.unload_button.clicked.connect(self.request_unload)
@@ -133,10 +173,14 @@ class LoadPanel(QGroupBox):
         self.load_button.setEnabled(bool(model) and self._idle)
 
     def current_request(self) -> LoadRequest:
-        """The load the controls describe (ValueError when no model is chosen)."""
+        """The load the controls describe (ValueError when no model is chosen or the KV budget
+        is not a number)."""
+        policy = self.kv_policy_combo.currentData()
         return LoadRequest(self._model, self.device_combo.currentData(),
                            self.dtype_combo.currentData(), self.context_spin.value(),
-                           self.concurrency_spin.value(), self.spec_combo.currentData())
+                           self.concurrency_spin.value(), self.spec_combo.currentData(),
+                           self.prefix_check.isChecked(), policy,
+                           self._kv_budget() if policy != "none" else None)
 
     def request_load(self) -> None:
         """Ask for a load, unless the estimate shows the model cannot fit at all."""
@@ -151,7 +195,12 @@ class LoadPanel(QGroupBox):
             return
         if level == "warning":
             self.notify.emit("warning", sentence)
-        self.load_requested.emit(self.current_request())
+        try:
+            request = self.current_request()
+        except ValueError as exc:  # a KV budget that is not a number
+            self.notify.emit("error", str(exc))
+            return
+        self.load_requested.emit(request)
 
     def request_unload(self) -> None:
         """Ask to free the model, when one is loaded and idle."""
@@ -197,6 +246,9 @@ class LoadPanel(QGroupBox):
         s.set("engine/context_tokens", self.context_spin.value())
         s.set("engine/concurrency", self.concurrency_spin.value())
         s.set("engine/speculative", self.spec_combo.currentData())
+        s.set("engine/prefix_caching", self.prefix_check.isChecked())
+        s.set("engine/kv_policy", self.kv_policy_combo.currentData())
+        s.set("engine/kv_budget", self.kv_budget_edit.text().strip())
 
     def shutdown(self) -> None:
         """Stop the device probe (flag, quit, wait)."""
@@ -215,8 +267,20 @@ class LoadPanel(QGroupBox):
         self._update_estimate()
 
     def _on_choice_changed(self, *_: object) -> None:
+        self._enable_budget()
         self.save()
         self._update_estimate()
+
+    def _enable_budget(self) -> None:
+        self.kv_budget_edit.setEnabled(self.kv_policy_combo.currentData() != "none")
+
+    def _kv_budget(self) -> int | float | None:
+        """The budget field as tokens or a fraction; None when empty (the engine then says a
+        policy needs one)."""
+        from engine.kv_options import parse_kv_budget
+
+        text = self.kv_budget_edit.text().strip()
+        return parse_kv_budget(text) if text else None
 
     def _update_estimate(self) -> None:
         self._estimate = None
@@ -227,10 +291,13 @@ class LoadPanel(QGroupBox):
             from engine.memory import estimate_memory
 
             target = self._target_device()
-            self._estimate = estimate_memory(self._model, dtype=self._estimate_dtype(),
-                                             context_tokens=self.context_spin.value(),
-                                             concurrency=self.concurrency_spin.value(),
-                                             device="cpu" if target is None else target.kind)
+            request = self.current_request()
+            # Under an eviction budget each request holds at most budget + a prefill chunk.
+            self._estimate = estimate_memory(
+                self._model, dtype=self._estimate_dtype(),
+                context_tokens=request.kv_tokens_per_request(), concurrency=request.concurrency,
+                max_num_batched_tokens=request.max_num_batched_tokens(),
+                device="cpu" if target is None else target.kind)
         except Exception as exc:  # an unreadable header is reported here and again on load
             self.estimate_label.setText(f"No estimate: {exc}")
             return

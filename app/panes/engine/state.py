@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -19,6 +20,9 @@ class LoadRequest:
     context_tokens: int = 2048
     concurrency: int = 4
     speculative: str = "off"
+    prefix_caching: bool = False
+    kv_policy: str = "none"
+    kv_budget: int | float | None = None  # tokens, or a fraction of each request's length
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -27,14 +31,41 @@ class LoadRequest:
             raise ValueError("context must be at least 16 tokens and concurrency at least 1")
 
     def llm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for engine.LLM; the KV cache holds context x concurrency tokens."""
-        return {
+        """Keyword arguments for engine.LLM; the KV cache holds concurrency requests' worth."""
+        kwargs = {
             "device": self.device,
             "dtype": None if self.dtype == "auto" else self.dtype,
             "max_model_len": self.context_tokens,
-            "kv_cache_tokens": self.context_tokens * self.concurrency,
+            "kv_cache_tokens": self.kv_tokens_per_request() * self.concurrency,
             "speculative": None if self.speculative == "off" else self.speculative,
+            "prefix_caching": self.prefix_caching,
         }
+        if self.kv_policy != "none":
+            kwargs |= {"kv_policy": self.kv_policy, "kv_budget": self.kv_budget,
+                       "max_num_batched_tokens": self.max_num_batched_tokens()}
+        return kwargs
+
+    def _bounded(self) -> bool:
+        # SnapKV holds the whole prompt until it ends, so its peak is not bounded by the budget.
+        return self.kv_policy not in ("none", "snapkv") and self.kv_budget is not None
+
+    def max_num_batched_tokens(self) -> int:
+        """Prefill chunk: smaller under a budget, since a request peaks at budget + one chunk."""
+        return EVICTION_PREFILL_CHUNK if self._bounded() else DEFAULT_BATCHED_TOKENS
+
+    def kv_tokens_per_request(self) -> int:
+        """KV slots one request may hold at its peak: the context, or under an eviction budget
+        the budget plus a block of slack and one prefill chunk (the engine's own bound)."""
+        if not self._bounded():
+            return self.context_tokens
+        budget = self.kv_budget
+        tokens = math.ceil(budget * self.context_tokens) if isinstance(budget, float) else budget
+        return min(self.context_tokens, tokens + KV_BLOCK_TOKENS + EVICTION_PREFILL_CHUNK)
+
+
+KV_BLOCK_TOKENS = 16  # engine.LLM's default block size
+DEFAULT_BATCHED_TOKENS = 2048  # engine.LLM's default max_num_batched_tokens
+EVICTION_PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -50,20 +81,29 @@ class EngineInfo:
     weight_bytes: int
     kv_cache_bytes: int
     load_s: float
+    prefix_caching: bool = False
+    kv_policy: str = "none"
+    kv_budget: int | float | None = None
 
     @classmethod
     def from_llm(cls, llm: Any, load_s: float) -> EngineInfo:
         """Read the facts off a loaded engine.LLM."""
         return cls(str(llm.model_name), str(llm.device), str(llm.dtype), llm.fallback_reason,
                    int(llm.num_kv_blocks), int(llm.block_size), int(llm.weight_bytes),
-                   int(llm.kv_cache_bytes), load_s)
+                   int(llm.kv_cache_bytes), load_s, llm.prefix_cache is not None,
+                   llm.kv_policy or "none", llm.kv_budget)
 
     def summary(self) -> str:
-        """One line for the pane: memory actually used and the load time."""
+        """One line for the pane: memory actually used, the KV options and the load time."""
+        kv = []
+        if self.prefix_caching:
+            kv.append("prefix caching")
+        if self.kv_policy != "none":
+            kv.append(f"{self.kv_policy} eviction (budget {self.kv_budget})")
         return (f"{self.model_name} on {self.device} ({self.dtype}): weights "
                 f"{format_bytes(self.weight_bytes)}, KV cache {format_bytes(self.kv_cache_bytes)} "
-                f"({self.num_kv_blocks} blocks of {self.block_size} tokens), "
-                f"loaded in {self.load_s:.1f} s")
+                f"({self.num_kv_blocks} blocks of {self.block_size} tokens"
+                f"{''.join(', ' + k for k in kv)}), loaded in {self.load_s:.1f} s")
 
 
 @dataclass(frozen=True)
@@ -219,6 +259,55 @@ class RateMeter:
             while self._events and self._events[0][0] < now - self._window_s:
                 self._events.popleft()
             return sum(n for _, n in self._events) / self._window_s
+
+
+@dataclass(frozen=True)
+class StepSeries:
+    """The recorded steps as columns, for the live chart."""
+
+    steps: list[int]
+    kv_blocks_used: list[int]
+    tokens_evicted: list[int]  # running total
+    prefix_hit_rate: list[float]  # running hits / queries in tokens; nan before any query
+
+
+class StepHistory:
+    """The engine's last steps: KV blocks used, tokens evicted so far and prefix hit rate.
+
+    Fed from the engine thread (an LLM step observer) and read by the GUI; bounded, so a long
+    session keeps only its latest `capacity` steps.
+    """
+
+    def __init__(self, capacity: int = 2000) -> None:
+        self._lock = threading.Lock()
+        self._rows: deque[tuple[int, int, int, float]] = deque(maxlen=capacity)
+        self._steps = self._evicted = self._queries = self._hits = 0
+        self.version = 0  # bumped on every change, so the GUI redraws only when needed
+
+    def record(self, stats: Any) -> None:
+        """Add one engine.llm.StepStats (engine thread)."""
+        with self._lock:
+            self._steps += 1
+            self._evicted += stats.num_evicted_tokens
+            self._queries += stats.prefix_cache_queries
+            self._hits += stats.prefix_cache_hits
+            rate = self._hits / self._queries if self._queries else math.nan
+            self._rows.append((self._steps, stats.kv_blocks_used, self._evicted, rate))
+            self.version += 1
+
+    def reset(self) -> None:
+        """Forget everything (a new model was loaded, or it was unloaded)."""
+        with self._lock:
+            self._rows.clear()
+            self._steps = self._evicted = self._queries = self._hits = 0
+            self.version += 1
+
+    def series(self) -> StepSeries:
+        """A copy of the recorded steps (GUI thread)."""
+        with self._lock:
+            rows = list(self._rows)
+        columns = [list(c) for c in zip(*rows, strict=True)] if rows else [[], [], [], []]
+        return StepSeries(*columns)
 
 
 def format_bytes(n: float | None) -> str:
