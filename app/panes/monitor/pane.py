@@ -244,6 +244,7 @@ class MonitorPane(QWidget):
         for chart in self.charts.values():
             # While paused the user may zoom and pan freely; x follows the window otherwise.
             chart.plot.getPlotItem().setMouseEnabled(x=paused, y=paused)
+            chart.forget_y_range()
         if not paused:
             self.refresh()
 

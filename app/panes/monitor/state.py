@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -84,6 +85,41 @@ def merge_history(db_ts: np.ndarray, db_values: np.ndarray, live_ts: np.ndarray,
         keep = db_ts < live_ts[0]
         db_ts, db_values = db_ts[keep], db_values[keep]
     return np.concatenate((db_ts, live_ts)), np.concatenate((db_values, live_values))
+
+
+# A chart keeps its y range while the data fills at least this share of it, so the axis (and
+# its cached grid) is not redrawn every frame; the next "nice" range always fills over 40%.
+Y_MIN_FILL = 0.3
+Y_HEADROOM = 1.05
+
+
+def nice_ceiling(x: float) -> float:
+    """The smallest of 1, 2, 5 x 10^k at or above ``x`` (``x`` > 0)."""
+    exponent = math.floor(math.log10(x))
+    for mantissa in (1.0, 2.0, 5.0, 10.0):
+        top = mantissa * 10.0**exponent
+        if top >= x * (1 - 1e-12):
+            return top
+    return 10.0 ** (exponent + 1)
+
+
+def stable_y_range(visible: Iterable[np.ndarray],
+                   current: tuple[float, float] | None) -> tuple[float, float]:
+    """A y range holding every finite value in ``visible``: ``current`` while it still fits well,
+    else a new one from 0 (or a nice floor below 0) to a nice ceiling with a little headroom."""
+    finite = [v[np.isfinite(v)] for v in visible]
+    finite = [v for v in finite if v.size]
+    if not finite:
+        return current or (0.0, 1.0)
+    lo = min(0.0, min(float(v.min()) for v in finite))
+    hi = max(0.0, max(float(v.max()) for v in finite))
+    if current is not None:
+        span = current[1] - current[0]
+        if current[0] <= lo and hi <= current[1] and (hi - lo) >= Y_MIN_FILL * span:
+            return current
+    top = nice_ceiling(hi * Y_HEADROOM) if hi > 0 else (0.0 if lo < 0 else 1.0)
+    bottom = -nice_ceiling(-lo * Y_HEADROOM) if lo < 0 else 0.0
+    return bottom, top
 
 
 def series_csv(data: dict[str, tuple[np.ndarray, np.ndarray]]) -> str:
