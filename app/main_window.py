@@ -167,6 +167,7 @@ class MainWindow(QMainWindow):
             for pane in self.panes:
                 if hasattr(pane, "database_status"):
                     self.database_label.setText(pane.database_status())
+                    pane.database_changed.connect(self.database_label.setText)
 
     def _save(self) -> None:
         for pane in self.panes:

@@ -37,6 +37,7 @@ def _own_panes(window) -> list:
     panes = [window.pane(pane_id) for pane_id in ("monitor", "servers", "history")]
     for pane in panes:
         pane.start()
+    assert panes[0].service.wait_for_database(30)  # it opens on a worker thread
     return panes
 
 
@@ -146,6 +147,7 @@ def test_servers_are_saved_in_the_database_without_tokens(make_window, qtbot, mo
     assert b"s3cret-value" not in db_file.read_bytes()
     again = monitor_panes(gpus=False)
     again[1].service.start()
+    assert again[1].service.wait_for_database(30)
     assert again[1].service.servers["a"] == ServerEntry("a", "http://127.0.0.1:9",
                                                         "env:MY_TOKEN_VAR", 3.0)
     for pane in again:
@@ -159,11 +161,48 @@ def test_a_locked_database_gives_one_notification(make_window, qtbot, tmp_path, 
     monkeypatch.setenv("SERVESCOPE_DATA_DIR", str(data))
     window = make_window()
     panes = _own_panes(window)
-    qtbot.waitUntil(lambda: bool(window.notifications.notifications()), timeout=5000)
-    errors = [n for n in window.notifications.notifications() if n.level == "error"]
-    assert len(errors) == 1 and "database" in errors[0].message.lower()
+    def monitor_errors() -> list:  # the Planner pane reports its own use of the database
+        return [n for n in window.notifications.notifications()
+                if n.level == "error" and "Live charts keep working" in n.message]
+
+    qtbot.waitUntil(lambda: bool(monitor_errors()), timeout=5000)
+    qtbot.wait(300)
+    (error,) = monitor_errors()
+    assert error.message.startswith("Cannot open the database sqlite:///")
     assert "not recording" in panes[0].status_label.text()
+    assert window.database_label.text() == "database: unavailable (nothing recorded)"
     assert panes[1].add_server(ServerEntry("x", "http://127.0.0.1:9"))
+
+
+def test_the_database_opens_off_the_gui_thread(make_window, qtbot, tmp_path, monkeypatch):
+    import sqlite3
+
+    from PySide6.QtCore import QTimer
+
+    # Another program holds the database file locked: the open (its migrations) waits on the
+    # busy timeout, on the opener thread, while the window keeps handling events.
+    data = tmp_path / "data-locked"
+    data.mkdir()
+    monkeypatch.setenv("SERVESCOPE_DATA_DIR", str(data))
+    other = sqlite3.connect(data / "servescope.db", isolation_level=None)
+    other.execute("CREATE TABLE other_program (x)")
+    other.execute("BEGIN EXCLUSIVE")
+    window = make_window()
+    monitor = window.pane("monitor")
+    qtbot.waitUntil(lambda: window.database_label.text() == "database: opening…", timeout=5000)
+    assert "opening database…" in monitor.status_label.text()
+    ticks = []
+    timer = QTimer(interval=50, timeout=lambda: ticks.append(1))
+    timer.start()
+    qtbot.wait(1000)  # the event loop runs (a blocked GUI thread would not tick)
+    timer.stop()
+    assert len(ticks) >= 5 and monitor.service.db_opening
+    other.execute("COMMIT")
+    other.close()
+    qtbot.waitUntil(lambda: window.database_label.text().endswith("servescope.db"),
+                    timeout=10_000)
+    assert "recording" in monitor.status_label.text() and monitor.service.db_error is None
+    assert monitor.service.hub.writer is monitor.service.writer
 
 
 def test_a_chat_reply_reaches_the_monitor_as_a_request_record(loaded_window, qtbot):

@@ -15,10 +15,14 @@ def monitor_panes(host: Any = None, gpus: bool = True) -> list[Any]:
     bridge = ServiceBridge()
     service = MonitorService(on_error=bridge.error.emit,
                              engine_stats=None if host is None else host.stats, gpus=gpus,
-                             engine_finished=None if host is None else host.finished)
+                             engine_finished=None if host is None else host.finished,
+                             on_database=bridge.database.emit)
     monitor = MonitorPane(service, bridge)
     bridge.setParent(monitor)  # the bridge lives as long as the pane that shows its errors
     servers = ServersPane(service)
     history = HistoryPane(service)
     servers.run_stored.connect(lambda _run_id: history.reload())
+    # The database opens on a worker thread; each pane catches up when it is ready (or failed).
+    bridge.database.connect(servers.refresh)
+    bridge.database.connect(history.reload)
     return [monitor, servers, history]

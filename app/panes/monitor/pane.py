@@ -36,6 +36,7 @@ class ServiceBridge(QObject):
     """Carries the service's errors from its threads to the GUI thread."""
 
     error = Signal(str)
+    database = Signal()  # the database opened, or failed to
 
 
 class MonitorPane(QWidget):
@@ -44,6 +45,7 @@ class MonitorPane(QWidget):
     pane_id = "monitor"
     title = "Monitor"
     notify = Signal(str, str)
+    database_changed = Signal(str)  # the status bar's database entry
 
     def __init__(self, service: MonitorService, bridge: ServiceBridge,
                  parent: QWidget | None = None) -> None:
@@ -51,6 +53,7 @@ class MonitorPane(QWidget):
         self.service = service
         service.acquire()
         bridge.error.connect(lambda message: self.notify.emit("error", message))
+        bridge.database.connect(self._on_database)
         self.charts = {spec.chart_id: ChartView(spec) for spec in CHARTS}
         self.window_combo = QComboBox()
         for label, seconds in WINDOWS:
@@ -139,8 +142,13 @@ class MonitorPane(QWidget):
         service = self.service
         if service.db is not None:
             return f"database: {service.db.url}"
-        return "database: unavailable (nothing recorded)" if service.db_error else \
-            "database: not opened yet"
+        if service.db_error:
+            return "database: unavailable (nothing recorded)"
+        return "database: opening…" if service.db_opening else "database: not opened yet"
+
+    def _on_database(self) -> None:
+        self._update_status()
+        self.database_changed.emit(self.database_status())
 
     def save(self) -> None:
         """Nothing persisted yet: the window and SLO keys are proposed for app/settings.py."""
@@ -163,9 +171,9 @@ class MonitorPane(QWidget):
     def refresh(self) -> None:
         """Pull the hub's ring buffers into the charts (and stored points for long windows)."""
         hub = self.service.hub
+        self._update_status()
         if hub is None:
             return
-        self._update_status()
         self._update_sources(hub.series_keys())
         self._update_alerts()
         if self.pause_button.isChecked():
@@ -193,6 +201,8 @@ class MonitorPane(QWidget):
             parts.append("database: not recording")
         elif self.service.db is not None:
             parts.append("recording")
+        elif self.service.db_opening:
+            parts.append("opening database…")
         self.status_label.setText(" · ".join(parts))
 
     def _update_sources(self, keys: list[str]) -> None:
