@@ -39,8 +39,9 @@ CHARTS: tuple[ChartSpec, ...] = (
     ChartSpec("sm", "SM occupancy / GPU utilization", "%",
               (r"(\d+/)?sm_occupancy_pct(\[.*\])?", r"(\d+/)?util_pct",
                r"gpu_util_pct(\[.*\])?")),
-    ChartSpec("memory", "GPU memory used", "GiB", (r"(\d+/)?memory_used_bytes(\[.*\])?",),
-              scale=1 / 2**30),
+    # Ollama reports only the GPU memory its loaded models hold (/api/ps size_vram).
+    ChartSpec("memory", "GPU memory used", "GiB",
+              (r"(\d+/)?memory_used_bytes(\[.*\])?", r"model_vram_bytes"), scale=1 / 2**30),
     ChartSpec("power", "GPU power", "W", (r"(\d+/)?power_w(\[.*\])?",)),
     ChartSpec("ttft", "TTFT p50 / p95 / p99", "ms", (r"ttft_s_p(50|95|99)",), 1000.0, "ttft"),
     # Servers without a TPOT histogram (ours, llama.cpp) export inter-token latency instead.
