@@ -250,3 +250,47 @@ def test_benchmark_requests_reach_the_listeners_and_a_failing_listener_is_harmle
     finally:
         llm.close()
     assert seen == outputs and all(o.finished and o.metrics.ttft_s > 0 for o in seen)
+
+
+def test_a_prometheus_server_is_added_backfilled_and_saved(make_window, qtbot):
+    import time
+
+    from app.panes.monitor.servers import ServerDialog
+    from monitor.promapi import default_queries
+    from tests.monitor.conftest import PromApi, matrix_answer, vector_answer
+
+    queries = default_queries("vllm-8b")
+    now = time.time()
+    history = [(now - 30 + i, str(i)) for i in range(5)]
+    server = PromApi({queries["requests_running"]: vector_answer(({}, "7"))},
+                     ranges={queries["requests_running"]: matrix_answer(({}, history))})
+    try:
+        window = make_window()
+        monitor, servers, _history = _own_panes(window)
+        entry = ServerEntry("fleet", server.url, api="prometheus", job="vllm-8b")
+        dialog = ServerDialog(entry, servers)
+        qtbot.addWidget(dialog)
+        assert dialog.entry() == entry and dialog.job.isEnabled()
+        assert servers.add_server(entry)
+        # The first poll fetched the last 15 minutes: the chart starts with them, then "now".
+        qtbot.waitUntil(lambda: monitor.charts["queue"].point_count() >= 6, timeout=10_000)
+        ts, values = monitor.charts["queue"].data["fleet/requests_running"]
+        assert values[:5].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and values[-1] == 7.0
+        ranged = next(p for p in server.seen if "step" in p)
+        assert float(ranged["end"][0]) - float(ranged["start"][0]) == pytest.approx(900.0)
+        with qtbot.waitSignal(servers.tester.succeeded, timeout=20_000):
+            servers.test_selected()
+        assert _row(servers, "fleet")["Kind"] == "prometheus-api"
+        assert _row(servers, "fleet")["Status"] == "up"
+        with pytest.raises(ValueError, match="only to a Prometheus"):
+            ServerEntry("x", server.url, job="vllm-8b")
+        for pane in _own_panes(window):
+            pane.shutdown()
+        again = monitor_panes(gpus=False)
+        again[1].service.start()
+        assert again[1].service.wait_for_database(30)
+        assert again[1].service.servers["fleet"] == entry
+        for pane in again:
+            pane.shutdown()
+    finally:
+        server.close()

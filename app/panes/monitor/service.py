@@ -7,7 +7,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.panes.monitor.state import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, ServerEntry
+from app.panes.monitor.state import (
+    API_PROMETHEUS,
+    DEFAULT_SLO_TPOT_MS,
+    DEFAULT_SLO_TTFT_MS,
+    LIVE_ONLY_S,
+    ServerEntry,
+)
 from monitor.alerts import AlertEvaluator, AlertEvent, slo_rules
 from monitor.types import SourceStatus
 
@@ -202,7 +208,6 @@ class MonitorService:
 
     def _attach(self, entry: ServerEntry) -> None:
         from monitor.cost import CostSource
-        from monitor.remote import PrometheusSource
 
         self.servers[entry.name] = entry
         if self.hub is None:
@@ -213,7 +218,7 @@ class MonitorService:
             self.server_errors[entry.name] = str(exc)
             return
         self.server_errors.pop(entry.name, None)
-        self.hub.add_source(PrometheusSource(config))
+        self.hub.add_source(make_source(entry, config, backfill_s=LIVE_ONLY_S))
         if entry.dollars_per_hour is not None:
             self.hub.add_source(CostSource(self.hub, entry.name, entry.dollars_per_hour))
 
@@ -234,15 +239,15 @@ class MonitorService:
         try:
             with db.engine.connect() as conn:
                 rows = conn.execute(sa.select(Source.name, Source.url, Source.token_ref,
-                                              Source.dollars_per_hour)
+                                              Source.dollars_per_hour, Source.kind)
                                     .where(Source.url.is_not(None))).all()
         except sa.exc.SQLAlchemyError as exc:
             db.close()
             raise StorageError(describe_error(exc, db.engine.url)) from exc
         entries = []
-        for name, url, token_ref, price in rows:
+        for name, url, token_ref, price, kind in rows:
             try:
-                entries.append(ServerEntry(name, url, token_ref or "", price))
+                entries.append(ServerEntry.from_stored(name, url, token_ref, price, kind))
             except ValueError as exc:
                 self._error(f"The saved server {name!r} is invalid and was skipped: {exc}")
         return entries
@@ -258,12 +263,14 @@ class MonitorService:
             with self.db.engine.begin() as conn:
                 if forget is not None:
                     conn.execute(sa.update(Source.__table__).where(Source.name == forget)
-                                 .values(url=None, token_ref=None, dollars_per_hour=None))
+                                 .values(url=None, token_ref=None, dollars_per_hour=None,
+                                         kind="unknown"))
                 if entry is not None:
                     ensure_sources(conn, [entry.name])
                     conn.execute(sa.update(Source.__table__).where(Source.name == entry.name)
                                  .values(url=entry.url, token_ref=entry.token_ref or None,
-                                         dollars_per_hour=entry.dollars_per_hour))
+                                         dollars_per_hour=entry.dollars_per_hour,
+                                         kind=entry.stored_kind))
         except sa.exc.SQLAlchemyError as exc:
             self._db_failed(exc)
 
@@ -317,15 +324,25 @@ def server_config(entry: ServerEntry, interval_s: float = 1.0) -> Any:
                         interval_s=interval_s, dollars_per_hour=entry.dollars_per_hour)
 
 
-def test_connection(entry: ServerEntry) -> SourceStatus:
-    """One scrape of ``entry`` with a fresh client (not the hub's), reporting kind and status."""
+def make_source(entry: ServerEntry, config: Any, backfill_s: float = 0.0) -> Any:
+    """The source reading ``entry``: its /metrics, or a Prometheus server's API (the first
+    poll of which backfills ``backfill_s`` seconds so the charts do not start empty)."""
+    if entry.api == API_PROMETHEUS:
+        from monitor.promapi import PromApiSource, default_queries
+
+        return PromApiSource(config, default_queries(entry.job), backfill_s=backfill_s)
     from monitor.remote import PrometheusSource
 
+    return PrometheusSource(config)
+
+
+def test_connection(entry: ServerEntry) -> SourceStatus:
+    """One scrape of ``entry`` with a fresh client (not the hub's), reporting kind and status."""
     try:
         config = server_config(entry)
     except ValueError as exc:
         return SourceStatus(state="down", last_error=str(exc))
-    source = PrometheusSource(config)
+    source = make_source(entry, config)
     try:
         return source.test_connection()
     finally:

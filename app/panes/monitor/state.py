@@ -143,16 +143,26 @@ def table_csv(header: list[str], rows: Iterable[Iterable[object]]) -> str:
     return out.getvalue()
 
 
+# How a server is read: its own /metrics (any kind, detected), or a Prometheus server's HTTP API.
+API_METRICS, API_PROMETHEUS = "metrics", "prometheus"
+# The sources table's kind column holds this for Prometheus-API entries (plus " job=NAME").
+PROMETHEUS_API_KIND = "prometheus-api"
+
+
 @dataclass(frozen=True)
 class ServerEntry:
-    """A remote server the user added: the token is only a reference (env:NAME), never its value."""
+    """A remote server the user added: the token is only a reference (env:NAME), never its value.
+    ``api`` says how it is read; ``job`` narrows a Prometheus server's queries to one job."""
 
     name: str
     url: str
     token_ref: str = ""
     dollars_per_hour: float | None = None
+    api: str = API_METRICS
+    job: str = ""
 
     def __post_init__(self) -> None:
+        from monitor.promapi import default_queries
         from monitor.remote import ServerConfig
 
         ServerConfig(self.name, self.url)  # validates the name and URL with the source's rules
@@ -161,6 +171,29 @@ class ServerEntry:
                              "itself, so it is never written to disk")
         if self.dollars_per_hour is not None and self.dollars_per_hour < 0:
             raise ValueError("the hourly price cannot be negative")
+        if self.api not in (API_METRICS, API_PROMETHEUS):
+            raise ValueError(f"unknown way to read a server {self.api!r}; use "
+                             f"{API_METRICS!r} or {API_PROMETHEUS!r}")
+        if self.job and self.api != API_PROMETHEUS:
+            raise ValueError("a job applies only to a Prometheus server's API")
+        default_queries(self.job)  # validates the job name
+
+    @property
+    def stored_kind(self) -> str:
+        """What the database's sources.kind column holds for this entry."""
+        if self.api != API_PROMETHEUS:
+            return API_METRICS
+        return f"{PROMETHEUS_API_KIND} job={self.job}" if self.job else PROMETHEUS_API_KIND
+
+    @classmethod
+    def from_stored(cls, name: str, url: str, token_ref: str | None, price: float | None,
+                    kind: str | None) -> ServerEntry:
+        """The entry a sources row describes (rows saved before ``api`` existed read /metrics)."""
+        kind = kind or ""
+        if not kind.startswith(PROMETHEUS_API_KIND):
+            return cls(name, url, token_ref or "", price)
+        job = kind.removeprefix(PROMETHEUS_API_KIND).strip().removeprefix("job=")
+        return cls(name, url, token_ref or "", price, API_PROMETHEUS, job)
 
 
 def fmt(value: object, digits: int = 4) -> str:
