@@ -294,3 +294,23 @@ def test_a_prometheus_server_is_added_backfilled_and_saved(make_window, qtbot):
             pane.shutdown()
     finally:
         server.close()
+
+
+def test_the_window_and_slos_survive_a_restart(make_window, qtbot):
+    from app.panes.monitor.state import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
+    from app.settings import DEFAULTS
+
+    assert (DEFAULTS["monitor/slo_ttft_ms"], DEFAULTS["monitor/slo_tpot_ms"]) == (
+        DEFAULT_SLO_TTFT_MS, DEFAULT_SLO_TPOT_MS)
+    window = make_window()
+    monitor = window.pane("monitor")
+    assert monitor.window_s() == 60.0 and monitor.slo_ttft.value() == DEFAULT_SLO_TTFT_MS
+    monitor.window_combo.setCurrentIndex(monitor.window_combo.findData(900.0))
+    monitor.slo_ttft.setValue(250)
+    monitor.slo_tpot.setValue(40)
+    window.close()
+    again = make_window().pane("monitor")
+    assert again.window_s() == 900.0 and again.window_combo.currentText() == "15 min"
+    assert (again.slo_ttft.value(), again.slo_tpot.value()) == (250.0, 40.0)
+    assert again.service.slo_ms == {"ttft": 250.0, "tpot": 40.0}
+    assert again.charts["ttft"].slo_line.value() == 250.0

@@ -25,6 +25,7 @@ from app.navigation import make_actions
 from app.panes.monitor.charts import ChartView
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import CHARTS, LIVE_ONLY_S, WINDOWS, chart_series, merge_history
+from app.settings import Settings
 from app.workers import Progress, TaskRunner
 
 REFRESH_MS = 500  # 2 Hz: well under pyqtgraph's 10 Hz budget, smooth enough for 1 s polling
@@ -48,9 +49,10 @@ class MonitorPane(QWidget):
     database_changed = Signal(str)  # the status bar's database entry
 
     def __init__(self, service: MonitorService, bridge: ServiceBridge,
-                 parent: QWidget | None = None) -> None:
+                 settings: Settings | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.service = service
+        self._settings = settings if settings is not None else Settings()
         service.acquire()
         bridge.error.connect(lambda message: self.notify.emit("error", message))
         bridge.database.connect(self._on_database)
@@ -58,11 +60,14 @@ class MonitorPane(QWidget):
         self.window_combo = QComboBox()
         for label, seconds in WINDOWS:
             self.window_combo.addItem(label, seconds)
+        # A window no longer offered (an edited settings file) falls back to the first.
+        self.window_combo.setCurrentIndex(
+            max(0, self.window_combo.findData(self._settings.get("monitor/window_s"))))
         self.source_combo = QComboBox()
         self.source_combo.addItem(ALL_SOURCES, None)
         self.pause_button = QPushButton("Pause", checkable=True)
-        self.slo_ttft = _ms_spin(service.slo_ms["ttft"])
-        self.slo_tpot = _ms_spin(service.slo_ms["tpot"])
+        self.slo_ttft = _ms_spin(self._settings.get("monitor/slo_ttft_ms"))
+        self.slo_tpot = _ms_spin(self._settings.get("monitor/slo_tpot_ms"))
         self.status_label = QLabel("monitor: starting")
         self.alert_banner = QLabel()
         self.alert_banner.setObjectName("alert-banner")
@@ -151,7 +156,10 @@ class MonitorPane(QWidget):
         self.database_changed.emit(self.database_status())
 
     def save(self) -> None:
-        """Nothing persisted yet: the window and SLO keys are proposed for app/settings.py."""
+        """Keep the chosen window and the SLOs for the next start."""
+        self._settings.set("monitor/window_s", self.window_s())
+        self._settings.set("monitor/slo_ttft_ms", self.slo_ttft.value())
+        self._settings.set("monitor/slo_tpot_ms", self.slo_tpot.value())
 
     def shutdown(self) -> None:
         """Stop the refresh timer and the history query; the last pane stops the hub."""
