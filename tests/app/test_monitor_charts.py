@@ -50,3 +50,51 @@ def test_chart_sets_x_to_the_window_and_y_to_a_stable_range(qtbot):
     left = chart.plot.getPlotItem().getAxis("left")
     assert left.cacheMode() == QGraphicsItem.CacheMode.DeviceCoordinateCache
     assert chart.point_count() == 600
+
+
+def test_decimate_peaks_keeps_every_minimum_and_maximum():
+    from app.panes.monitor.state import decimate_peaks
+
+    ts = np.arange(10.0)
+    values = np.array([1.0, 5, 2, 2, np.nan, np.nan, 7, 0, 3, 4])
+    same_ts, same = decimate_peaks(ts, values, 10)
+    assert same_ts is ts and same is values  # few enough: untouched
+    out_ts, out_values = decimate_peaks(ts, values, 6)  # 3 runs of 4, 4 and 2 points
+    assert out_values.tolist() == [1.0, 5.0, 0.0, 7.0, 3.0, 4.0]
+    assert out_ts.tolist() == [0.0, 3.0, 4.0, 7.0, 8.0, 9.0]
+    gap_ts, gap = decimate_peaks(np.arange(8.0), np.array([1.0, 2, np.nan, np.nan, 3, 4, 5, 6]), 8)
+    assert len(gap) == 8  # at the limit: nothing merged, the gap stays a gap
+    _, all_nan = decimate_peaks(np.arange(6.0), np.array([np.nan, np.nan, np.nan, 2, 3, 4]), 4)
+    assert np.isnan(all_nan[:2]).all() and all_nan[2:].tolist() == [2.0, 4.0]  # gap kept
+
+
+def test_time_axis_labels_match_pyqtgraphs_date_axis(qtbot):
+    import pyqtgraph as pg
+
+    from app.panes.monitor.charts import TimeAxis
+
+    mine, theirs = TimeAxis(), pg.DateAxisItem()
+    start = 1_700_000_000.0
+    for level in theirs.zoomLevels.values():  # every zoom level, finest to coarsest
+        spacing = level.tickSpecs[0].spacing
+        mine.zoomLevel = theirs.zoomLevel = level
+        ticks = [start + spacing * i for i in range(5)]
+        for _ in range(2):  # the second call answers from the memory
+            assert mine.tickStrings(ticks, 1.0, spacing) == theirs.tickStrings(ticks, 1.0,
+                                                                               spacing)
+
+
+def test_chart_curves_span_their_data_and_long_series_are_decimated(qtbot):
+    from app.panes.monitor.charts import ChartView
+
+    chart = ChartView(CHARTS[6])  # running / waiting
+    qtbot.addWidget(chart)
+    ts = 1_700_000_000.0 + np.arange(20_000) / 10
+    flat = np.full(20_000, 3.0)
+    chart.update_series({"a/requests_running": (ts, flat)}, (ts[0], ts[-1]))
+    curve = chart.curves["a/requests_running"]
+    rect = curve.boundingRect()
+    assert rect.left() < ts[0] and rect.right() > ts[-1]
+    assert rect.top() < 3.0 < rect.bottom()  # a flat line still has some height
+    assert len(curve.xData) <= 2 * max(200, chart.plot.getPlotItem().getViewBox().width())
+    assert chart.point_count() == 20_000  # CSV export keeps every point

@@ -98,9 +98,10 @@ def test_server_load_test_history_and_charts(monitor_window, engine_server, qtbo
     assert (tmp_path / "runs.compare.csv").exists()
 
     # The SLO alert: an impossible 1 ms objective is breached by the measured p99 TTFT.
+    # (A loaded machine may already breach the 100 ms TPOT objective: wait for TTFT's own.)
     monitor.slo_ttft.setValue(1)
-    qtbot.waitUntil(lambda: not monitor.alert_banner.isHidden(), timeout=10_000)
-    assert "local p99 TTFT" in monitor.alert_banner.text()
+    qtbot.waitUntil(lambda: "local p99 TTFT" in monitor.alert_banner.text(), timeout=10_000)
+    assert not monitor.alert_banner.isHidden()
 
     shots = DOCS_SHOTS if os.environ.get("SERVESCOPE_SCREENSHOTS") == "1" else tmp_path
     window.notifications.clear()

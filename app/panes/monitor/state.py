@@ -123,6 +123,26 @@ def stable_y_range(visible: Iterable[np.ndarray],
     return bottom, top
 
 
+def decimate_peaks(ts: np.ndarray, values: np.ndarray,
+                   max_points: int) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``max_points`` points keeping every peak: the series cut into max_points / 2
+    runs of equal length, each drawn as its minimum and maximum (pyqtgraph's "peak" mode)."""
+    n = len(ts)
+    if n <= max_points:
+        return ts, values
+    size = -(-n // (max_points // 2))  # points per run, rounded up
+    bins = -(-n // size)  # so every run holds a point; the last may be shorter
+    pad = bins * size - n
+    # NaN marks gaps; fmin/fmax skip them unless a whole run is NaN (then the gap stays).
+    padded = np.concatenate((values, np.full(pad, np.nan))).reshape(bins, size)
+    lo, hi = np.fmin.reduce(padded, axis=1), np.fmax.reduce(padded, axis=1)
+    starts = ts[np.arange(bins) * size]
+    ends = ts[np.minimum(np.arange(bins) * size + size - 1, n - 1)]
+    out_ts = np.column_stack((starts, ends)).ravel()
+    out_values = np.column_stack((lo, hi)).ravel()
+    return out_ts, out_values
+
+
 def series_csv(data: dict[str, tuple[np.ndarray, np.ndarray]]) -> str:
     """Long-format CSV (series, unix time, value) of a chart's data."""
     out = io.StringIO()
