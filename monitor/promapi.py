@@ -119,13 +119,19 @@ class PromApiSource(BackoffSource):
         params = {"start": f"{now - self.backfill_s:.3f}", "end": f"{now:.3f}",
                   "step": f"{step:g}"}
         samples, failed = [], []
-        for series, expr in self.queries.items():
+        items = list(self.queries.items())
+        for i, (series, expr) in enumerate(items):
             try:
                 rows = self._answer(self._fetch({"query": expr, **params}, self.range_url),
                                     expr, parse_matrix)
-            except (QueryError, FetchError, httpx.HTTPError, OSError):
+            except QueryError:
                 failed.append(series)
                 continue
+            except (FetchError, httpx.HTTPError, OSError):
+                # The server failed: the rest would each wait out the timeout on the hub's
+                # thread, stalling every other source, for a nicety.
+                failed += [name for name, _ in items[i:]]
+                break
             samples += [Sample(f"{self.name}/{series}{suffix}", ts, value)
                         for suffix, ts, value in sorted(rows, key=lambda r: r[1]) if ts < now]
         self.status.message += f"; backfilled {len(samples)} points of the last " \

@@ -128,3 +128,20 @@ def test_a_job_narrows_the_default_queries_and_a_bad_job_is_refused():
     assert 'vllm:time_to_first_token_seconds_bucket{job="vllm-8b"}[1m]' in queries["ttft_s_p99"]
     with pytest.raises(ValueError, match="not a Prometheus job name"):
         default_queries('x"} or vector(1) #')
+
+
+def test_a_server_failing_during_the_backfill_stops_it_at_once(prom):
+    server = prom({"a": _vector(({}, "1")), "b": _vector(({}, "2"))})
+    source = PromApiSource(ServerConfig("fleet", server.url), {"a": "a", "b": "b"},
+                           backfill_s=60.0)
+    poll = source.poll(1000.0)  # the instant queries answer; query_range is "400" for both
+    assert sorted(s.value for s in poll.samples) == [1.0, 2.0]
+    assert source.status.message.endswith("(2 expressions failed)")
+    # A server error (here a 404 on the whole API) ends the backfill at its first query.
+    broken = PromApiSource(ServerConfig("fleet2", server.url + "/not-prometheus"),
+                           {"a": "a", "b": "b"}, backfill_s=60.0)
+    seen = len(server.seen)
+    assert broken.backfill(1000.0) == [] and len(server.seen) == seen + 1
+    assert broken.status.message.endswith("(2 expressions failed)")
+    broken.close()
+    source.close()

@@ -134,7 +134,8 @@ class MonitorService:
             self.writer = Writer(db, on_error=self._error, maintenance=Maintenance()).start()
             self.hub.writer = self.writer
             self.db_opening = False
-        added_meanwhile = [e for e in self.servers.values() if e.name not in
+        # list() first: the GUI thread may add a server while this thread reads the dict.
+        added_meanwhile = [e for e in list(self.servers.values()) if e.name not in
                            {x.name for x in entries}]
         for entry in entries:
             if entry.name not in self.servers:
