@@ -315,3 +315,18 @@ def test_the_window_and_slos_survive_a_restart(make_window, qtbot):
     assert (again.slo_ttft.value(), again.slo_tpot.value()) == (250.0, 40.0)
     assert again.service.slo_ms == {"ttft": 250.0, "tpot": 40.0}
     assert again.charts["ttft"].slo_line.value() == 250.0
+
+
+def test_a_bad_database_url_is_one_sentence_and_the_hub_runs_on():
+    from app.panes.monitor.service import MonitorService
+
+    errors, announced = [], []
+    service = MonitorService(on_error=errors.append, gpus=False, db_url="not-a-url",
+                             on_database=lambda: announced.append(1))
+    service.start()
+    assert service.hub is not None  # live charts work before (and without) the database
+    assert service.wait_for_database(30) and announced == [1]
+    assert errors == [service.db_error]
+    assert service.db_error.startswith("'not-a-url' is not a database URL; use e.g. sqlite:///")
+    assert service.db is None and service.hub.writer is None
+    service.shutdown()

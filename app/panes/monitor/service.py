@@ -101,7 +101,7 @@ class MonitorService:
 
     def _open_database(self) -> None:
         """On the opener thread: open and migrate, then attach the writer and saved servers."""
-        from storage.db import StorageError, display_url, open_database
+        from storage.db import StorageError, default_url, display_url, open_database
 
         try:
             db = open_database(self.db_url)
@@ -110,8 +110,9 @@ class MonitorService:
             self._database_failed(str(exc))
             return
         except Exception as exc:  # a driver's own error type: still one sentence, app running
-            where = display_url(self.db_url) if self.db_url else "in the data folder"
-            self._database_failed(f"The database {where} could not be opened: {exc}.")
+            where = display_url(self.db_url or default_url())
+            self._database_failed(f"The database {where} could not be opened: "
+                                  f"{str(exc).rstrip('.')}.")
             return
         self._database_opened(db, entries)
 
