@@ -36,7 +36,7 @@ METRICS_FILE = ROOT / "tests" / "monitor" / "vllm_metrics_a.txt"
 N_GPUS, N_GPU_SERIES, GPU_HZ = 8, 20, 10.0
 N_SERVERS, SERVER_HZ = 10, 1.0
 HUB_SECONDS = float(os.environ.get("SERVESCOPE_BENCH_SECONDS", "20"))  # shorter for a smoke run
-N_CHART_SERIES, WINDOW_POINTS, FRAMES = 40, 600, 100
+N_CHART_SERIES, WINDOW_POINTS, FRAMES, REDRAW_ROUNDS = 40, 600, 100, 3
 TARGETS = {"hub_cpu_pct_of_one_core": 5.0, "writer_samples_per_s": 50_000,
            "redraw_ms_per_frame_p95": 16.0}
 
@@ -243,7 +243,7 @@ class _Series:
 
 
 def _chart_frames(n_series: int, frames: int, kind: str,
-                  rounds: int = 3) -> dict[str, np.ndarray]:
+                  rounds: int = REDRAW_ROUNDS) -> dict[str, np.ndarray]:
     """Per-frame times of the current ChartViews and of the baseline, in alternating rounds so
     both see the same machine load (one window at a time: two shown at once slow each other);
     columns (wall ms, CPU ms, setData-only ms)."""
@@ -287,7 +287,8 @@ def measure_redraw() -> dict[str, Any]:
     noise = _compare(_chart_frames(N_CHART_SERIES, FRAMES, "noise"))
     one = _summary(_chart_frames(1, FRAMES, "walk")["now"])
     return {
-        "series": N_CHART_SERIES, "points_per_series": WINDOW_POINTS, "frames": FRAMES,
+        "series": N_CHART_SERIES, "points_per_series": WINDOW_POINTS,
+        "frames_per_variant": REDRAW_ROUNDS * (FRAMES // REDRAW_ROUNDS),
         "widgets": "the app's ChartView (pyqtgraph PlotWidget, pen width 1, no symbols, no "
                    "OpenGL) x9 in a 3-column grid, 1600x1000, QT_QPA_PLATFORM=offscreen",
         "random_walk_series": walk,
