@@ -58,7 +58,7 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self.register_pane(EnginePane(self.host, self.settings))
         self.register_pane(PlannerPane())
-        for pane in monitor_panes(self.host):
+        for pane in monitor_panes(self.host, settings=self.settings):
             self.register_pane(pane)
         self.rail.select(self.settings.get("ui/pane"))
         self.rail.pane_selected.connect(lambda pane_id: self.settings.set("ui/pane", pane_id))
@@ -167,6 +167,7 @@ class MainWindow(QMainWindow):
             for pane in self.panes:
                 if hasattr(pane, "database_status"):
                     self.database_label.setText(pane.database_status())
+                    pane.database_changed.connect(self.database_label.setText)
 
     def _save(self) -> None:
         for pane in self.panes:

@@ -29,6 +29,9 @@ DEFAULTS: dict[str, Any] = {
     "chat/max_tokens": 256,
     "chat/seed": -1,
     "chat/splitter": QByteArray(),
+    "monitor/window_s": 60.0,
+    "monitor/slo_ttft_ms": 500.0,
+    "monitor/slo_tpot_ms": 100.0,
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import httpx
@@ -11,24 +12,39 @@ import httpx
 from monitor.remote import BackoffSource, FetchError, ServerConfig, describe_error
 from monitor.types import Poll, Sample
 
+# A Prometheus job name as the Servers pane accepts it (it goes into a label matcher).
+JOB_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_:.\-]{0,23}")
+# query_range returns at most 11,000 points per series; a backfill stays well under that.
+MAX_BACKFILL_POINTS = 1000
 
-def _quantile(q: float, histogram: str) -> str:
-    return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket[1m])))"
+
+def _quantile(q: float, histogram: str, sel: str) -> str:
+    return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{sel}[1m])))"
 
 
-# vLLM's metric names over the whole fleet the Prometheus server scrapes; keys are app series.
-DEFAULT_QUERIES: dict[str, str] = {
-    **{f"ttft_s_p{round(q * 100)}": _quantile(q, "vllm:time_to_first_token_seconds")
-       for q in (0.5, 0.95, 0.99)},
-    **{f"tpot_s_p{round(q * 100)}": _quantile(q, "vllm:time_per_output_token_seconds")
-       for q in (0.5, 0.95, 0.99)},
-    "e2e_s_p99": _quantile(0.99, "vllm:e2e_request_latency_seconds"),
-    "requests_running": "sum(vllm:num_requests_running)",
-    "requests_waiting": "sum(vllm:num_requests_waiting)",
-    "kv_cache_usage": "avg(vllm:gpu_cache_usage_perc)",
-    "generation_tokens_per_s": "sum(rate(vllm:generation_tokens_total[1m]))",
-    "prompt_tokens_per_s": "sum(rate(vllm:prompt_tokens_total[1m]))",
-}
+def default_queries(job: str = "") -> dict[str, str]:
+    """vLLM's metric names over the fleet the Prometheus server scrapes (only ``job`` when
+    given); keys are the app's series."""
+    if job and not JOB_PATTERN.fullmatch(job):
+        raise ValueError(f"the job {job!r} is not a Prometheus job name; use letters, digits "
+                         "and _ : . - (at most 24), starting with a letter or _")
+    sel = f'{{job="{job}"}}' if job else ""
+    return {
+        **{f"ttft_s_p{round(q * 100)}": _quantile(q, "vllm:time_to_first_token_seconds", sel)
+           for q in (0.5, 0.95, 0.99)},
+        **{f"tpot_s_p{round(q * 100)}": _quantile(q, "vllm:time_per_output_token_seconds", sel)
+           for q in (0.5, 0.95, 0.99)},
+        "e2e_s_p99": _quantile(0.99, "vllm:e2e_request_latency_seconds", sel),
+        "requests_running": f"sum(vllm:num_requests_running{sel})",
+        "requests_waiting": f"sum(vllm:num_requests_waiting{sel})",
+        # vLLM V1's name, or V0's on older servers.
+        "kv_cache_usage": f"avg(vllm:kv_cache_usage_perc{sel} or vllm:gpu_cache_usage_perc{sel})",
+        "generation_tokens_per_s": f"sum(rate(vllm:generation_tokens_total{sel}[1m]))",
+        "prompt_tokens_per_s": f"sum(rate(vllm:prompt_tokens_total{sel}[1m]))",
+    }
+
+
+DEFAULT_QUERIES: dict[str, str] = default_queries()
 
 
 class QueryError(Exception):
@@ -59,17 +75,74 @@ def parse_result(data: Any) -> list[tuple[str, float, float]]:
     return [row for row in out if math.isfinite(row[2])]
 
 
-class PromApiSource(BackoffSource):
-    """Runs each PromQL expression with /api/v1/query every poll; never raises from poll()."""
+def parse_matrix(data: Any) -> list[tuple[str, float, float]]:
+    """(suffix, ts, value) of every point of a range query's `data`, NaN and infinities dropped."""
+    if not isinstance(data, dict) or "resultType" not in data or "result" not in data:
+        raise QueryError("an answer without data.resultType and data.result")
+    if data["resultType"] != "matrix":
+        raise QueryError(f"a {data['resultType']!r} result where a range query's matrix was "
+                         "expected")
+    try:
+        out = [(_suffix(r.get("metric", {})), float(ts), float(value))
+               for r in data["result"] for ts, value in r["values"]]
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        raise QueryError(f"a malformed matrix result ({type(exc).__name__}: {exc})") from exc
+    return [row for row in out if math.isfinite(row[2])]
 
-    def __init__(self, config: ServerConfig, queries: dict[str, str] | None = None) -> None:
+
+class PromApiSource(BackoffSource):
+    """Runs each PromQL expression with /api/v1/query every poll; the first successful poll
+    also fetches the last ``backfill_s`` seconds with /api/v1/query_range, so charts start full.
+    Never raises from poll()."""
+
+    def __init__(self, config: ServerConfig, queries: dict[str, str] | None = None,
+                 backfill_s: float = 0.0) -> None:
         super().__init__(config, "prometheus-api")
         self.queries = dict(DEFAULT_QUERIES if queries is None else queries)
         self.url = config.url.rstrip("/") + "/api/v1/query"
+        self.backfill_s = backfill_s
+        self.backfilled = backfill_s <= 0
 
     def poll(self, now: float) -> Poll:
         if now < self._next_try:
             return Poll()
+        poll = self._poll_now(now)
+        if not self.backfilled and self.status.state == "up":
+            self.backfilled = True  # once: a failed backfill is reported, not retried
+            poll.samples[:0] = self.backfill(now)
+        return poll
+
+    def backfill(self, now: float) -> list[Sample]:
+        """The window before ``now`` of every expression (older points first); an expression
+        that fails is named in the status' message and skipped."""
+        step = max(self.interval_s, self.backfill_s / MAX_BACKFILL_POINTS)
+        params = {"start": f"{now - self.backfill_s:.3f}", "end": f"{now:.3f}",
+                  "step": f"{step:g}"}
+        samples, failed = [], []
+        items = list(self.queries.items())
+        for i, (series, expr) in enumerate(items):
+            try:
+                rows = self._answer(self._fetch({"query": expr, **params}, self.range_url),
+                                    expr, parse_matrix)
+            except QueryError:
+                failed.append(series)
+                continue
+            except (FetchError, httpx.HTTPError, OSError):
+                # The server failed: the rest would each wait out the timeout on the hub's
+                # thread, stalling every other source, for a nicety.
+                failed += [name for name, _ in items[i:]]
+                break
+            samples += [Sample(f"{self.name}/{series}{suffix}", ts, value)
+                        for suffix, ts, value in sorted(rows, key=lambda r: r[1]) if ts < now]
+        self.status.message += f"; backfilled {len(samples)} points of the last " \
+            f"{self.backfill_s:g} s" + (f" ({len(failed)} expressions failed)" if failed else "")
+        return samples
+
+    @property
+    def range_url(self) -> str:
+        return self.url.removesuffix("/api/v1/query") + "/api/v1/query_range"
+
+    def _poll_now(self, now: float) -> Poll:
         samples, errors = [], []
         for series, expr in self.queries.items():
             try:
@@ -92,7 +165,11 @@ class PromApiSource(BackoffSource):
 
     def query(self, expr: str, now: float) -> list[tuple[str, float, float]]:
         """One instant query; a refused expression or a malformed answer raises QueryError."""
-        body = self._fetch({"query": expr, "time": f"{now:.3f}"})
+        body = self._fetch({"query": expr, "time": f"{now:.3f}"}, self.url)
+        return self._answer(body, expr, parse_result)
+
+    @staticmethod
+    def _answer(body: bytes, expr: str, parse: Any) -> list[tuple[str, float, float]]:
         try:
             answer = json.loads(body)
         except ValueError as exc:
@@ -100,19 +177,19 @@ class PromApiSource(BackoffSource):
         if not isinstance(answer, dict) or answer.get("status") != "success":
             error = answer.get("error") if isinstance(answer, dict) else None
             raise QueryError(f"an error for {expr!r}: {error or 'no status: success'}")
-        return parse_result(answer.get("data"))
+        return parse(answer.get("data"))
 
-    def _fetch(self, params: dict[str, str]) -> bytes:
+    def _fetch(self, params: dict[str, str], url: str) -> bytes:
         limit = self.config.max_bytes
-        with self.client.stream("GET", self.url, params=params) as response:
+        with self.client.stream("GET", url, params=params) as response:
             # Prometheus answers a bad expression with 400 / 422 and a JSON error body.
             if response.status_code not in (200, 400, 422):
-                raise FetchError(f"{self.url} answered HTTP {response.status_code}")
+                raise FetchError(f"{url} answered HTTP {response.status_code}")
             chunks, size = [], 0
             for chunk in response.iter_bytes():
                 size += len(chunk)
                 if size > limit:
-                    raise FetchError(f"{self.url} sent more than {limit / 2**20:g} MiB")
+                    raise FetchError(f"{url} sent more than {limit / 2**20:g} MiB")
                 chunks.append(chunk)
         return b"".join(chunks)
 

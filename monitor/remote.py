@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from monitor import ollama
 from monitor.normalize import Normalizer, detect_kind
 from monitor.promtext import MetricsError, parse_metrics
 from monitor.types import Poll, Sample, SourceStatus
@@ -19,6 +20,10 @@ MAX_BACKOFF_S = 60.0
 
 class FetchError(Exception):
     """A scrape that failed; the message is one sentence naming the URL."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 def resolve_token(ref: str | None) -> str | None:
@@ -127,14 +132,21 @@ class PrometheusSource(BackoffSource):
         super().__init__(config, "unknown")
         self.url = metrics_url(config.url)
         self.normalizer = Normalizer(window_s)
+        self.ollama_version = ""  # set when the server turns out to be Ollama
 
     def poll(self, now: float) -> Poll:
         if now < self._next_try:
             return Poll()
         try:
-            scrape = parse_metrics(self.fetch())
-        except MetricsError as exc:
-            self._fail(now, f"{self.url} sent {exc}")
+            if self.status.kind == "ollama":
+                return self._up(now, self._read_ollama(), "")
+            text = self._fetch_metrics()
+            if text is None:  # no /metrics, but Ollama's API answered: read that from now on
+                return self._up(now, self._read_ollama(), "")
+            scrape = parse_metrics(text)
+        except (MetricsError, ollama.OllamaError) as exc:
+            where = "" if isinstance(exc, ollama.OllamaError) else f"{self.url} sent "
+            self._fail(now, f"{where}{exc}")
             return Poll()
         except (FetchError, httpx.HTTPError, OSError) as exc:
             message = str(exc) if isinstance(exc, FetchError) else _describe(
@@ -145,22 +157,56 @@ class PrometheusSource(BackoffSource):
             # Labelled metrics appear only once observed, so an idle server may look plain.
             self.status.kind = detect_kind(scrape.names())
         values = self.normalizer.update(scrape, now)
+        return self._up(now, values, f" from {len(scrape.names())} metrics")
+
+    def _up(self, now: float, values: list[tuple[str, float]], detail: str) -> Poll:
         self.failures, self._next_try = 0, 0.0
         self.status.state, self.status.last_ok, self.status.last_error = "up", now, None
-        self.status.message = f"{len(values)} series from {len(scrape.names())} metrics"
+        self.status.message = f"{len(values)} series{detail}"
+        if self.status.kind == "ollama":
+            version = f"Ollama {self.ollama_version}; " if self.ollama_version else ""
+            self.status.message += f" ({version}{ollama.NOT_PROVIDED})"
         return Poll([Sample(f"{self.name}/{series}", now, value) for series, value in values])
 
-    def fetch(self) -> str:
-        """The metrics text, refusing responses over the size limit."""
+    def _fetch_metrics(self) -> str | None:
+        """The /metrics text; None when there is none but the server is Ollama (detected by
+        its GET /api/version, which then sets the kind)."""
+        try:
+            return self.fetch()
+        except FetchError as exc:
+            if exc.status_code != 404 or self.config.kind not in (None, "ollama"):
+                raise
+            version = self._ollama_version()
+            if version is None:
+                raise
+        self.ollama_version, self.status.kind = version, "ollama"
+        return None
+
+    def _ollama_version(self) -> str | None:
+        try:
+            return ollama.parse_version(self.fetch(ollama.api_root(self.config.url)
+                                                   + "/api/version"))
+        except (FetchError, httpx.HTTPError, OSError):
+            return None
+
+    def _read_ollama(self) -> list[tuple[str, float]]:
+        url = ollama.api_root(self.config.url) + "/api/ps"
+        return ollama.ps_values(ollama.parse_ps(self.fetch(url), url))
+
+    def fetch(self, url: str | None = None) -> str:
+        """The body of ``url`` (the metrics URL by default), refusing one over the size limit."""
+        url = url or self.url
         limit = self.config.max_bytes
-        with self.client.stream("GET", self.url) as response:
+        with self.client.stream("GET", url) as response:
             if response.status_code != 200:
-                raise FetchError(f"{self.url} answered HTTP {response.status_code}")
+                raise FetchError(f"{url} answered HTTP {response.status_code}",
+                                 response.status_code)
             chunks, size = [], 0
             for chunk in response.iter_bytes():
                 size += len(chunk)
                 if size > limit:
-                    raise FetchError(f"{self.url} sent more than {limit / 2**20:g} MiB of metrics")
+                    what = " of metrics" if url == self.url else ""
+                    raise FetchError(f"{url} sent more than {limit / 2**20:g} MiB{what}")
                 chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace")
 

@@ -24,7 +24,9 @@ def test_window_has_its_panes_and_an_honest_status_bar(make_window, qtbot) -> No
     window = make_window()
     assert window.rail.pane_ids() == ["engine", "planner", "monitor", "servers", "history"]
     assert window.rail.current_id() == "engine"
-    qtbot.waitUntil(lambda: window.database_label.text().startswith("database: sqlite:///"))
+    # The monitor opens (and migrates) its database on a worker thread after the window shows.
+    qtbot.waitUntil(lambda: window.database_label.text().startswith("database: sqlite:///"),
+                    timeout=30_000)
     assert window.state_label.text() == "engine: no model"
     assert window.model_label.text() == "model: none"
     menus = [a.text() for a in window.menuBar().actions()]

@@ -37,6 +37,7 @@ def _own_panes(window) -> list:
     panes = [window.pane(pane_id) for pane_id in ("monitor", "servers", "history")]
     for pane in panes:
         pane.start()
+    assert panes[0].service.wait_for_database(30)  # it opens on a worker thread
     return panes
 
 
@@ -97,9 +98,10 @@ def test_server_load_test_history_and_charts(monitor_window, engine_server, qtbo
     assert (tmp_path / "runs.compare.csv").exists()
 
     # The SLO alert: an impossible 1 ms objective is breached by the measured p99 TTFT.
+    # (A loaded machine may already breach the 100 ms TPOT objective: wait for TTFT's own.)
     monitor.slo_ttft.setValue(1)
-    qtbot.waitUntil(lambda: not monitor.alert_banner.isHidden(), timeout=10_000)
-    assert "local p99 TTFT" in monitor.alert_banner.text()
+    qtbot.waitUntil(lambda: "local p99 TTFT" in monitor.alert_banner.text(), timeout=10_000)
+    assert not monitor.alert_banner.isHidden()
 
     shots = DOCS_SHOTS if os.environ.get("SERVESCOPE_SCREENSHOTS") == "1" else tmp_path
     window.notifications.clear()
@@ -146,6 +148,7 @@ def test_servers_are_saved_in_the_database_without_tokens(make_window, qtbot, mo
     assert b"s3cret-value" not in db_file.read_bytes()
     again = monitor_panes(gpus=False)
     again[1].service.start()
+    assert again[1].service.wait_for_database(30)
     assert again[1].service.servers["a"] == ServerEntry("a", "http://127.0.0.1:9",
                                                         "env:MY_TOKEN_VAR", 3.0)
     for pane in again:
@@ -159,11 +162,48 @@ def test_a_locked_database_gives_one_notification(make_window, qtbot, tmp_path, 
     monkeypatch.setenv("SERVESCOPE_DATA_DIR", str(data))
     window = make_window()
     panes = _own_panes(window)
-    qtbot.waitUntil(lambda: bool(window.notifications.notifications()), timeout=5000)
-    errors = [n for n in window.notifications.notifications() if n.level == "error"]
-    assert len(errors) == 1 and "database" in errors[0].message.lower()
+    def monitor_errors() -> list:  # the Planner pane reports its own use of the database
+        return [n for n in window.notifications.notifications()
+                if n.level == "error" and "Live charts keep working" in n.message]
+
+    qtbot.waitUntil(lambda: bool(monitor_errors()), timeout=5000)
+    qtbot.wait(300)
+    (error,) = monitor_errors()
+    assert error.message.startswith("Cannot open the database sqlite:///")
     assert "not recording" in panes[0].status_label.text()
+    assert window.database_label.text() == "database: unavailable (nothing recorded)"
     assert panes[1].add_server(ServerEntry("x", "http://127.0.0.1:9"))
+
+
+def test_the_database_opens_off_the_gui_thread(make_window, qtbot, tmp_path, monkeypatch):
+    import sqlite3
+
+    from PySide6.QtCore import QTimer
+
+    # Another program holds the database file locked: the open (its migrations) waits on the
+    # busy timeout, on the opener thread, while the window keeps handling events.
+    data = tmp_path / "data-locked"
+    data.mkdir()
+    monkeypatch.setenv("SERVESCOPE_DATA_DIR", str(data))
+    other = sqlite3.connect(data / "servescope.db", isolation_level=None)
+    other.execute("CREATE TABLE other_program (x)")
+    other.execute("BEGIN EXCLUSIVE")
+    window = make_window()
+    monitor = window.pane("monitor")
+    qtbot.waitUntil(lambda: window.database_label.text() == "database: opening…", timeout=5000)
+    assert "opening database…" in monitor.status_label.text()
+    ticks = []
+    timer = QTimer(interval=50, timeout=lambda: ticks.append(1))
+    timer.start()
+    qtbot.wait(1000)  # the event loop runs (a blocked GUI thread would not tick)
+    timer.stop()
+    assert len(ticks) >= 5 and monitor.service.db_opening
+    other.execute("COMMIT")
+    other.close()
+    qtbot.waitUntil(lambda: window.database_label.text().endswith("servescope.db"),
+                    timeout=10_000)
+    assert "recording" in monitor.status_label.text() and monitor.service.db_error is None
+    assert monitor.service.hub.writer is monitor.service.writer
 
 
 def test_a_chat_reply_reaches_the_monitor_as_a_request_record(loaded_window, qtbot):
@@ -211,3 +251,82 @@ def test_benchmark_requests_reach_the_listeners_and_a_failing_listener_is_harmle
     finally:
         llm.close()
     assert seen == outputs and all(o.finished and o.metrics.ttft_s > 0 for o in seen)
+
+
+def test_a_prometheus_server_is_added_backfilled_and_saved(make_window, qtbot):
+    import time
+
+    from app.panes.monitor.servers import ServerDialog
+    from monitor.promapi import default_queries
+    from tests.monitor.conftest import PromApi, matrix_answer, vector_answer
+
+    queries = default_queries("vllm-8b")
+    now = time.time()
+    history = [(now - 30 + i, str(i)) for i in range(5)]
+    server = PromApi({queries["requests_running"]: vector_answer(({}, "7"))},
+                     ranges={queries["requests_running"]: matrix_answer(({}, history))})
+    try:
+        window = make_window()
+        monitor, servers, _history = _own_panes(window)
+        entry = ServerEntry("fleet", server.url, api="prometheus", job="vllm-8b")
+        dialog = ServerDialog(entry, servers)
+        qtbot.addWidget(dialog)
+        assert dialog.entry() == entry and dialog.job.isEnabled()
+        assert servers.add_server(entry)
+        # The first poll fetched the last 15 minutes: the chart starts with them, then "now".
+        qtbot.waitUntil(lambda: monitor.charts["queue"].point_count() >= 6, timeout=10_000)
+        ts, values = monitor.charts["queue"].data["fleet/requests_running"]
+        assert values[:5].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and values[-1] == 7.0
+        ranged = next(p for p in server.seen if "step" in p)
+        assert float(ranged["end"][0]) - float(ranged["start"][0]) == pytest.approx(900.0)
+        with qtbot.waitSignal(servers.tester.succeeded, timeout=20_000):
+            servers.test_selected()
+        assert _row(servers, "fleet")["Kind"] == "prometheus-api"
+        assert _row(servers, "fleet")["Status"] == "up"
+        with pytest.raises(ValueError, match="only to a Prometheus"):
+            ServerEntry("x", server.url, job="vllm-8b")
+        for pane in _own_panes(window):
+            pane.shutdown()
+        again = monitor_panes(gpus=False)
+        again[1].service.start()
+        assert again[1].service.wait_for_database(30)
+        assert again[1].service.servers["fleet"] == entry
+        for pane in again:
+            pane.shutdown()
+    finally:
+        server.close()
+
+
+def test_the_window_and_slos_survive_a_restart(make_window, qtbot):
+    from app.panes.monitor.state import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
+    from app.settings import DEFAULTS
+
+    assert (DEFAULTS["monitor/slo_ttft_ms"], DEFAULTS["monitor/slo_tpot_ms"]) == (
+        DEFAULT_SLO_TTFT_MS, DEFAULT_SLO_TPOT_MS)
+    window = make_window()
+    monitor = window.pane("monitor")
+    assert monitor.window_s() == 60.0 and monitor.slo_ttft.value() == DEFAULT_SLO_TTFT_MS
+    monitor.window_combo.setCurrentIndex(monitor.window_combo.findData(900.0))
+    monitor.slo_ttft.setValue(250)
+    monitor.slo_tpot.setValue(40)
+    window.close()
+    again = make_window().pane("monitor")
+    assert again.window_s() == 900.0 and again.window_combo.currentText() == "15 min"
+    assert (again.slo_ttft.value(), again.slo_tpot.value()) == (250.0, 40.0)
+    assert again.service.slo_ms == {"ttft": 250.0, "tpot": 40.0}
+    assert again.charts["ttft"].slo_line.value() == 250.0
+
+
+def test_a_bad_database_url_is_one_sentence_and_the_hub_runs_on():
+    from app.panes.monitor.service import MonitorService
+
+    errors, announced = [], []
+    service = MonitorService(on_error=errors.append, gpus=False, db_url="not-a-url",
+                             on_database=lambda: announced.append(1))
+    service.start()
+    assert service.hub is not None  # live charts work before (and without) the database
+    assert service.wait_for_database(30) and announced == [1]
+    assert errors == [service.db_error]
+    assert service.db_error.startswith("'not-a-url' is not a database URL; use e.g. sqlite:///")
+    assert service.db is None and service.hub.writer is None
+    service.shutdown()

@@ -80,13 +80,15 @@ def fuzz_servers():
 
 
 class PromApi(ThreadingHTTPServer):
-    """Answers /api/v1/query from `answers` (expression -> JSON body text), as Prometheus does."""
+    """Answers /api/v1/query from `answers` and /api/v1/query_range from `ranges` (expression
+    -> JSON body text), as Prometheus does."""
 
     daemon_threads = True
 
-    def __init__(self, answers: dict[str, str]) -> None:
+    def __init__(self, answers: dict[str, str], ranges: dict[str, str] | None = None) -> None:
         super().__init__(("127.0.0.1", 0), _PromApiHandler)
         self.answers = answers
+        self.ranges = ranges or {}
         self.seen: list[dict[str, list[str]]] = []
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -110,10 +112,12 @@ class _PromApiHandler(BaseHTTPRequestHandler):
         params = parse_qs(parts.query)
         self.server.seen.append(params)
         expr = params.get("query", [""])[0]
-        if parts.path != "/api/v1/query":
+        answers = {"/api/v1/query": self.server.answers,
+                   "/api/v1/query_range": self.server.ranges}.get(parts.path)
+        if answers is None:
             status, body = 404, "404 page not found"
-        elif expr in self.server.answers:
-            status, body = 200, self.server.answers[expr]
+        elif expr in answers:
+            status, body = 200, answers[expr]
         else:  # what Prometheus sends for an expression it cannot parse
             status, body = 400, json.dumps({"status": "error", "errorType": "bad_data",
                                             "error": f"parse error in {expr!r}"})
@@ -131,12 +135,19 @@ def vector_answer(*rows: tuple[dict, str]) -> str:
     return json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
 
 
+def matrix_answer(*rows: tuple[dict, list[tuple[float, str]]]) -> str:
+    """A successful range-query answer: one matrix element per (labels, [(ts, value text)])."""
+    result = [{"metric": metric, "values": [[ts, v] for ts, v in values]}
+              for metric, values in rows]
+    return json.dumps({"status": "success", "data": {"resultType": "matrix", "result": result}})
+
+
 @pytest.fixture
 def prom():
     servers: list[PromApi] = []
 
-    def start(answers: dict[str, str]) -> PromApi:
-        servers.append(PromApi(answers))
+    def start(answers: dict[str, str], ranges: dict[str, str] | None = None) -> PromApi:
+        servers.append(PromApi(answers, ranges))
         return servers[-1]
 
     yield start

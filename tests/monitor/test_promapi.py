@@ -94,3 +94,54 @@ def test_parse_result_drops_infinite_values():
     assert parse_result({"resultType": "vector", "result": [
         {"metric": {}, "value": [1.0, "+Inf"]}, {"metric": {"gpu": "0"}, "value": [1.0, "2"]}]}) \
         == [("[gpu=0]", 1.0, 2.0)]
+
+
+def test_the_first_poll_backfills_the_window_with_query_range(prom):
+    from tests.monitor.conftest import matrix_answer
+
+    server = prom({"up": _vector(({}, "1")), "bad": _vector(({}, "1"))},
+                  ranges={"up": matrix_answer(({"instance": "a"}, [(940.0, "1"), (970.0, "0")]),
+                                              ({"instance": "b"}, [(970.0, "NaN")])),
+                          "bad": "<html>"})
+    source = PromApiSource(ServerConfig("fleet", server.url, interval_s=1.0),
+                           {"up": "up", "bad": "bad"}, backfill_s=60.0)
+    hub = Hub([source])
+    hub.tick(1000.0)
+    ts, values = hub.series("fleet/up[instance=a]")
+    assert ts.tolist() == [940.0, 970.0] and values.tolist() == [1.0, 0.0]
+    assert hub.series("fleet/up")[1].tolist() == [1.0]  # the instant query at 1000
+    assert "fleet/up[instance=b]" not in hub.series_keys()  # NaN points dropped
+    ranged = next(p for p in server.seen if "step" in p)
+    assert (ranged["start"], ranged["end"], ranged["step"]) == (["940.000"], ["1000.000"], ["1"])
+    assert source.status.message.endswith(
+        "backfilled 2 points of the last 60 s (1 expressions failed)")
+    hub.tick(1001.0)  # once only
+    assert sum("step" in p for p in server.seen) == 2
+    hub.stop()
+
+
+def test_a_job_narrows_the_default_queries_and_a_bad_job_is_refused():
+    from monitor.promapi import default_queries
+
+    queries = default_queries("vllm-8b")
+    assert queries["requests_running"] == 'sum(vllm:num_requests_running{job="vllm-8b"})'
+    assert 'vllm:time_to_first_token_seconds_bucket{job="vllm-8b"}[1m]' in queries["ttft_s_p99"]
+    with pytest.raises(ValueError, match="not a Prometheus job name"):
+        default_queries('x"} or vector(1) #')
+
+
+def test_a_server_failing_during_the_backfill_stops_it_at_once(prom):
+    server = prom({"a": _vector(({}, "1")), "b": _vector(({}, "2"))})
+    source = PromApiSource(ServerConfig("fleet", server.url), {"a": "a", "b": "b"},
+                           backfill_s=60.0)
+    poll = source.poll(1000.0)  # the instant queries answer; query_range is "400" for both
+    assert sorted(s.value for s in poll.samples) == [1.0, 2.0]
+    assert source.status.message.endswith("(2 expressions failed)")
+    # A server error (here a 404 on the whole API) ends the backfill at its first query.
+    broken = PromApiSource(ServerConfig("fleet2", server.url + "/not-prometheus"),
+                           {"a": "a", "b": "b"}, backfill_s=60.0)
+    seen = len(server.seen)
+    assert broken.backfill(1000.0) == [] and len(server.seen) == seen + 1
+    assert broken.status.message.endswith("(2 expressions failed)")
+    broken.close()
+    source.close()

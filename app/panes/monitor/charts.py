@@ -6,8 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtWidgets import (
+    QGraphicsItem,
     QHBoxLayout,
     QLabel,
     QSizePolicy,
@@ -16,12 +17,61 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.panes.monitor.state import ChartSpec, series_csv
+from app.panes.monitor.state import ChartSpec, decimate_peaks, series_csv, stable_y_range
 
 # Distinct hues that read on both the dark and the light theme.
 PALETTE = ("#4e9af1", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#edc948", "#76b7b2",
            "#ff9da7")
 SLO_COLOUR = "#e15759"
+
+
+class TimeAxis(pg.DateAxisItem):
+    """A date axis that remembers its last tick labels: a window sliding by a fraction of a
+    tick per frame keeps the same ticks, and formatting each as a date is pure-Python work."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._labels: dict[tuple, list[str]] = {}
+
+    def tickStrings(self, values, scale, spacing):  # noqa: N802 (pyqtgraph's naming)
+        key = (tuple(values), scale, spacing, id(self.zoomLevel), self.utcOffset)
+        labels = self._labels.get(key)
+        if labels is None:
+            if len(self._labels) > 64:  # ticks only move forward: old entries are dead
+                self._labels.clear()
+            labels = self._labels[key] = super().tickStrings(values, scale, spacing)
+        return labels
+
+
+class WindowCurve(pg.PlotCurveItem):
+    """A curve whose bounding rectangle is its data's extent, found once per setData.
+
+    pyqtgraph's own adds pen and pixel padding through several Python calls and recomputes it
+    whenever the view moves, which a sliding window does every frame; the ViewBox clips its
+    children, so the padding buys nothing here."""
+
+    def setData(self, *args, **kwargs) -> None:  # noqa: N802 (pyqtgraph's naming)
+        self._extent: QRectF | None = None
+        super().setData(*args, **kwargs)
+
+    def boundingRect(self) -> QRectF:  # noqa: N802 (Qt's naming)
+        extent = getattr(self, "_extent", None)
+        if extent is None:
+            extent = self._extent = _extent(self.xData, self.yData)
+        return extent
+
+
+def _extent(x: np.ndarray | None, y: np.ndarray | None) -> QRectF:
+    if x is None or y is None or not len(x):
+        return QRectF()
+    x0, x1 = float(np.fmin.reduce(x)), float(np.fmax.reduce(x))
+    y0, y1 = float(np.fmin.reduce(y)), float(np.fmax.reduce(y))
+    if not all(np.isfinite((x0, x1, y0, y1))):
+        return QRectF()
+    # A flat line still needs some height (an empty rectangle is never drawn).
+    pad_y = max(y1 - y0, abs(y1), 1e-12) * 1e-3
+    pad_x = max(x1 - x0, 1e-3) * 1e-3
+    return QRectF(x0 - pad_x, y0 - pad_y, x1 - x0 + 2 * pad_x, y1 - y0 + 2 * pad_y)
 
 
 class ChartView(QWidget):
@@ -33,17 +83,13 @@ class ChartView(QWidget):
         super().__init__(parent)
         self.spec = spec
         self.setObjectName(f"chart-{spec.chart_id}")
-        self.plot = pg.PlotWidget(axisItems={"bottom": pg.DateAxisItem()})
+        self.plot = pg.PlotWidget(axisItems={"bottom": TimeAxis()})
         self.plot.setMinimumHeight(150)
-        self.plot.showGrid(x=True, y=True, alpha=0.2)
         self.plot.setLabel("left", units=None, text=spec.unit)
         item = self.plot.getPlotItem()
         item.addLegend(offset=(4, 4), labelTextSize="7pt")
-        item.setClipToView(True)
-        item.setDownsampling(auto=True, mode="peak")
-        # x follows the window by hand; y alone auto-ranges (clipping needs a fixed x range).
-        item.enableAutoRange(x=False, y=True)
-        self.curves: dict[str, pg.PlotDataItem] = {}
+        self._configure_for_speed(item)
+        self.curves: dict[str, pg.PlotCurveItem] = {}
         self.data: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.slo_line: pg.InfiniteLine | None = None
         if spec.slo is not None:
@@ -54,6 +100,25 @@ class ChartView(QWidget):
         self.title = QLabel(f"<b>{spec.title}</b> <span>({spec.unit})</span>")
         self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self._build()
+
+    def _configure_for_speed(self, item: pg.PlotItem) -> None:
+        """Keep what is redrawn per frame small (benchmarks/monitor.py measures the frame with
+        and without these): most of a frame went to repainting axes and grid."""
+        # Horizontal grid lines only: vertical ones belong to the time axis, which slides every
+        # frame, so they would force the grid to be re-rendered on each one.
+        item.showGrid(x=False, y=True, alpha=0.2)
+        # The left axis (and its grid) becomes a cached pixmap, redrawn only when y changes...
+        item.getAxis("left").setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
+        # ...which is rare because y is set by hand to a stable "nice" range (see
+        # stable_y_range) instead of pyqtgraph's per-frame auto-range over every curve's bounds.
+        # x follows the window by hand too (clipping to the view needs a fixed x range).
+        item.enableAutoRange(x=False, y=False)
+        # The unit is in the label already; left on, automatic SI prefixes re-render each
+        # axis label (the hidden top and right ones too) as HTML on every range change, i.e.
+        # every frame.
+        for side in ("left", "bottom", "top", "right"):
+            item.getAxis(side).enableAutoSIPrefix(False)
+        self._y_range: tuple[float, float] | None = None
 
     def _build(self) -> None:
         header = QHBoxLayout()
@@ -87,12 +152,37 @@ class ChartView(QWidget):
         for key, (ts, values) in self.data.items():
             curve = self.curves.get(key)
             if curve is None:
-                colour = PALETTE[len(self.curves) % len(PALETTE)]
-                curve = self.plot.plot(pen=pg.mkPen(colour, width=1), name=key, connect="finite")
+                curve = self._new_curve(key, PALETTE[len(self.curves) % len(PALETTE)])
                 self.curves[key] = curve
-            curve.setData(ts, values)
+            curve.setData(*decimate_peaks(ts, values, self._max_points()))
         if x_range is not None:
             self.plot.setXRange(*x_range, padding=0)
+            self._fit_y(x_range)
+
+    def _fit_y(self, x_range: tuple[float, float]) -> None:
+        """Set y to a stable range holding the points inside ``x_range``; unchanged if it is."""
+        visible = [values[(ts >= x_range[0]) & (ts <= x_range[1])]
+                   for ts, values in self.data.values()]
+        y_range = stable_y_range(visible, self._y_range)
+        if y_range != self._y_range:
+            self._y_range = y_range
+            self.plot.setYRange(*y_range, padding=0)
+
+    def _new_curve(self, key: str, colour: str) -> pg.PlotCurveItem:
+        # A bare curve item: PlotDataItem's clipping and downsampling cost more per setData
+        # than they save here, where the data is already the window (decimate_peaks covers
+        # long windows with more points than pixels).
+        curve = WindowCurve(pen=pg.mkPen(colour, width=1), name=key, connect="finite")
+        self.plot.addItem(curve)
+        return curve
+
+    def _max_points(self) -> int:
+        """Two points (a bin's min and max) per horizontal pixel of the plot."""
+        return 2 * max(200, int(self.plot.getPlotItem().getViewBox().width()))
+
+    def forget_y_range(self) -> None:
+        """Refit y on the next update (after the user zoomed while paused)."""
+        self._y_range = None
 
     def point_count(self) -> int:
         """How many points the chart holds now."""

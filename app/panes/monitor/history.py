@@ -142,7 +142,8 @@ class HistoryPane(QWidget):
         """Read the runs list in the background."""
         db = self.service.db
         if db is None:
-            self.status.setText("no database: " + (self.service.db_error or "not opened yet"))
+            self.status.setText("opening database…" if self.service.db_opening else
+                                "no database: " + (self.service.db_error or "not opened yet"))
             return
 
         def task(_cancel):

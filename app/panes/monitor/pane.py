@@ -25,6 +25,7 @@ from app.navigation import make_actions
 from app.panes.monitor.charts import ChartView
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import CHARTS, LIVE_ONLY_S, WINDOWS, chart_series, merge_history
+from app.settings import Settings
 from app.workers import Progress, TaskRunner
 
 REFRESH_MS = 500  # 2 Hz: well under pyqtgraph's 10 Hz budget, smooth enough for 1 s polling
@@ -36,6 +37,7 @@ class ServiceBridge(QObject):
     """Carries the service's errors from its threads to the GUI thread."""
 
     error = Signal(str)
+    database = Signal()  # the database opened, or failed to
 
 
 class MonitorPane(QWidget):
@@ -44,22 +46,28 @@ class MonitorPane(QWidget):
     pane_id = "monitor"
     title = "Monitor"
     notify = Signal(str, str)
+    database_changed = Signal(str)  # the status bar's database entry
 
     def __init__(self, service: MonitorService, bridge: ServiceBridge,
-                 parent: QWidget | None = None) -> None:
+                 settings: Settings | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.service = service
+        self._settings = settings if settings is not None else Settings()
         service.acquire()
         bridge.error.connect(lambda message: self.notify.emit("error", message))
+        bridge.database.connect(self._on_database)
         self.charts = {spec.chart_id: ChartView(spec) for spec in CHARTS}
         self.window_combo = QComboBox()
         for label, seconds in WINDOWS:
             self.window_combo.addItem(label, seconds)
+        # A window no longer offered (an edited settings file) falls back to the first.
+        self.window_combo.setCurrentIndex(
+            max(0, self.window_combo.findData(self._settings.get("monitor/window_s"))))
         self.source_combo = QComboBox()
         self.source_combo.addItem(ALL_SOURCES, None)
         self.pause_button = QPushButton("Pause", checkable=True)
-        self.slo_ttft = _ms_spin(service.slo_ms["ttft"])
-        self.slo_tpot = _ms_spin(service.slo_ms["tpot"])
+        self.slo_ttft = _ms_spin(self._settings.get("monitor/slo_ttft_ms"))
+        self.slo_tpot = _ms_spin(self._settings.get("monitor/slo_tpot_ms"))
         self.status_label = QLabel("monitor: starting")
         self.alert_banner = QLabel()
         self.alert_banner.setObjectName("alert-banner")
@@ -139,11 +147,19 @@ class MonitorPane(QWidget):
         service = self.service
         if service.db is not None:
             return f"database: {service.db.url}"
-        return "database: unavailable (nothing recorded)" if service.db_error else \
-            "database: not opened yet"
+        if service.db_error:
+            return "database: unavailable (nothing recorded)"
+        return "database: opening…" if service.db_opening else "database: not opened yet"
+
+    def _on_database(self) -> None:
+        self._update_status()
+        self.database_changed.emit(self.database_status())
 
     def save(self) -> None:
-        """Nothing persisted yet: the window and SLO keys are proposed for app/settings.py."""
+        """Keep the chosen window and the SLOs for the next start."""
+        self._settings.set("monitor/window_s", self.window_s())
+        self._settings.set("monitor/slo_ttft_ms", self.slo_ttft.value())
+        self._settings.set("monitor/slo_tpot_ms", self.slo_tpot.value())
 
     def shutdown(self) -> None:
         """Stop the refresh timer and the history query; the last pane stops the hub."""
@@ -163,9 +179,9 @@ class MonitorPane(QWidget):
     def refresh(self) -> None:
         """Pull the hub's ring buffers into the charts (and stored points for long windows)."""
         hub = self.service.hub
+        self._update_status()
         if hub is None:
             return
-        self._update_status()
         self._update_sources(hub.series_keys())
         self._update_alerts()
         if self.pause_button.isChecked():
@@ -193,6 +209,8 @@ class MonitorPane(QWidget):
             parts.append("database: not recording")
         elif self.service.db is not None:
             parts.append("recording")
+        elif self.service.db_opening:
+            parts.append("opening database…")
         self.status_label.setText(" · ".join(parts))
 
     def _update_sources(self, keys: list[str]) -> None:
@@ -244,6 +262,7 @@ class MonitorPane(QWidget):
         for chart in self.charts.values():
             # While paused the user may zoom and pan freely; x follows the window otherwise.
             chart.plot.getPlotItem().setMouseEnabled(x=paused, y=paused)
+            chart.forget_y_range()
         if not paused:
             self.refresh()
 

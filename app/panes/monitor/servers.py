@@ -6,6 +6,7 @@ from PySide6.QtCore import QTimer, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QComboBox,
     QDialog,
     QDialogButtonBox,
     QDoubleSpinBox,
@@ -22,7 +23,7 @@ from PySide6.QtWidgets import (
 from app.navigation import make_actions
 from app.panes.monitor.loadtest import LoadTestDialog
 from app.panes.monitor.service import MonitorService, test_connection
-from app.panes.monitor.state import ServerEntry, fmt
+from app.panes.monitor.state import API_METRICS, API_PROMETHEUS, ServerEntry, fmt
 from app.workers import TaskRunner
 
 COLUMNS = ("Name", "URL", "Kind", "Status", "Last error", "$/hour", "Token")
@@ -30,7 +31,8 @@ STATUS_REFRESH_MS = 1000
 
 
 class ServerDialog(QDialog):
-    """Name, URL, token reference and price of one server."""
+    """Name, URL, how it is read (its /metrics or a Prometheus server's API, with a job),
+    token reference and price of one server."""
 
     def __init__(self, entry: ServerEntry | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -43,8 +45,19 @@ class ServerDialog(QDialog):
         self.price.setSpecialValueText("not set")
         if entry and entry.dollars_per_hour is not None:
             self.price.setValue(entry.dollars_per_hour)
+        self.api = QComboBox()
+        self.api.addItem("Its /metrics (vLLM, SGLang, TGI, llama.cpp, Triton, DCGM, Ollama…)",
+                         API_METRICS)
+        self.api.addItem("A Prometheus server's HTTP API (a fleet; backfills 15 min)",
+                         API_PROMETHEUS)
+        self.api.setCurrentIndex(max(0, self.api.findData(entry.api if entry else API_METRICS)))
+        self.job = QLineEdit(entry.job if entry else "")
+        self.job.setPlaceholderText("Prometheus job to read (optional; all vLLM jobs if empty)")
+        self.api.currentIndexChanged.connect(self._on_api)
+        self._on_api()
         form = QFormLayout(self)
-        for label, widget in (("Name", self.name), ("URL", self.url), ("Token", self.token_ref),
+        for label, widget in (("Name", self.name), ("URL", self.url), ("Reads", self.api),
+                              ("Job", self.job), ("Token", self.token_ref),
                               ("Price", self.price)):
             form.addRow(label, widget)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok
@@ -53,11 +66,16 @@ class ServerDialog(QDialog):
         buttons.rejected.connect(self.reject)
         form.addRow(buttons)
 
+    def _on_api(self) -> None:
+        self.job.setEnabled(self.api.currentData() == API_PROMETHEUS)
+
     def entry(self) -> ServerEntry:
         """The entry the fields describe; ValueError names what is wrong."""
         price = self.price.value()
+        api = self.api.currentData()
         return ServerEntry(self.name.text().strip(), self.url.text().strip(),
-                           self.token_ref.text().strip(), price if price > 0 else None)
+                           self.token_ref.text().strip(), price if price > 0 else None, api,
+                           self.job.text().strip() if api == API_PROMETHEUS else "")
 
 
 class ServersPane(QWidget):

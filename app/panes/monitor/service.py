@@ -7,7 +7,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.panes.monitor.state import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, ServerEntry
+from app.panes.monitor.state import (
+    API_PROMETHEUS,
+    DEFAULT_SLO_TPOT_MS,
+    DEFAULT_SLO_TTFT_MS,
+    LIVE_ONLY_S,
+    ServerEntry,
+)
 from monitor.alerts import AlertEvaluator, AlertEvent, slo_rules
 from monitor.types import SourceStatus
 
@@ -32,10 +38,15 @@ class MonitorService:
 
     def __init__(self, on_error: Callable[[str], None] | None = None,
                  engine_stats: Callable[[], Any] | None = None, gpus: bool = True,
-                 engine_finished: Any = None) -> None:
+                 engine_finished: Any = None, db_url: str | None = None,
+                 on_database: Callable[[], None] | None = None) -> None:
         self.on_error = on_error
+        self.on_database = on_database  # called (on the opener thread) once open or failed
+        self.db_url = db_url  # None: the default SQLite file in the user's data folder
         self.db: Any = None
         self.db_error: str | None = None
+        self.db_opening = False
+        self._opener: threading.Thread | None = None
         self.writer: Any = None
         self.hub: Any = None
         self.gpu_message = ""
@@ -64,14 +75,14 @@ class MonitorService:
 
     # ---- lifecycle
     def start(self) -> None:
-        """Open the database and start the hub; a database failure leaves live charts working."""
+        """Start the hub now and open the database on a worker thread (migrations can take a
+        while, and a locked file waits out the busy timeout); a failure leaves charts working."""
         if self._started:
             return
         self._started = True
         from monitor.hub import Hub
 
-        self._open_database()
-        self.hub = Hub(writer=self.writer, on_tick=self._on_tick)
+        self.hub = Hub(on_tick=self._on_tick)  # the writer is attached once the database opens
         if self._gpus:
             self._add_gpus()
         if self._engine_stats is not None:
@@ -81,23 +92,69 @@ class MonitorService:
             self.hub.add_source(self.engine_source)
             if self._engine_finished is not None:
                 self._engine_finished.add(self.engine_source.add_finished)
-        for entry in self._load_servers():
-            self._attach(entry)
         self._rebuild_rules()
         self.hub.start()
+        self.db_opening = True
+        self._opener = threading.Thread(target=self._open_database, name="servescope-db-open",
+                                        daemon=True)
+        self._opener.start()
 
     def _open_database(self) -> None:
-        from storage.db import StorageError, open_database
+        """On the opener thread: open and migrate, then attach the writer and saved servers."""
+        from storage.db import StorageError, default_url, display_url, open_database
+
+        try:
+            db = open_database(self.db_url)
+            entries = self._load_servers(db)
+        except StorageError as exc:
+            self._database_failed(str(exc))
+            return
+        except Exception as exc:  # a driver's own error type: still one sentence, app running
+            where = display_url(self.db_url or default_url())
+            self._database_failed(f"The database {where} could not be opened: "
+                                  f"{str(exc).rstrip('.')}.")
+            return
+        self._database_opened(db, entries)
+
+    def _database_failed(self, message: str) -> None:
+        with self._lock:
+            self.db_error = f"{message} Live charts keep working; nothing is being recorded."
+            self.db_opening = False
+        self._error(self.db_error)
+        self._announce_database()
+
+    def _database_opened(self, db: Any, entries: list[ServerEntry]) -> None:
         from storage.rollup import Maintenance
         from storage.writer import Writer
 
-        try:
-            self.db = open_database()
-        except StorageError as exc:
-            self.db_error = f"{exc} Live charts keep working; nothing is being recorded."
-            self._error(self.db_error)
-            return
-        self.writer = Writer(self.db, on_error=self._error, maintenance=Maintenance()).start()
+        with self._lock:
+            if self._stopped:  # the window closed while the database was opening
+                db.close()
+                return
+            self.db = db
+            self.writer = Writer(db, on_error=self._error, maintenance=Maintenance()).start()
+            self.hub.writer = self.writer
+            self.db_opening = False
+        # list() first: the GUI thread may add a server while this thread reads the dict.
+        added_meanwhile = [e for e in list(self.servers.values()) if e.name not in
+                           {x.name for x in entries}]
+        for entry in entries:
+            if entry.name not in self.servers:
+                self._attach(entry)
+        for entry in added_meanwhile:
+            self._save_server(entry)
+        self._rebuild_rules()
+        self._announce_database()
+
+    def _announce_database(self) -> None:
+        if self.on_database is not None:
+            self.on_database()
+
+    def wait_for_database(self, timeout: float | None = None) -> bool:
+        """Block until the database is open or has failed (for the command line and tests)."""
+        if self._opener is not None:
+            self._opener.join(timeout)
+        return not self.db_opening
 
     def _add_gpus(self) -> None:
         from monitor.nvml import NvmlSource
@@ -111,10 +168,13 @@ class MonitorService:
 
     def shutdown(self) -> None:
         """Stop the hub, write what is pending, close the database."""
-        if self._stopped or not self._started:
+        if self._opener is not None:
+            self._opener.join(10)  # an open in progress finishes (or times out) first
+        with self._lock:
+            if self._stopped or not self._started:
+                self._stopped = True
+                return
             self._stopped = True
-            return
-        self._stopped = True
         if self._engine_finished is not None and self.engine_source is not None:
             self._engine_finished.remove(self.engine_source.add_finished)
         self.hub.stop()
@@ -150,7 +210,6 @@ class MonitorService:
 
     def _attach(self, entry: ServerEntry) -> None:
         from monitor.cost import CostSource
-        from monitor.remote import PrometheusSource
 
         self.servers[entry.name] = entry
         if self.hub is None:
@@ -161,7 +220,7 @@ class MonitorService:
             self.server_errors[entry.name] = str(exc)
             return
         self.server_errors.pop(entry.name, None)
-        self.hub.add_source(PrometheusSource(config))
+        self.hub.add_source(make_source(entry, config, backfill_s=LIVE_ONLY_S))
         if entry.dollars_per_hour is not None:
             self.hub.add_source(CostSource(self.hub, entry.name, entry.dollars_per_hour))
 
@@ -173,24 +232,24 @@ class MonitorService:
         return out
 
     # ---- persistence: servers live in the database's sources table (url set = user-added)
-    def _load_servers(self) -> list[ServerEntry]:
+    def _load_servers(self, db: Any) -> list[ServerEntry]:
         import sqlalchemy as sa  # here, not at import: it costs start-up time
-        if self.db is None:
-            return []
+
+        from storage.db import StorageError, describe_error
         from storage.models import Source
 
         try:
-            with self.db.engine.connect() as conn:
+            with db.engine.connect() as conn:
                 rows = conn.execute(sa.select(Source.name, Source.url, Source.token_ref,
-                                              Source.dollars_per_hour)
+                                              Source.dollars_per_hour, Source.kind)
                                     .where(Source.url.is_not(None))).all()
         except sa.exc.SQLAlchemyError as exc:
-            self._db_failed(exc)
-            return []
+            db.close()
+            raise StorageError(describe_error(exc, db.engine.url)) from exc
         entries = []
-        for name, url, token_ref, price in rows:
+        for name, url, token_ref, price, kind in rows:
             try:
-                entries.append(ServerEntry(name, url, token_ref or "", price))
+                entries.append(ServerEntry.from_stored(name, url, token_ref, price, kind))
             except ValueError as exc:
                 self._error(f"The saved server {name!r} is invalid and was skipped: {exc}")
         return entries
@@ -206,12 +265,14 @@ class MonitorService:
             with self.db.engine.begin() as conn:
                 if forget is not None:
                     conn.execute(sa.update(Source.__table__).where(Source.name == forget)
-                                 .values(url=None, token_ref=None, dollars_per_hour=None))
+                                 .values(url=None, token_ref=None, dollars_per_hour=None,
+                                         kind="unknown"))
                 if entry is not None:
                     ensure_sources(conn, [entry.name])
                     conn.execute(sa.update(Source.__table__).where(Source.name == entry.name)
                                  .values(url=entry.url, token_ref=entry.token_ref or None,
-                                         dollars_per_hour=entry.dollars_per_hour))
+                                         dollars_per_hour=entry.dollars_per_hour,
+                                         kind=entry.stored_kind))
         except sa.exc.SQLAlchemyError as exc:
             self._db_failed(exc)
 
@@ -265,15 +326,25 @@ def server_config(entry: ServerEntry, interval_s: float = 1.0) -> Any:
                         interval_s=interval_s, dollars_per_hour=entry.dollars_per_hour)
 
 
-def test_connection(entry: ServerEntry) -> SourceStatus:
-    """One scrape of ``entry`` with a fresh client (not the hub's), reporting kind and status."""
+def make_source(entry: ServerEntry, config: Any, backfill_s: float = 0.0) -> Any:
+    """The source reading ``entry``: its /metrics, or a Prometheus server's API (the first
+    poll of which backfills ``backfill_s`` seconds so the charts do not start empty)."""
+    if entry.api == API_PROMETHEUS:
+        from monitor.promapi import PromApiSource, default_queries
+
+        return PromApiSource(config, default_queries(entry.job), backfill_s=backfill_s)
     from monitor.remote import PrometheusSource
 
+    return PrometheusSource(config)
+
+
+def test_connection(entry: ServerEntry) -> SourceStatus:
+    """One scrape of ``entry`` with a fresh client (not the hub's), reporting kind and status."""
     try:
         config = server_config(entry)
     except ValueError as exc:
         return SourceStatus(state="down", last_error=str(exc))
-    source = PrometheusSource(config)
+    source = make_source(entry, config)
     try:
         return source.test_connection()
     finally:

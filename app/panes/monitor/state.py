@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ CHARTS: tuple[ChartSpec, ...] = (
     ChartSpec("sm", "SM occupancy / GPU utilization", "%",
               (r"(\d+/)?sm_occupancy_pct(\[.*\])?", r"(\d+/)?util_pct",
                r"gpu_util_pct(\[.*\])?")),
-    ChartSpec("memory", "GPU memory used", "GiB", (r"(\d+/)?memory_used_bytes(\[.*\])?",),
-              scale=1 / 2**30),
+    # Ollama reports only the GPU memory its loaded models hold (/api/ps size_vram).
+    ChartSpec("memory", "GPU memory used", "GiB",
+              (r"(\d+/)?memory_used_bytes(\[.*\])?", r"model_vram_bytes"), scale=1 / 2**30),
     ChartSpec("power", "GPU power", "W", (r"(\d+/)?power_w(\[.*\])?",)),
     ChartSpec("ttft", "TTFT p50 / p95 / p99", "ms", (r"ttft_s_p(50|95|99)",), 1000.0, "ttft"),
     # Servers without a TPOT histogram (ours, llama.cpp) export inter-token latency instead.
@@ -86,6 +88,61 @@ def merge_history(db_ts: np.ndarray, db_values: np.ndarray, live_ts: np.ndarray,
     return np.concatenate((db_ts, live_ts)), np.concatenate((db_values, live_values))
 
 
+# A chart keeps its y range while the data fills at least this share of it, so the axis (and
+# its cached grid) is not redrawn every frame; the next "nice" range always fills over 40%.
+Y_MIN_FILL = 0.3
+Y_HEADROOM = 1.05
+
+
+def nice_ceiling(x: float) -> float:
+    """The smallest of 1, 2, 5 x 10^k at or above ``x`` (``x`` > 0)."""
+    exponent = math.floor(math.log10(x))
+    for mantissa in (1.0, 2.0, 5.0, 10.0):
+        top = mantissa * 10.0**exponent
+        if top >= x * (1 - 1e-12):
+            return top
+    return 10.0 ** (exponent + 1)
+
+
+def stable_y_range(visible: Iterable[np.ndarray],
+                   current: tuple[float, float] | None) -> tuple[float, float]:
+    """A y range holding every finite value in ``visible``: ``current`` while it still fits well,
+    else a new one from 0 (or a nice floor below 0) to a nice ceiling with a little headroom."""
+    finite = [v[np.isfinite(v)] for v in visible]
+    finite = [v for v in finite if v.size]
+    if not finite:
+        return current or (0.0, 1.0)
+    lo = min(0.0, min(float(v.min()) for v in finite))
+    hi = max(0.0, max(float(v.max()) for v in finite))
+    if current is not None:
+        span = current[1] - current[0]
+        if current[0] <= lo and hi <= current[1] and (hi - lo) >= Y_MIN_FILL * span:
+            return current
+    top = nice_ceiling(hi * Y_HEADROOM) if hi > 0 else (0.0 if lo < 0 else 1.0)
+    bottom = -nice_ceiling(-lo * Y_HEADROOM) if lo < 0 else 0.0
+    return bottom, top
+
+
+def decimate_peaks(ts: np.ndarray, values: np.ndarray,
+                   max_points: int) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``max_points`` points keeping every peak: the series cut into max_points / 2
+    runs of equal length, each drawn as its minimum and maximum (pyqtgraph's "peak" mode)."""
+    n = len(ts)
+    if n <= max_points:
+        return ts, values
+    size = -(-n // (max_points // 2))  # points per run, rounded up
+    bins = -(-n // size)  # so every run holds a point; the last may be shorter
+    pad = bins * size - n
+    # NaN marks gaps; fmin/fmax skip them unless a whole run is NaN (then the gap stays).
+    padded = np.concatenate((values, np.full(pad, np.nan))).reshape(bins, size)
+    lo, hi = np.fmin.reduce(padded, axis=1), np.fmax.reduce(padded, axis=1)
+    starts = ts[np.arange(bins) * size]
+    ends = ts[np.minimum(np.arange(bins) * size + size - 1, n - 1)]
+    out_ts = np.column_stack((starts, ends)).ravel()
+    out_values = np.column_stack((lo, hi)).ravel()
+    return out_ts, out_values
+
+
 def series_csv(data: dict[str, tuple[np.ndarray, np.ndarray]]) -> str:
     """Long-format CSV (series, unix time, value) of a chart's data."""
     out = io.StringIO()
@@ -106,16 +163,26 @@ def table_csv(header: list[str], rows: Iterable[Iterable[object]]) -> str:
     return out.getvalue()
 
 
+# How a server is read: its own /metrics (any kind, detected), or a Prometheus server's HTTP API.
+API_METRICS, API_PROMETHEUS = "metrics", "prometheus"
+# The sources table's kind column holds this for Prometheus-API entries (plus " job=NAME").
+PROMETHEUS_API_KIND = "prometheus-api"
+
+
 @dataclass(frozen=True)
 class ServerEntry:
-    """A remote server the user added: the token is only a reference (env:NAME), never its value."""
+    """A remote server the user added: the token is only a reference (env:NAME), never its value.
+    ``api`` says how it is read; ``job`` narrows a Prometheus server's queries to one job."""
 
     name: str
     url: str
     token_ref: str = ""
     dollars_per_hour: float | None = None
+    api: str = API_METRICS
+    job: str = ""
 
     def __post_init__(self) -> None:
+        from monitor.promapi import default_queries
         from monitor.remote import ServerConfig
 
         ServerConfig(self.name, self.url)  # validates the name and URL with the source's rules
@@ -124,6 +191,29 @@ class ServerEntry:
                              "itself, so it is never written to disk")
         if self.dollars_per_hour is not None and self.dollars_per_hour < 0:
             raise ValueError("the hourly price cannot be negative")
+        if self.api not in (API_METRICS, API_PROMETHEUS):
+            raise ValueError(f"unknown way to read a server {self.api!r}; use "
+                             f"{API_METRICS!r} or {API_PROMETHEUS!r}")
+        if self.job and self.api != API_PROMETHEUS:
+            raise ValueError("a job applies only to a Prometheus server's API")
+        default_queries(self.job)  # validates the job name
+
+    @property
+    def stored_kind(self) -> str:
+        """What the database's sources.kind column holds for this entry."""
+        if self.api != API_PROMETHEUS:
+            return API_METRICS
+        return f"{PROMETHEUS_API_KIND} job={self.job}" if self.job else PROMETHEUS_API_KIND
+
+    @classmethod
+    def from_stored(cls, name: str, url: str, token_ref: str | None, price: float | None,
+                    kind: str | None) -> ServerEntry:
+        """The entry a sources row describes (rows saved before ``api`` existed read /metrics)."""
+        kind = kind or ""
+        if not kind.startswith(PROMETHEUS_API_KIND):
+            return cls(name, url, token_ref or "", price)
+        job = kind.removeprefix(PROMETHEUS_API_KIND).strip().removeprefix("job=")
+        return cls(name, url, token_ref or "", price, API_PROMETHEUS, job)
 
 
 def fmt(value: object, digits: int = 4) -> str:
