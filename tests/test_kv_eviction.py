@@ -278,5 +278,7 @@ def test_ngram_speculation_with_eviction_keeps_greedy_output(llm, text_ids):
                             kv_budget=48)
     with_spec = spec.generate([prompt], params)[0].token_ids
     assert spec.evictor.tokens_evicted > 0 and spec.spec.counters.accepted_tokens > 0
-    # Both compact the prompt alike; the first tokens come before any later compaction.
-    assert with_spec[:12] == llm.generate([prompt], params)[0].token_ids[:12]
+    # Both compact the prompt alike; the first tokens come before any later compaction. (The
+    # module's engine shares prefixes, which protects blocks from eviction: compare without.)
+    plain = LLM(llm.model_path, device="cpu", kv_cache_tokens=2048, max_model_len=1024)
+    assert with_spec[:12] == plain.generate([prompt], params)[0].token_ids[:12]
