@@ -324,15 +324,29 @@ class LLM:
         self._check_policy_allowed()
         budget = params.kv_budget if params.kv_budget is not None else self.kv_budget
         tokens = resolve_budget(budget, len(ids) + params.max_tokens, self.block_size)
-        if policy.repositions:
-            peak = tokens + self.block_size + min(len(ids), self.max_num_batched_tokens)
-            if peak >= self.max_model_len:
-                raise RequestError(
-                    f"With {policy.name} the cache holds up to {peak} tokens (kv_budget {tokens}, "
-                    f"one block, a prefill chunk of up to {self.max_num_batched_tokens}) but the "
-                    f"context holds {self.max_model_len}: lower kv_budget or "
-                    "max_num_batched_tokens.")
-        return KVState(policy, tokens)
+        state = KVState(policy, tokens)
+        peak = self._kv_peak(state, len(ids))
+        if policy.repositions and peak >= self.max_model_len:
+            raise RequestError(
+                f"With {policy.name} the cache holds up to {peak} tokens (kv_budget {tokens}, "
+                f"one block, a prefill chunk of up to {self.max_num_batched_tokens}) but the "
+                f"context holds {self.max_model_len}: lower kv_budget or "
+                "max_num_batched_tokens.")
+        return state
+
+    def _kv_peak(self, kv: KVState, prompt_len: int) -> int:
+        """The most tokens a sequence under a policy holds in its cache at once.
+
+        Compaction runs after a step once the cache is a block over budget, so the peak is the
+        budget plus a block plus what one step adds: a prefill chunk, or a token and its drafts;
+        the first chunk starts from an empty cache. SnapKV holds the whole prompt until it ends.
+        """
+        chunk, bs = self.max_num_batched_tokens, self.block_size
+        step = 1 + (self.spec.config.num_draft_tokens if self.spec is not None else 0)
+        if kv.policy.name == "snapkv":
+            return max(prompt_len, kv.budget + bs + step)
+        later = kv.budget + bs + max(min(prompt_len - chunk, chunk), step)
+        return max(min(prompt_len, chunk), later)
 
     def _check_policy_allowed(self) -> None:
         if self.spec is not None and self.spec.draft is not None:
@@ -350,11 +364,7 @@ class LLM:
         if not unbounded:
             need = min(need, self.max_model_len)
         if kv is not None:
-            # The cache peaks at the budget plus a block plus a prefill chunk, except that
-            # SnapKV holds the whole prompt until it ends.
-            chunk = len(ids) if kv.policy.name == "snapkv" else min(len(ids),
-                                                                   self.max_num_batched_tokens)
-            need = min(need, kv.budget + self.block_size + chunk)
+            need = min(need, self._kv_peak(kv, len(ids)))
         if need > self.kv_cache_tokens:
             raise RequestError(
                 f"The request needs up to {need} KV slots ({len(ids)} prompt + {params.max_tokens} "
