@@ -282,3 +282,127 @@ def test_ngram_speculation_with_eviction_keeps_greedy_output(llm, text_ids):
     # module's engine shares prefixes, which protects blocks from eviction: compare without.)
     plain = LLM(llm.model_path, device="cpu", kv_cache_tokens=2048, max_model_len=1024)
     assert with_spec[:12] == plain.generate([prompt], params)[0].token_ids[:12]
+
+
+# ---- oracle: compaction and positions against a dense forward that masks per layer and head ----
+
+def _dense_last_token(model, prompt: list[int], token: int, kept: torch.Tensor,
+                      key_pos: torch.Tensor, q_pos: int) -> tuple[torch.Tensor, list]:
+    """Logits of `token` after `prompt`, computed densely: the prompt attends causally at its
+    true positions (its K/V are what the cache held before compaction), and at layer l the new
+    token's query heads of KV head h attend only to prompt tokens kept[l, h] (whose keys are
+    rotated to key_pos[l, h]) and to itself at q_pos. Also each layer's attention probabilities
+    of the new token over [kept tokens, itself], summed per KV head ([Hkv, keep + 1])."""
+    c = model.config
+    group = c.num_heads // c.num_kv_heads
+    n = len(prompt)
+    ids = torch.tensor(prompt + [token])
+    pos = torch.arange(n + 1)
+    pos[n] = q_pos
+    h = torch.nn.functional.embedding(ids, model.embed)
+    residual, probs_per_layer = None, []
+    for li, layer in enumerate(model.layers):
+        x, residual = reference.rms_norm(h, layer.input_norm, c.rms_norm_eps, residual)
+        q, k, v = reference.linear(x, layer.qkv).split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
+            dim=-1)
+        q, k, v = (t.reshape(n + 1, -1, c.head_dim) for t in (q, k, v))
+        k_raw = k.clone()
+        q, k = reference.rotary(q, k, model.cos[pos], model.sin[pos])
+        out = torch.empty_like(q)
+        # The prompt rows: plain causal attention.
+        for head in range(c.num_heads):
+            kh = head // group
+            s = (q[:n, head] @ k[:n, kh].T) * model.scale
+            s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+            out[:n, head] = s.softmax(-1) @ v[:n, kh]
+        # The new token: per KV head, its kept keys re-rotated to key_pos, then itself.
+        layer_probs = []
+        for kh in range(c.num_kv_heads):
+            idx, kp = kept[li, kh], key_pos[li, kh]
+            _, keys = reference.rotary(q[:1, :1], k_raw[idx, kh : kh + 1], model.cos[kp],
+                                       model.sin[kp])
+            keys = torch.cat((keys[:, 0], k[n : n + 1, kh]))
+            vals = torch.cat((v[idx, kh], v[n : n + 1, kh]))
+            p = ((q[n, kh * group : (kh + 1) * group] @ keys.T) * model.scale).softmax(-1)
+            out[n, kh * group : (kh + 1) * group] = p @ vals
+            layer_probs.append(p.sum(0))
+        probs_per_layer.append(torch.stack(layer_probs))
+        h = reference.linear(out.reshape(n + 1, -1), layer.o)
+        x, residual = reference.rms_norm(h, layer.post_norm, c.rms_norm_eps, residual)
+        h = reference.linear(reference.silu_and_mul(reference.linear(x, layer.gate_up)),
+                             layer.down)
+    h, _ = reference.rms_norm(h, model.norm, c.rms_norm_eps, residual)
+    return model.logits(h[n : n + 1])[0], probs_per_layer
+
+
+def _prefilled(runner, bm, evictor, rid: str, prompt: list[int], kv: KVState | None):
+    """A sequence whose prompt was run through the runner (mass observed, compacted)."""
+    from engine.runner import RunItem
+
+    seq = Sequence(rid, prompt, SamplingParams(max_tokens=4), 0.0)
+    seq.kv = kv
+    bm.append_slots(seq, len(prompt))
+    rows = None if kv is None else kv.policy.mass_rows(seq, len(prompt))
+    runner.run_items([RunItem(prompt, 0, seq.block_table, 1, mass_rows=rows)], want_mass=True)
+    seq.num_computed_tokens = len(prompt)
+    if kv is not None:
+        evictor.observe(seq, runner.last_mass[0])
+    return seq
+
+
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands", "snapkv", "streaming"])
+def test_next_token_after_compaction_equals_a_dense_forward_over_the_kept_tokens(policy):
+    """The strongest check of compaction: after the cache is compacted per layer and KV head,
+    the next decode step (batched with another sequence's prefill chunk and a plain decode)
+    gives the logits and attention mass of a dense forward in which each layer and head sees
+    only what it kept, at the original positions (streaming: at the new cache indices)."""
+    from engine.runner import RunItem
+
+    runner, bm = _tiny_runner(32, 4, layers=2, kv_heads=2)
+    evictor = KVEvictor(runner, bm)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(64, (22,), generator=gen).tolist()
+    other = torch.randint(64, (9,), generator=gen).tolist()
+    # SnapKV with a 2-query window: of the 4 prompt tokens it keeps, 2 are heavy hitters.
+    rule = Policy(policy, window=2) if policy == "snapkv" else Policy(policy)
+    a = _prefilled(runner, bm, evictor, "a", prompt, KVState(rule, budget=8))
+    plain = _prefilled(runner, bm, evictor, "c", other, None)
+    if policy in ("h2o", "scissorhands"):  # as if after a history in which heads disagree
+        a.kv.scores += torch.rand(a.kv.scores.shape, generator=gen)
+    keep = 8 if policy != "snapkv" else 4  # SnapKV: half the budget for the prompt
+    scores = None if a.kv.scores is None else a.kv.scores.clone()
+    state_before = KVState(a.kv.policy, a.kv.budget, scores=scores)
+    probe = Sequence("p", prompt, SamplingParams(), 0.0)
+    probe.num_computed_tokens, probe.kv, probe.block_table = 22, state_before, a.block_table
+    if policy == "snapkv":
+        state_before.snapped, state_before.extra["prompt_kept"] = True, keep
+    kept = evictor._select(probe, 0, keep)
+    assert evictor.maybe_compact(a) == 22 - keep and a.kv_len == keep
+    if policy != "streaming":  # the layers and heads keep different tokens
+        assert len({tuple(r) for r in kept.reshape(-1, keep).tolist()}) > 1
+    # The next step: a fresh prefill chunk first, then the evicted decode, then a plain decode.
+    fresh = Sequence("b", other[:6], SamplingParams(), 0.0)
+    bm.append_slots(fresh, 6)
+    bm.append_slots(a, 1)
+    bm.append_slots(plain, 1)
+    token, token_c = 5, 11
+    items = [RunItem(other[:6], 0, fresh.block_table, 1),
+             RunItem([token], a.kv_len, a.block_table, 1, a.position_offset),
+             RunItem([token_c], plain.kv_len, plain.block_table, 1)]
+    logits = runner.run_items(items, want_mass=True)
+    if policy == "streaming":
+        key_pos, q_pos = torch.arange(keep).expand_as(kept), keep
+    else:
+        key_pos, q_pos = kept, len(prompt)
+    want, probs = _dense_last_token(runner.model, prompt, token, kept, key_pos, q_pos)
+    torch.testing.assert_close(logits[1], want, atol=1e-5, rtol=1e-5)
+    mass = runner.last_mass[1]  # [layers, kv_heads, keep + 1], the evicted sequence's own
+    assert mass.shape == (2, 2, keep + 1)
+    torch.testing.assert_close(mass, torch.stack(probs), atol=1e-5, rtol=1e-5)
+    all_kept = torch.arange(len(other)).expand(2, 2, len(other))
+    want_c, probs_c = _dense_last_token(runner.model, other, token_c, all_kept, all_kept,
+                                        len(other))
+    torch.testing.assert_close(logits[2], want_c, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runner.last_mass[2], torch.stack(probs_c), atol=1e-5, rtol=1e-5)
+    assert runner.last_mass[0].shape == (2, 2, 6)
