@@ -166,18 +166,21 @@ class KVEvictor:
         state: KVState = seq.kv
         protected = seq.num_cached_blocks * self.bm.block_size
         keep = max(state.budget - protected, 0)
-        if state.policy.name == "snapkv" and not state.snapped:
+        movable = seq.kv_len - protected
+        snapshot = state.policy.name == "snapkv" and not state.snapped
+        if snapshot:
             if seq.num_computed_tokens < len(seq.prompt_token_ids):
                 return 0  # SnapKV waits for the end of the prompt and its observation window
             # The snapshot: the prompt gets half the budget, generated tokens the other half.
             state.snapped = True
-            state.extra["prompt_kept"] = min(seq.kv_len - protected, keep // 2)
+            state.extra["prompt_kept"] = min(movable, keep // 2)
             keep = state.extra["prompt_kept"]
-        elif seq.kv_len <= state.budget + self.bm.block_size:
+        elif movable <= keep + self.bm.block_size:
+            # (Not kv_len <= budget + a block: with a shared prefix longer than the budget that
+            # would compact at every step instead of once per block.)
             return 0
-        movable = seq.kv_len - protected
         if movable > keep:
-            chosen = self._select(seq, protected, keep)  # [layers, kv_heads, keep], ascending
+            chosen = self._select(seq, protected, keep, snapshot)  # [layers, kv_heads, keep]
             self._move(seq, protected, chosen)
         if state.snapped:
             state.scores = None  # SnapKV's statistics served their one snapshot
@@ -196,8 +199,10 @@ class KVEvictor:
         return evicted
 
     # ---- selection ----
-    def _select(self, seq: Sequence, start: int, keep: int) -> torch.Tensor:
-        """The cache indices each layer and KV head keeps, ascending ([layers, kv_heads, keep])."""
+    def _select(self, seq: Sequence, start: int, keep: int,
+                snapshot: bool = False) -> torch.Tensor:
+        """The cache indices each layer and KV head keeps, ascending ([layers, kv_heads, keep]);
+        `snapshot`: SnapKV's one compression of the prompt."""
         state, policy = seq.kv, seq.kv.policy
         end = seq.kv_len
         shape = self._score_shape()
@@ -206,10 +211,9 @@ class KVEvictor:
             return _shared(torch.arange(start, start + sinks), end - (keep - sinks), end, shape)
         if policy.name == "snapkv":
             kept = state.extra["prompt_kept"]
-            if seq.kv_len - start > kept and keep == kept:  # the snapshot itself
-                recent = min(policy.window, keep)
-            else:  # afterwards the compressed prompt stays and generated tokens slide
+            if not snapshot:  # afterwards the compressed prompt stays and generated tokens slide
                 return _shared(torch.arange(start, start + kept), end - (keep - kept), end, shape)
+            recent = min(policy.window, keep)
         else:
             recent = min(keep, int(keep * policy.recent_fraction))
         heavy = keep - recent

@@ -377,7 +377,7 @@ def test_next_token_after_compaction_equals_a_dense_forward_over_the_kept_tokens
     probe.num_computed_tokens, probe.kv, probe.block_table = 22, state_before, a.block_table
     if policy == "snapkv":
         state_before.snapped, state_before.extra["prompt_kept"] = True, keep
-    kept = evictor._select(probe, 0, keep)
+    kept = evictor._select(probe, 0, keep, snapshot=policy == "snapkv")
     assert evictor.maybe_compact(a) == 22 - keep and a.kv_len == keep
     if policy != "streaming":  # the layers and heads keep different tokens
         assert len({tuple(r) for r in kept.reshape(-1, keep).tolist()}) > 1
@@ -406,3 +406,38 @@ def test_next_token_after_compaction_equals_a_dense_forward_over_the_kept_tokens
     torch.testing.assert_close(logits[2], want_c, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(runner.last_mass[2], torch.stack(probs_c), atol=1e-5, rtol=1e-5)
     assert runner.last_mass[0].shape == (2, 2, 6)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "scissorhands", "streaming"])
+def test_a_budget_below_the_shared_prefix_keeps_running(policy):
+    """A request whose prefix-cache hit is longer than its budget: the shared blocks stay, and
+    every policy keeps compacting its private tokens step after step without failing."""
+    runner, bm = _tiny_runner(32, 4, layers=1)
+    cache = PrefixCache(bm)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, prefix_cache=cache)
+    evictor = KVEvictor(runner, bm)
+    prompt = list(range(1, 21))
+    first = Sequence("warm", prompt, SamplingParams(max_tokens=1), 0.0)
+    sched.add(first)
+    for s in sched.schedule().scheduled:
+        s.seq.num_computed_tokens += s.num_new_tokens
+        cache.register(s.seq)
+    sched.finish(first, "length")
+    seq = Sequence("a", prompt + [30], SamplingParams(max_tokens=12), 0.0)
+    seq.kv = KVState(Policy(policy), budget=8)
+    sched.add(seq)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(12):
+        plan = sched.schedule()
+        assert [s.seq for s in plan.scheduled] == [seq]
+        seq.num_computed_tokens += plan.scheduled[0].num_new_tokens
+        if step == 0:
+            assert seq.num_cached_blocks == 5  # 20 shared tokens, more than the budget of 8
+            first_blocks = list(seq.block_table[:5])
+        seq.output_token_ids.append(7)
+        evictor.observe(seq, torch.rand(1, 2, seq.kv_len, generator=gen))
+        evictor.maybe_compact(seq)
+        assert 20 <= seq.kv_len <= 20 + 4 + 1 and len(seq.block_table) * 4 >= seq.kv_len
+    # Compaction comes once per block of growth, not at every step.
+    assert seq.kv.compactions <= 4 and seq.block_table[:5] == first_blocks
+    check_invariants(bm, [seq])
