@@ -164,6 +164,8 @@ class LLM:
             raise RequestError(f"Request id '{rid}' is already in use: pick another id.")
         seq = Sequence(rid, ids, params, arrival=time.perf_counter())
         seq.kv = kv
+        if kv is not None:  # the chunk _check_fits and _kv_state sized the cache's peak by
+            seq.max_chunk_tokens = _eviction_chunk(ids, kv, self.max_num_batched_tokens)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -352,8 +354,7 @@ class LLM:
         if kv is not None:
             # The cache peaks at the budget plus a block plus a prefill chunk, except that
             # SnapKV holds the whole prompt until it ends.
-            chunk = len(ids) if kv.policy.name == "snapkv" else min(len(ids),
-                                                                   self.max_num_batched_tokens)
+            chunk = _eviction_chunk(ids, kv, self.max_num_batched_tokens)
             need = min(need, kv.budget + self.block_size + chunk)
         if need > self.kv_cache_tokens:
             raise RequestError(
@@ -471,6 +472,14 @@ class LLM:
             timestamp=start,
             num_evicted_tokens=evicted,
         )
+
+
+def _eviction_chunk(ids: list[int], kv: KVState, max_num_batched_tokens: int) -> int:
+    """The most tokens a sequence under eviction computes beyond its budget before compacting:
+    a prefill chunk, except that SnapKV holds the whole prompt until it ends."""
+    if kv.policy.name == "snapkv":
+        return len(ids)
+    return min(len(ids), max_num_batched_tokens)
 
 
 def _force(seq: Sequence, logits: torch.Tensor) -> int:

@@ -441,3 +441,21 @@ def test_a_budget_below_the_shared_prefix_keeps_running(policy):
     # Compaction comes once per block of growth, not at every step.
     assert seq.kv.compactions <= 4 and seq.block_table[:5] == first_blocks
     check_invariants(bm, [seq])
+
+
+def test_a_preempted_streaming_request_past_the_context_recomputes_within_it(demo_gguf):
+    """Preemption recomputes a sequence from its first token, outputs included: for
+    StreamingLLM, which may have run past the context length, that recompute must still come
+    in chunks the cache and the rotary table hold (not all its tokens at once)."""
+    small = LLM(str(demo_gguf), device="cpu", max_model_len=128, kv_cache_tokens=512)
+    rid = small.add_request("Count: one, two, three,", SamplingParams(
+        temperature=0, max_tokens=150, ignore_eos=True, kv_policy="streaming", kv_budget=64))
+    seq = small._seqs[rid]
+    while len(seq.output_token_ids) < 135:
+        small.step()
+    small.scheduler.preempt(seq)  # what the scheduler does when the pool runs dry
+    while not seq.is_finished:
+        small.step()
+        assert seq.kv_len < 128
+    assert seq.finish_reason == "length" and len(seq.output_token_ids) == 150
+    assert small.block_manager.num_used_blocks == 0
