@@ -400,7 +400,7 @@ class LLM:
         seq.num_computed_tokens += len(tokens) - 1
         if s.num_draft:
             self.spec.after_verify(seq, seq.num_tokens, len(seq.draft_token_ids), len(tokens) - 1)
-            self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+            self.block_manager.trim(seq, seq.kv_len + 1)  # cached, not computed: eviction
         seq.draft_token_ids, seq.draft_probs = [], None
         for count, token in enumerate(tokens, start=1):
             self._append_token(seq, token, now)

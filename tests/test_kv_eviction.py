@@ -459,3 +459,20 @@ def test_a_preempted_streaming_request_past_the_context_recomputes_within_it(dem
         assert seq.kv_len < 128
     assert seq.finish_reason == "length" and len(seq.output_token_ids) == 150
     assert small.block_manager.num_used_blocks == 0
+
+
+def test_rejected_drafts_blocks_are_freed_after_eviction(demo_gguf, text_ids):
+    """After verification a sequence keeps the blocks its cached tokens need (plus the next
+    token's), also once tokens were evicted (cached = computed - evicted)."""
+    spec = LLM(str(demo_gguf), device="cpu", speculative="ngram", kv_cache_tokens=1024,
+               max_model_len=1024, block_size=4)
+    rid = spec.add_request(text_ids[:40] * 2, SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, kv_policy="h2o", kv_budget=48))
+    seq = spec._seqs[rid]
+    checked = 0
+    while not seq.is_finished:
+        _, stats = spec.step()
+        if stats.num_draft_tokens > stats.num_accepted_tokens and not seq.is_finished:
+            assert len(seq.block_table) <= spec.block_manager.blocks_needed(seq.kv_len + 1)
+            checked += 1
+    assert checked > 0 and seq.num_evicted > 0
