@@ -64,10 +64,16 @@ class Policy:
         return self.needs_mass and not (self.name == "snapkv" and state.snapped)
 
     def mass_rows(self, seq: Sequence, num_new: int) -> int | None:
-        """SnapKV sums only the observation window of the chunk that ends the prompt."""
+        """SnapKV sums only the queries of its observation window, the prompt's last `window`:
+        of a chunk of `num_new` tokens from `seq.num_computed_tokens` on, its last rows that
+        fall in the window (the window may span chunks: the prompt may end in a tiny one)."""
         if self.name != "snapkv":
             return None
-        return min(self.window, num_new)
+        end = seq.num_computed_tokens + num_new
+        prompt_len = len(seq.prompt_token_ids)
+        if end > prompt_len:  # a recompute chunk past the prompt: its own last queries
+            return min(self.window, num_new)
+        return min(num_new, max(0, end - (prompt_len - self.window)))
 
     @property
     def repositions(self) -> bool:
@@ -156,10 +162,13 @@ class KVEvictor:
         elif name == "scissorhands":
             important = (mass > mass.mean(dim=-1, keepdim=True)).float()
             state.scores.mul_(state.policy.decay).add_(important)
-        elif name == "snapkv" and not state.snapped and \
-                seq.num_computed_tokens >= len(seq.prompt_token_ids):
-            pooled = F.max_pool1d(mass, state.policy.pool, stride=1, padding=state.policy.pool // 2)
-            state.scores.copy_(pooled[..., :n])
+        elif name == "snapkv":
+            # Chunks before the window bring zeros; at the prompt's end the window's summed
+            # attention is max-pooled over neighbours.
+            state.scores += mass
+            if seq.num_computed_tokens >= len(seq.prompt_token_ids):
+                p = state.policy.pool
+                state.scores = F.max_pool1d(state.scores, p, stride=1, padding=p // 2)[..., :n]
 
     def maybe_compact(self, seq: Sequence) -> int:
         """Bring the sequence back to its budget if it went a block over; tokens evicted."""

@@ -29,9 +29,7 @@ class RunItem:
         seq, computed = s.seq, s.seq.num_computed_tokens
         real = s.num_new_tokens - s.num_draft
         tokens = seq.all_token_ids[computed : computed + real] + seq.draft_token_ids[: s.num_draft]
-        mass_rows = None
-        if seq.kv is not None and len(tokens) > 1:
-            mass_rows = seq.kv.policy.mass_rows(seq, len(tokens))
+        mass_rows = None if seq.kv is None else seq.kv.policy.mass_rows(seq, len(tokens))
         # The last real token and every draft: the model's distribution at each.
         return cls(tokens, seq.kv_len, seq.block_table, 1 + s.num_draft if s.samples else 0,
                    seq.position_offset, mass_rows)
@@ -165,7 +163,8 @@ def _per_item_mass(items: list[RunItem], masses: list) -> list[torch.Tensor]:
     for item in items:
         ctx = item.start + len(item.tokens)
         if len(item.tokens) == 1:
-            out.append(decode[:, d, :, :ctx])
+            # A one-token prompt chunk outside SnapKV's observation window counts for nothing.
+            out.append(decode[:, d, :, :ctx] * (item.mass_rows != 0))
             d += 1
         else:
             out.append(torch.stack([m.prefill[c] for m in masses]).cpu())

@@ -476,3 +476,28 @@ def test_rejected_drafts_blocks_are_freed_after_eviction(demo_gguf, text_ids):
             assert len(seq.block_table) <= spec.block_manager.blocks_needed(seq.kv_len + 1)
             checked += 1
     assert checked > 0 and seq.num_evicted > 0
+
+
+def test_snapkv_observes_its_whole_window_when_the_prompt_ends_in_a_tiny_chunk():
+    """SnapKV's observation window is the prompt's last `window` queries however the prompt was
+    chunked: a prompt whose last chunk has 3 tokens must not snap on 3 queries' attention."""
+    from engine.scheduler import ScheduledSeq
+
+    prompt = torch.randint(64, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def snapshot_scores(chunks: list[int]) -> torch.Tensor:
+        runner, bm = _tiny_runner(32, 4, layers=2)
+        evictor = KVEvictor(runner, bm)
+        seq = Sequence("a", prompt, SamplingParams(), 0.0)
+        seq.kv = KVState(Policy("snapkv", window=8), budget=32)
+        for n in chunks:
+            bm.append_slots(seq, n)
+            runner.run([ScheduledSeq(seq, n)], want_mass=True)
+            seq.num_computed_tokens += n
+            evictor.observe(seq, runner.last_mass[0])
+        return seq.kv.scores
+
+    whole = snapshot_scores([40])
+    assert whole.shape == (2, 2, 40)
+    for chunks in ([37, 3], [20, 19, 1], [30, 10]):
+        torch.testing.assert_close(snapshot_scores(chunks), whole, atol=1e-5, rtol=1e-5)
