@@ -165,7 +165,7 @@ class LLM:
         seq = Sequence(rid, ids, params, arrival=time.perf_counter())
         seq.kv = kv
         if kv is not None:  # the chunk _check_fits and _kv_state sized the cache's peak by
-            seq.max_chunk_tokens = _eviction_chunk(ids, kv, self.max_num_batched_tokens)
+            seq.max_chunk_tokens = self._eviction_chunk(ids, kv)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -326,15 +326,26 @@ class LLM:
         self._check_policy_allowed()
         budget = params.kv_budget if params.kv_budget is not None else self.kv_budget
         tokens = resolve_budget(budget, len(ids) + params.max_tokens, self.block_size)
+        state = KVState(policy, tokens)
         if policy.repositions:
-            peak = tokens + self.block_size + min(len(ids), self.max_num_batched_tokens)
+            chunk = self._eviction_chunk(ids, state)
+            peak = tokens + self.block_size + chunk
             if peak >= self.max_model_len:
                 raise RequestError(
                     f"With {policy.name} the cache holds up to {peak} tokens (kv_budget {tokens}, "
-                    f"one block, a prefill chunk of up to {self.max_num_batched_tokens}) but the "
-                    f"context holds {self.max_model_len}: lower kv_budget or "
+                    f"one block, a step's chunk of up to {chunk}: prompt or speculative drafts) "
+                    f"but the context holds {self.max_model_len}: lower kv_budget or "
                     "max_num_batched_tokens.")
-        return KVState(policy, tokens)
+        return state
+
+    def _eviction_chunk(self, ids: list[int], kv: KVState) -> int:
+        """The most tokens a sequence under eviction computes in one step beyond its budget and
+        a block, before compacting: a prefill chunk, or a decode token and its speculative
+        drafts; SnapKV holds the whole prompt until it ends."""
+        chunk = len(ids) if kv.policy.name == "snapkv" else min(len(ids),
+                                                               self.max_num_batched_tokens)
+        drafts = 0 if self.spec is None else self.spec.config.num_draft_tokens
+        return max(chunk, 1 + drafts)
 
     def _check_policy_allowed(self) -> None:
         if self.spec is not None and self.spec.draft is not None:
@@ -354,8 +365,7 @@ class LLM:
         if kv is not None:
             # The cache peaks at the budget plus a block plus a prefill chunk, except that
             # SnapKV holds the whole prompt until it ends.
-            chunk = _eviction_chunk(ids, kv, self.max_num_batched_tokens)
-            need = min(need, kv.budget + self.block_size + chunk)
+            need = min(need, kv.budget + self.block_size + self._eviction_chunk(ids, kv))
         if need > self.kv_cache_tokens:
             raise RequestError(
                 f"The request needs up to {need} KV slots ({len(ids)} prompt + {params.max_tokens} "
@@ -472,14 +482,6 @@ class LLM:
             timestamp=start,
             num_evicted_tokens=evicted,
         )
-
-
-def _eviction_chunk(ids: list[int], kv: KVState, max_num_batched_tokens: int) -> int:
-    """The most tokens a sequence under eviction computes beyond its budget before compacting:
-    a prefill chunk, except that SnapKV holds the whole prompt until it ends."""
-    if kv.policy.name == "snapkv":
-        return len(ids)
-    return min(len(ids), max_num_batched_tokens)
 
 
 def _force(seq: Sequence, logits: torch.Tensor) -> int:

@@ -92,6 +92,8 @@ class Scheduler:
             # Drafts ride along as extra query tokens when the budget has room for them.
             drafts = len(seq.draft_token_ids) if n == seq.num_uncomputed_tokens == 1 else 0
             drafts = min(drafts, budget - n)
+            if seq.max_chunk_tokens is not None:
+                drafts = min(drafts, seq.max_chunk_tokens - n)
             n += drafts
             while not bm.can_append(seq, n):
                 victim = self.running[-1]

@@ -501,3 +501,18 @@ def test_snapkv_observes_its_whole_window_when_the_prompt_ends_in_a_tiny_chunk()
     assert whole.shape == (2, 2, 40)
     for chunks in ([37, 3], [20, 19, 1], [30, 10]):
         torch.testing.assert_close(snapshot_scores(chunks), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_streaming_drafts_stay_within_the_context(demo_gguf):
+    """Speculative drafts ride as extra query tokens: under StreamingLLM (positions = cache
+    indices) they must not carry the cache past the positions the context holds."""
+    spec = LLM(str(demo_gguf), device="cpu", speculative="ngram:k=8,adaptive=0",
+               max_model_len=128, kv_cache_tokens=512)
+    prompt = spec.tokenizer.encode("one one one")
+    assert len(prompt) < 9
+    with pytest.raises(RequestError, match=r"a step's chunk of up to 9: prompt or speculative"):
+        spec.add_request(prompt, SamplingParams(kv_policy="streaming", kv_budget=103))
+    budget = 128 - 16 - 9 - 1  # the largest budget the context allows with 8 drafts a step
+    out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True,
+                                                 kv_policy="streaming", kv_budget=budget))[0]
+    assert len(out.token_ids) == 200 and spec.spec.counters.draft_tokens > 0
