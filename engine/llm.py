@@ -132,7 +132,7 @@ class LLM:
 
             draft = DraftModel(config.draft_model, self.tokenizer, self.config.vocab_size,
                                self.device, self._dtype, self.block_manager, self.max_model_len)
-        return SpecDecoder(config, draft)
+        return SpecDecoder(config, draft, self.max_model_len)
 
     # ---- properties the app and the benchmarks read ----
     @property

@@ -503,9 +503,10 @@ def test_snapkv_observes_its_whole_window_when_the_prompt_ends_in_a_tiny_chunk()
         torch.testing.assert_close(snapshot_scores(chunks), whole, atol=1e-5, rtol=1e-5)
 
 
-def test_streaming_drafts_stay_within_the_context(demo_gguf):
+def test_speculative_drafts_stay_within_the_context(demo_gguf):
     """Speculative drafts ride as extra query tokens: under StreamingLLM (positions = cache
-    indices) they must not carry the cache past the positions the context holds."""
+    indices) they must not carry the cache past the positions the context holds, nor, with
+    true positions, past the context's end."""
     spec = LLM(str(demo_gguf), device="cpu", speculative="ngram:k=8,adaptive=0",
                max_model_len=128, kv_cache_tokens=512)
     prompt = spec.tokenizer.encode("one one one")
@@ -516,3 +517,11 @@ def test_streaming_drafts_stay_within_the_context(demo_gguf):
     out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True,
                                                  kv_policy="streaming", kv_budget=budget))[0]
     assert len(out.token_ids) == 200 and spec.spec.counters.draft_tokens > 0
+    # Without eviction, or with a policy that keeps true positions, drafts near the end of the
+    # context must not run past it either: the request stops at the context length.
+    for policy in (None, "h2o"):
+        out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=200,
+                                                     ignore_eos=True, kv_policy=policy,
+                                                     kv_budget=32))[0]
+        assert out.finish_reason == "length"
+        assert len(out.prompt_token_ids) + len(out.token_ids) == 128
