@@ -101,12 +101,15 @@ class ModelRunner:
         self.kv[layers, :, dst.view(1, 1, -1), heads] = moved
 
     def _rotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Keys rotated by `delta` more positions: rotary angles add, and cos/sin are even/odd."""
-        cos = self.model.cos[delta.abs()]
-        sin = self.model.sin[delta.abs()] * delta.sign().unsqueeze(-1).to(k.dtype)
+        """Keys rotated by `delta` more positions (rotary angles add). In float32 with angles
+        computed afresh: a kept key is re-rotated at every compaction while it stays in the
+        window, and half-precision cos/sin tables would compound their rounding each time."""
+        angles = delta.float().unsqueeze(-1) * self.model.inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        kf = k.float()
         half = k.shape[-1] // 2
-        rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-        return k * cos + rotated * sin
+        rotated = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
+        return (kf * angles.cos() + rotated * angles.sin()).to(k.dtype)
 
     def _inputs(self, items: list[RunItem]) -> tuple[torch.Tensor, torch.Tensor, list]:
         ids: list[int] = []

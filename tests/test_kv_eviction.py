@@ -23,7 +23,8 @@ from tests.test_block_manager import check_invariants
 TEXT = "assets/texts/python-reference.txt"
 
 
-def _tiny_runner(num_blocks: int, block_size: int, layers: int = 2, kv_heads: int = 2):
+def _tiny_runner(num_blocks: int, block_size: int, layers: int = 2, kv_heads: int = 2,
+                 dtype: torch.dtype = torch.float32):
     """A real model runner over a tiny random Llama (the runner's cache and rotary tables)."""
     c = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                     num_layers=layers, num_heads=4, num_kv_heads=kv_heads, head_dim=8)
@@ -40,7 +41,7 @@ def _tiny_runner(num_blocks: int, block_size: int, layers: int = 2, kv_heads: in
               p + "self_attn.o_proj.weight": rnd(32, 32),
               p + "mlp.gate_proj.weight": rnd(48, 32), p + "mlp.up_proj.weight": rnd(48, 32),
               p + "mlp.down_proj.weight": rnd(32, 48)}
-    model = LlamaModel(c, t, torch.device("cpu"), torch.float32, 1024, "reference")
+    model = LlamaModel(c, t, torch.device("cpu"), dtype, 1024, "reference")
     bm = BlockManager(num_blocks, block_size)
     return ModelRunner(model, bm), bm
 
@@ -86,6 +87,25 @@ def test_rerotating_a_cached_key_equals_computing_it_at_the_new_position():
     _, k_new = reference.rotary(q0, k_raw, model.cos[new], model.sin[new])
     moved = runner._rotate(k_old.transpose(0, 1), new - old).transpose(0, 1)
     torch.testing.assert_close(moved, k_new, atol=1e-5, rtol=1e-5)
+
+
+def test_rerotating_a_half_precision_key_many_times_does_not_compound_rounding():
+    """StreamingLLM re-rotates a kept key at every compaction while it stays in the window (60
+    times for a 1,000-token window of 16-token blocks): in bfloat16 the result must stay as
+    close to the key computed at its final position as one rounding allows, not drift."""
+    runner, _ = _tiny_runner(8, 4, dtype=torch.bfloat16)
+    from engine.rope import cos_sin_tables
+
+    cos, sin = cos_sin_tables(runner.model.inv_freq, 1024)
+    k_raw = torch.randn(64, 2, 8, generator=torch.Generator().manual_seed(0))
+    q0 = torch.zeros(64, 4, 8)
+    at = lambda p: reference.rotary(q0, k_raw, cos[[p] * 64], sin[[p] * 64])[1]  # noqa: E731
+    k = at(1000).to(torch.bfloat16).transpose(0, 1)
+    for _ in range(60):
+        k = runner._rotate(k, torch.full((64,), -16))
+    want = at(1000 - 60 * 16)
+    error = (k.float().transpose(0, 1) - want).norm() / want.norm()
+    assert error < 0.02  # one bfloat16 rounding is 0.4%; compounding through bf16 tables, 4%
 
 
 def test_h2o_keeps_each_heads_heaviest_tokens_and_the_recent_window():
