@@ -27,7 +27,11 @@ leading `num_cached_blocks`) are never moved, and a sequence under a policy adds
 the prefix cache. Compaction packs the kept tokens after the shared ones and frees whole blocks
 back to the pool. It runs after a step's tokens are accepted (so after speculative
 verification), when a sequence holds more than its budget plus one block, bringing it back to
-the budget: memory stays bounded and the cost is paid once per block of growth.
+the budget: memory stays bounded and the cost is paid once per block of growth. (A shared
+prefix longer than the budget leaves no room for private tokens: they then slide through a
+window of up to one block.) A preempted sequence restarts its state and is recomputed from its
+first token, outputs included, in chunks no larger than its prompt's (Sequence.max_chunk_tokens),
+so its cache peaks no higher than admission allowed for.
 """
 
 from __future__ import annotations
