@@ -35,8 +35,9 @@ BUDGETS = (0.1, 0.2, 0.4, 0.8)
 
 def sweep(model: str, ids: list[int], prompt_len: int) -> dict:
     configs = [(p, b) for p in POLICIES for b in BUDGETS]
-    llm = LLM(model, device="cpu", max_model_len=len(ids) + 64, max_num_seqs=len(configs) + 1,
-              max_num_batched_tokens=512,
+    # Room for StreamingLLM at 80%: budget + a block + a 512-token chunk stays inside the context.
+    llm = LLM(model, device="cpu", max_model_len=len(ids) + 512 + 64,
+              max_num_seqs=len(configs) + 1, max_num_batched_tokens=512,
               kv_cache_tokens=len(ids) * 8)
     per_token = llm.config.kv_bytes_per_token(llm.runner.kv.element_size())
     start = time.perf_counter()

@@ -27,7 +27,11 @@ leading `num_cached_blocks`) are never moved, and a sequence under a policy adds
 the prefix cache. Compaction packs the kept tokens after the shared ones and frees whole blocks
 back to the pool. It runs after a step's tokens are accepted (so after speculative
 verification), when a sequence holds more than its budget plus one block, bringing it back to
-the budget: memory stays bounded and the cost is paid once per block of growth.
+the budget: memory stays bounded and the cost is paid once per block of growth. (A shared
+prefix longer than the budget leaves no room for private tokens: they then slide through a
+window of up to one block.) A preempted sequence restarts its state and is recomputed from its
+first token, outputs included, in chunks no larger than its prompt's (Sequence.max_chunk_tokens),
+so its cache peaks no higher than admission allowed for.
 """
 
 from __future__ import annotations
@@ -64,10 +68,16 @@ class Policy:
         return self.needs_mass and not (self.name == "snapkv" and state.snapped)
 
     def mass_rows(self, seq: Sequence, num_new: int) -> int | None:
-        """SnapKV sums only the observation window of the chunk that ends the prompt."""
+        """SnapKV sums only the queries of its observation window, the prompt's last `window`:
+        of a chunk of `num_new` tokens from `seq.num_computed_tokens` on, its last rows that
+        fall in the window (the window may span chunks: the prompt may end in a tiny one)."""
         if self.name != "snapkv":
             return None
-        return min(self.window, num_new)
+        end = seq.num_computed_tokens + num_new
+        prompt_len = len(seq.prompt_token_ids)
+        if end > prompt_len:  # a recompute chunk past the prompt: its own last queries
+            return min(self.window, num_new)
+        return min(num_new, max(0, end - (prompt_len - self.window)))
 
     @property
     def repositions(self) -> bool:
@@ -156,28 +166,34 @@ class KVEvictor:
         elif name == "scissorhands":
             important = (mass > mass.mean(dim=-1, keepdim=True)).float()
             state.scores.mul_(state.policy.decay).add_(important)
-        elif name == "snapkv" and not state.snapped and \
-                seq.num_computed_tokens >= len(seq.prompt_token_ids):
-            pooled = F.max_pool1d(mass, state.policy.pool, stride=1, padding=state.policy.pool // 2)
-            state.scores.copy_(pooled[..., :n])
+        elif name == "snapkv":
+            # Chunks before the window bring zeros; at the prompt's end the window's summed
+            # attention is max-pooled over neighbours.
+            state.scores += mass
+            if seq.num_computed_tokens >= len(seq.prompt_token_ids):
+                p = state.policy.pool
+                state.scores = F.max_pool1d(state.scores, p, stride=1, padding=p // 2)[..., :n]
 
     def maybe_compact(self, seq: Sequence) -> int:
         """Bring the sequence back to its budget if it went a block over; tokens evicted."""
         state: KVState = seq.kv
         protected = seq.num_cached_blocks * self.bm.block_size
         keep = max(state.budget - protected, 0)
-        if state.policy.name == "snapkv" and not state.snapped:
+        movable = seq.kv_len - protected
+        snapshot = state.policy.name == "snapkv" and not state.snapped
+        if snapshot:
             if seq.num_computed_tokens < len(seq.prompt_token_ids):
                 return 0  # SnapKV waits for the end of the prompt and its observation window
             # The snapshot: the prompt gets half the budget, generated tokens the other half.
             state.snapped = True
-            state.extra["prompt_kept"] = min(seq.kv_len - protected, keep // 2)
+            state.extra["prompt_kept"] = min(movable, keep // 2)
             keep = state.extra["prompt_kept"]
-        elif seq.kv_len <= state.budget + self.bm.block_size:
+        elif movable <= keep + self.bm.block_size:
+            # (Not kv_len <= budget + a block: with a shared prefix longer than the budget that
+            # would compact at every step instead of once per block.)
             return 0
-        movable = seq.kv_len - protected
         if movable > keep:
-            chosen = self._select(seq, protected, keep)  # [layers, kv_heads, keep], ascending
+            chosen = self._select(seq, protected, keep, snapshot)  # [layers, kv_heads, keep]
             self._move(seq, protected, chosen)
         if state.snapped:
             state.scores = None  # SnapKV's statistics served their one snapshot
@@ -196,8 +212,10 @@ class KVEvictor:
         return evicted
 
     # ---- selection ----
-    def _select(self, seq: Sequence, start: int, keep: int) -> torch.Tensor:
-        """The cache indices each layer and KV head keeps, ascending ([layers, kv_heads, keep])."""
+    def _select(self, seq: Sequence, start: int, keep: int,
+                snapshot: bool = False) -> torch.Tensor:
+        """The cache indices each layer and KV head keeps, ascending ([layers, kv_heads, keep]);
+        `snapshot`: SnapKV's one compression of the prompt."""
         state, policy = seq.kv, seq.kv.policy
         end = seq.kv_len
         shape = self._score_shape()
@@ -206,10 +224,9 @@ class KVEvictor:
             return _shared(torch.arange(start, start + sinks), end - (keep - sinks), end, shape)
         if policy.name == "snapkv":
             kept = state.extra["prompt_kept"]
-            if seq.kv_len - start > kept and keep == kept:  # the snapshot itself
-                recent = min(policy.window, keep)
-            else:  # afterwards the compressed prompt stays and generated tokens slide
+            if not snapshot:  # afterwards the compressed prompt stays and generated tokens slide
                 return _shared(torch.arange(start, start + kept), end - (keep - kept), end, shape)
+            recent = min(policy.window, keep)
         else:
             recent = min(keep, int(keep * policy.recent_fraction))
         heavy = keep - recent

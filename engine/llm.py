@@ -132,7 +132,7 @@ class LLM:
 
             draft = DraftModel(config.draft_model, self.tokenizer, self.config.vocab_size,
                                self.device, self._dtype, self.block_manager, self.max_model_len)
-        return SpecDecoder(config, draft)
+        return SpecDecoder(config, draft, self.max_model_len)
 
     # ---- properties the app and the benchmarks read ----
     @property
@@ -164,6 +164,8 @@ class LLM:
             raise RequestError(f"Request id '{rid}' is already in use: pick another id.")
         seq = Sequence(rid, ids, params, arrival=time.perf_counter())
         seq.kv = kv
+        if kv is not None:  # the chunk _check_fits and _kv_state sized the cache's peak by
+            seq.max_chunk_tokens = self._eviction_chunk(ids, kv)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -325,28 +327,25 @@ class LLM:
         budget = params.kv_budget if params.kv_budget is not None else self.kv_budget
         tokens = resolve_budget(budget, len(ids) + params.max_tokens, self.block_size)
         state = KVState(policy, tokens)
-        peak = self._kv_peak(state, len(ids))
-        if policy.repositions and peak >= self.max_model_len:
-            raise RequestError(
-                f"With {policy.name} the cache holds up to {peak} tokens (kv_budget {tokens}, "
-                f"one block, a prefill chunk of up to {self.max_num_batched_tokens}) but the "
-                f"context holds {self.max_model_len}: lower kv_budget or "
-                "max_num_batched_tokens.")
+        if policy.repositions:
+            chunk = self._eviction_chunk(ids, state)
+            peak = tokens + self.block_size + chunk
+            if peak >= self.max_model_len:
+                raise RequestError(
+                    f"With {policy.name} the cache holds up to {peak} tokens (kv_budget {tokens}, "
+                    f"one block, a step's chunk of up to {chunk}: prompt or speculative drafts) "
+                    f"but the context holds {self.max_model_len}: lower kv_budget or "
+                    "max_num_batched_tokens.")
         return state
 
-    def _kv_peak(self, kv: KVState, prompt_len: int) -> int:
-        """The most tokens a sequence under a policy holds in its cache at once.
-
-        Compaction runs after a step once the cache is a block over budget, so the peak is the
-        budget plus a block plus what one step adds: a prefill chunk, or a token and its drafts;
-        the first chunk starts from an empty cache. SnapKV holds the whole prompt until it ends.
-        """
-        chunk, bs = self.max_num_batched_tokens, self.block_size
-        step = 1 + (self.spec.config.num_draft_tokens if self.spec is not None else 0)
-        if kv.policy.name == "snapkv":
-            return max(prompt_len, kv.budget + bs + step)
-        later = kv.budget + bs + max(min(prompt_len - chunk, chunk), step)
-        return max(min(prompt_len, chunk), later)
+    def _eviction_chunk(self, ids: list[int], kv: KVState) -> int:
+        """The most tokens a sequence under eviction computes in one step beyond its budget and
+        a block, before compacting: a prefill chunk, or a decode token and its speculative
+        drafts; SnapKV holds the whole prompt until it ends."""
+        chunk = len(ids) if kv.policy.name == "snapkv" else min(len(ids),
+                                                               self.max_num_batched_tokens)
+        drafts = 0 if self.spec is None else self.spec.config.num_draft_tokens
+        return max(chunk, 1 + drafts)
 
     def _check_policy_allowed(self) -> None:
         if self.spec is not None and self.spec.draft is not None:
@@ -364,7 +363,9 @@ class LLM:
         if not unbounded:
             need = min(need, self.max_model_len)
         if kv is not None:
-            need = min(need, self._kv_peak(kv, len(ids)))
+            # The cache peaks at the budget plus a block plus a prefill chunk, except that
+            # SnapKV holds the whole prompt until it ends.
+            need = min(need, kv.budget + self.block_size + self._eviction_chunk(ids, kv))
         if need > self.kv_cache_tokens:
             raise RequestError(
                 f"The request needs up to {need} KV slots ({len(ids)} prompt + {params.max_tokens} "
@@ -409,7 +410,7 @@ class LLM:
         seq.num_computed_tokens += len(tokens) - 1
         if s.num_draft:
             self.spec.after_verify(seq, seq.num_tokens, len(seq.draft_token_ids), len(tokens) - 1)
-            self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+            self.block_manager.trim(seq, seq.kv_len + 1)  # cached, not computed: eviction
         seq.draft_token_ids, seq.draft_probs = [], None
         for count, token in enumerate(tokens, start=1):
             self._append_token(seq, token, now)

@@ -47,7 +47,8 @@ class LlamaModel:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in take.kept)
         self._prepare_linears(head)
         freq_factors = tensors.get("rope_freqs.weight")
-        cos, sin = cos_sin_tables(inv_frequencies(config, freq_factors), max_positions)
+        self.inv_freq = inv_frequencies(config, freq_factors).to(device)  # float32
+        cos, sin = cos_sin_tables(self.inv_freq.cpu(), max_positions)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
         self.scale = config.head_dim ** -0.5
 

@@ -29,9 +29,7 @@ class RunItem:
         seq, computed = s.seq, s.seq.num_computed_tokens
         real = s.num_new_tokens - s.num_draft
         tokens = seq.all_token_ids[computed : computed + real] + seq.draft_token_ids[: s.num_draft]
-        mass_rows = None
-        if seq.kv is not None and len(tokens) > 1:
-            mass_rows = seq.kv.policy.mass_rows(seq, len(tokens))
+        mass_rows = None if seq.kv is None else seq.kv.policy.mass_rows(seq, len(tokens))
         # The last real token and every draft: the model's distribution at each.
         return cls(tokens, seq.kv_len, seq.block_table, 1 + s.num_draft if s.samples else 0,
                    seq.position_offset, mass_rows)
@@ -103,12 +101,15 @@ class ModelRunner:
         self.kv[layers, :, dst.view(1, 1, -1), heads] = moved
 
     def _rotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Keys rotated by `delta` more positions: rotary angles add, and cos/sin are even/odd."""
-        cos = self.model.cos[delta.abs()]
-        sin = self.model.sin[delta.abs()] * delta.sign().unsqueeze(-1).to(k.dtype)
+        """Keys rotated by `delta` more positions (rotary angles add). In float32 with angles
+        computed afresh: a kept key is re-rotated at every compaction while it stays in the
+        window, and half-precision cos/sin tables would compound their rounding each time."""
+        angles = delta.float().unsqueeze(-1) * self.model.inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        kf = k.float()
         half = k.shape[-1] // 2
-        rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-        return k * cos + rotated * sin
+        rotated = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
+        return (kf * angles.cos() + rotated * angles.sin()).to(k.dtype)
 
     def _inputs(self, items: list[RunItem]) -> tuple[torch.Tensor, torch.Tensor, list]:
         ids: list[int] = []
@@ -165,7 +166,8 @@ def _per_item_mass(items: list[RunItem], masses: list) -> list[torch.Tensor]:
     for item in items:
         ctx = item.start + len(item.tokens)
         if len(item.tokens) == 1:
-            out.append(decode[:, d, :, :ctx])
+            # A one-token prompt chunk outside SnapKV's observation window counts for nothing.
+            out.append(decode[:, d, :, :ctx] * (item.mass_rows != 0))
             d += 1
         else:
             out.append(torch.stack([m.prefill[c] for m in masses]).cpu())

@@ -88,10 +88,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = _chunk(seq, budget)
             # Drafts ride along as extra query tokens when the budget has room for them.
             drafts = len(seq.draft_token_ids) if n == seq.num_uncomputed_tokens == 1 else 0
             drafts = min(drafts, budget - n)
+            if seq.max_chunk_tokens is not None:
+                drafts = min(drafts, seq.max_chunk_tokens - n)
             n += drafts
             while not bm.can_append(seq, n):
                 victim = self.running[-1]
@@ -113,7 +115,7 @@ class Scheduler:
             seq = self.waiting[0]
             if cache is not None and not seq.block_table:
                 cache.match(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = _chunk(seq, budget)
             if not bm.can_append(seq, n):
                 if cache is not None:
                     cache.unmatch(seq)
@@ -154,3 +156,10 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+
+def _chunk(seq: Sequence, budget: int) -> int:
+    """Tokens of the sequence to compute this step: what is left, within the step's budget and
+    the sequence's own limit."""
+    limit = budget if seq.max_chunk_tokens is None else min(budget, seq.max_chunk_tokens)
+    return min(seq.num_uncomputed_tokens, limit)

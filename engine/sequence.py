@@ -169,6 +169,10 @@ class Sequence:
         self.num_evicted = 0
         self.position_offset = 0
         self.kv = None
+        # The most tokens one step may compute for it (None: the step's budget). Eviction sizes
+        # its cache's peak by the prompt's chunk; a preempted sequence recomputes its outputs
+        # too, and must do so in chunks no larger.
+        self.max_chunk_tokens: int | None = None
         # Teacher forcing (engine/kv_eval.py): the tokens to append instead of sampled ones,
         # and the model's log-probability and top-1 token at each.
         self.forced_token_ids: list[int] | None = None

@@ -47,10 +47,11 @@ class SpecCounters:
 class SpecDecoder:
     """Proposes drafts for decoding sequences and learns how long they should be."""
 
-    def __init__(self, config: SpecConfig, draft=None) -> None:
+    def __init__(self, config: SpecConfig, draft=None, max_model_len: int | None = None) -> None:
         self.config = config
         self.draft = draft  # a DraftModel for method "draft"
         self.counters = SpecCounters()
+        self.max_model_len = max_model_len  # drafts never reach positions past the context
 
     def propose_all(self, seqs: list[Sequence]) -> None:
         """Set `draft_token_ids` (possibly empty) of every sequence about to decode."""
@@ -69,7 +70,15 @@ class SpecDecoder:
         return propose_ngram(seq.all_token_ids, k, c.ngram_max, c.ngram_min)
 
     def draft_length(self, seq: Sequence) -> int:
-        """The configured maximum, scaled down as the sequence's acceptance falls."""
+        """The configured maximum, scaled down as the sequence's acceptance falls, and cut to
+        the positions left in the context (the token to decode sits at cache index kv_len,
+        position kv_len + position_offset; its drafts follow it)."""
+        k = self._adaptive_length(seq)
+        if self.max_model_len is None:
+            return k
+        return max(0, min(k, self.max_model_len - 1 - (seq.kv_len + seq.position_offset)))
+
+    def _adaptive_length(self, seq: Sequence) -> int:
         k_max = self.config.num_draft_tokens
         if not self.config.adaptive:
             return k_max
