@@ -109,7 +109,8 @@ class LLM:
             from engine.spec.draft import DraftModel
 
             draft = DraftModel(config.draft_model, self.tokenizer, self.config.vocab_size,
-                               self.device, self._dtype, self.block_manager, self.max_model_len)
+                               self.device, self._dtype, self.block_manager, self.max_model_len,
+                               target_model=self.model)
         return SpecDecoder(config, draft)
 
     # ---- properties the app and the benchmarks read ----

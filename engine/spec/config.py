@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 METHODS = ("ngram", "draft")
+# "demo-draft" names the demo model's own early-exit draft, shipped with the repository
+# (trained by benchmarks/train_draft.py); it is method "draft" with this file.
+DEMO_DRAFT = "demo-draft"
+DEMO_DRAFT_PATH = (Path(__file__).resolve().parents[2] / "assets" / "drafts"
+                   / "smollm2-135m-exit.safetensors")
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,7 @@ class SpecConfig:
             raise ValueError("A draft model goes with method 'draft' only: use draft:PATH.")
         if self.method not in METHODS:
             raise ValueError(f"Unknown speculative method '{self.method}': use one of "
-                             f"{', '.join(METHODS)}.")
+                             f"{', '.join(METHODS)} or {DEMO_DRAFT}.")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be 1..16, got {self.num_draft_tokens}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -32,7 +38,8 @@ class SpecConfig:
 
 
 def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
-    """`None`/"off" -> None; "ngram", "ngram:k=6,adaptive=0" or "draft:PATH[,k=4]" -> SpecConfig.
+    """`None`/"off" -> None; "ngram", "ngram:k=6,adaptive=0", "draft:PATH[,k=4]" or
+    "demo-draft[:k=4]" (the demo model's shipped draft) -> SpecConfig.
 
     A draft model's PATH may itself hold ',' or ':', so only trailing ",key=value" options
     that name a known option are split off it.
@@ -43,7 +50,9 @@ def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
         return None
     method, _, options = value.partition(":")
     fields: dict = {"method": method}
-    if method == "draft":
+    if method == DEMO_DRAFT:
+        fields = {"method": "draft", "draft_model": str(DEMO_DRAFT_PATH)}
+    elif method == "draft":
         path, options = _split_trailing_options(options)
         if not path:
             raise ValueError("--spec draft needs a model: draft:PATH (a GGUF file or HF folder).")

@@ -8,6 +8,8 @@ catches up on the tokens accepted since, then drafts one token per forward pass.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from engine.block_manager import BlockManager
@@ -22,14 +24,24 @@ class DraftModel:
     """Proposes tokens with a second, cheaper model; its probabilities go to verification."""
 
     def __init__(self, path: str, target_tokenizer, target_vocab: int, device: torch.device,
-                 dtype: torch.dtype, block_manager: BlockManager, max_positions: int) -> None:
+                 dtype: torch.dtype, block_manager: BlockManager, max_positions: int,
+                 target_model: LlamaModel | None = None) -> None:
         from engine.loader import load_checkpoint
+        from engine.spec.exit_draft import is_exit_draft, load_exit_draft
 
-        ckpt = load_checkpoint(path, dtype=torch.float32)
-        check_same_tokenizer(ckpt.tokenizer, target_tokenizer, ckpt.config.vocab_size,
-                             target_vocab, path)
-        self.name = ckpt.name
-        self.model = LlamaModel(ckpt.config, ckpt.tensors, device, dtype, max_positions)
+        # Target token id of each draft logit; None when the draft's vocabulary is the target's.
+        self.vocab_ids: torch.Tensor | None = None
+        self.target_vocab = target_vocab
+        if target_model is not None and is_exit_draft(path):
+            exit_draft = load_exit_draft(path, target_model, target_tokenizer)
+            self.name, self.model = Path(path).stem, exit_draft.model
+            self.vocab_ids = exit_draft.vocab_ids
+        else:
+            ckpt = load_checkpoint(path, dtype=torch.float32)
+            check_same_tokenizer(ckpt.tokenizer, target_tokenizer, ckpt.config.vocab_size,
+                                 target_vocab, path)
+            self.name = ckpt.name
+            self.model = LlamaModel(ckpt.config, ckpt.tensors, device, dtype, max_positions)
         self.runner = ModelRunner(self.model, block_manager)
         self.block_manager = block_manager
 
@@ -62,8 +74,14 @@ class DraftModel:
 
     def _pick(self, seq: Sequence, logits: torch.Tensor) -> None:
         if seq.params.greedy:
-            seq.draft_token_ids.append(int(logits.argmax()))
+            best = logits.argmax()
+            seq.draft_token_ids.append(int(best if self.vocab_ids is None else
+                                           self.vocab_ids[best]))
             return
+        if self.vocab_ids is not None:
+            # Over the target's vocabulary, tokens the draft cannot write get probability 0.
+            full = logits.new_full((self.target_vocab,), float("-inf"))
+            logits = full.index_copy_(0, self.vocab_ids, logits)
         q = filtered_probs(logits.unsqueeze(0), [seq.params])[0]
         seq.draft_token_ids.append(draw(q, generator_for(seq)))
         seq.draft_probs.append(q)

@@ -6,9 +6,10 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QSignalBlocker, Signal
 from PySide6.QtWidgets import (
     QComboBox,
+    QFileDialog,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
@@ -26,6 +27,7 @@ from app.theme import LEVEL_COLOURS, current_theme
 from app.workers import Progress, TaskRunner
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFT_FILE = "draft-file"  # the speculative choice that asks for a draft model file
 
 
 def probe_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]:
@@ -80,8 +82,12 @@ class LoadPanel(QGroupBox):
         self.concurrency_spin.setToolTip("Requests the KV cache must hold at full context at once")
         self.spec_combo.addItem("Off", "off")
         self.spec_combo.addItem("Prompt lookup (n-gram), up to 5 draft tokens", "ngram:k=5")
-        self.spec_combo.setToolTip("Speculative decoding: lossless; pays off when replies copy "
-                                   "from the prompt (edits, summaries, code)")
+        self.spec_combo.addItem("Demo model's own draft (early exit), up to 4 draft tokens",
+                                "demo-draft:k=4")
+        self.spec_combo.addItem("Draft model file…", DRAFT_FILE)
+        self.spec_combo.setToolTip("Speculative decoding: lossless. Prompt lookup pays off when "
+                                   "replies copy from the prompt (edits, summaries, code); the "
+                                   "demo draft speeds up the demo model's open chat too")
         form = QFormLayout()
         form.addRow("Device", self.device_combo)
         form.addRow("Dtype", self.dtype_combo)
@@ -106,14 +112,17 @@ class LoadPanel(QGroupBox):
         self._select(self.device_combo, s.get("engine/device"))
         self.context_spin.setValue(s.get("engine/context_tokens"))
         self.concurrency_spin.setValue(s.get("engine/concurrency"))
-        self._select(self.spec_combo, s.get("engine/speculative"))
+        spec = s.get("engine/speculative")
+        if isinstance(spec, str) and spec.startswith("draft:"):
+            self.set_draft_file(spec.removeprefix("draft:"))
+        self._select(self.spec_combo, spec)
 
     def _connect(self) -> None:
         self.device_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.dtype_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.context_spin.valueChanged.connect(self._on_choice_changed)
         self.concurrency_spin.valueChanged.connect(self._on_choice_changed)
-        self.spec_combo.currentIndexChanged.connect(self._on_choice_changed)
+        self.spec_combo.currentIndexChanged.connect(self._on_spec_changed)
         self.load_button.clicked.connect(self.request_load)
         self.cancel_button.clicked.connect(self.cancel_requested)
         self.unload_button.clicked.connect(self.request_unload)
@@ -131,6 +140,17 @@ class LoadPanel(QGroupBox):
         self._model = model
         self._update_estimate()
         self.load_button.setEnabled(bool(model) and self._idle)
+
+    def set_draft_file(self, path: str) -> None:
+        """Offer `path` (a draft model sharing the target's tokenizer) and select it."""
+        data = f"draft:{path}"
+        index = self.spec_combo.findData(data)
+        if index < 0:
+            index = self.spec_combo.count() - 1  # above "Draft model file…"
+            # Inserting above the current item moves the index: no "changed" for that.
+            with QSignalBlocker(self.spec_combo):
+                self.spec_combo.insertItem(index, f"Draft model: {path}", data)
+        self.spec_combo.setCurrentIndex(index)
 
     def current_request(self) -> LoadRequest:
         """The load the controls describe (ValueError when no model is chosen)."""
@@ -203,6 +223,19 @@ class LoadPanel(QGroupBox):
         self._prober.stop()
 
     # ---- internals
+    def _on_spec_changed(self) -> None:
+        if self.spec_combo.currentData() == DRAFT_FILE:
+            path, _ = QFileDialog.getOpenFileName(
+                self, "Choose a draft model", "",
+                "Draft models (*.gguf *.safetensors config.json);;All files (*)")
+            if path:
+                # An HF folder is named by its config.json; the loader wants the folder.
+                self.set_draft_file(path.removesuffix("/config.json"))
+            else:
+                self.spec_combo.setCurrentIndex(0)
+            return
+        self._on_choice_changed()
+
     def _on_devices(self, devices: list[Any]) -> None:
         self._devices = list(devices)
         wanted = self._settings.get("engine/device")
