@@ -101,9 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                                         for w in ("copy_heavy", "open_chat"))}
     if "ngram" in runs:
         targets["ngram_copy_heavy_speedup_ge_2"] = runs["ngram"]["copy_heavy"]["speedup"] >= 2.0
-    if "demo-draft" in runs:
-        targets["demo_draft_open_chat_speedup_ge_1_3"] = (
-            runs["demo-draft"]["open_chat"]["speedup"] >= 1.3)
+    for name in (n for n in runs if n.startswith("demo-draft")):
+        targets[f"{name}_open_chat_speedup_ge_1_3"] = runs[name]["open_chat"]["speedup"] >= 1.3
     result = {
         "benchmark": "speculative_decoding", "model": plain.model_name,
         "dtype": plain.dtype, "temperature": 0, "machine": machine(), "runs": runs,

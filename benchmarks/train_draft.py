@@ -1,18 +1,19 @@
-"""Train the demo model's early-exit draft from its own greedy chat replies; prints one JSON.
+"""Train the demo model's hidden-state draft from its own greedy chat replies; prints one JSON.
 
-The draft is self-speculative: the target's first EXIT_LAYERS layers (shared, not shipped),
-then one trained decoder layer, a trained final norm and an LM head over a reduced vocabulary
-(the tokens the demo model actually writes in chat, at most VOCAB of them). Only the trained
-layer, norm, head and the id map are shipped (assets/drafts/, safetensors, float16).
+The draft (engine/spec/hidden_draft.py, EAGLE-style without attention) predicts the target's
+next final hidden state from its current one and the newest token with one small MLP, and reads
+a token off it through the target's tied head restricted to the VOCAB tokens the demo model
+writes most. Only the MLP and the id map are shipped (assets/drafts/, safetensors, float16).
 
 Stages, each cached under --work-dir so a rerun picks up where it stopped:
-1. generate: greedy replies of the demo model to every prompt in assets/drafts/prompts.json
-   (templates x topics), batched through LLM.generate;
-2. features: the target's residual stream after EXIT_LAYERS layers for every reply;
-3. train: the trainable part on the replies' next tokens (the target's greedy choices),
-   held-out prompts measure how often the draft's argmax equals the target's.
+1. generate: greedy replies of the demo model to every prompt of the first --topics topics of
+   assets/drafts/prompts.json (templates x topics), batched through LLM.generate;
+2. target states: the target's final hidden state at every reply position (this file's own
+   forward pass, checked to reproduce the engine's reply);
+3. train: two chained draft steps per position, on the target's greedy tokens and states;
+   held-out prompts measure how often the draft's first and second tokens are the target's.
 Fixed seeds and greedy generation make the result reproducible.
-Run: python benchmarks/train_draft.py [--out assets/drafts/smollm2-135m-exit.safetensors]
+Run: python benchmarks/train_draft.py [--out assets/drafts/smollm2-135m-hidden.safetensors]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from engine.loader import load_checkpoint  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
 from engine.rope import cos_sin_tables, inv_frequencies  # noqa: E402
 from engine.spec.config import DEMO_DRAFT_PATH  # noqa: E402
-from engine.spec.exit_draft import FORMAT, vocab_fingerprint  # noqa: E402
+from engine.spec.hidden_draft import FORMAT, draft_step, vocab_fingerprint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "assets" / "drafts" / "prompts.json"
@@ -44,12 +45,13 @@ SEED = 0
 HELD_OUT = 0.1
 MAX_TOKENS = 160
 GEN_BATCH = 60  # six topics' worth of prompts
-TOPICS = 24
-EXIT_LAYERS = 4
+TOPICS = 60
 VOCAB = 8192
+WIDTH = 1024
 EPOCHS = 4
-LR = 3e-4
-BATCH = 8
+LR = 1e-3
+BATCH = 256
+STATE_WEIGHT = 1.0
 
 
 def chat_prompts(topics: int) -> list[str]:
@@ -127,34 +129,6 @@ def layer_weights(tensors: dict, i: int) -> dict:
     return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-class DraftHead(torch.nn.Module):
-    """What the draft adds on top of the target's first layers: a layer, a norm, a small head."""
-
-    def __init__(self, tensors: dict, cfg, exit_layers: int, vocab_ids: torch.Tensor) -> None:
-        super().__init__()
-        # Start from the target's next layer and its final norm; the head from the tied
-        # embedding's rows of the kept tokens.
-        self.layer = torch.nn.ParameterDict({
-            k.replace(".", "/"): torch.nn.Parameter(v.clone())  # module names hold no "."
-            for k, v in layer_weights(tensors, exit_layers).items()})
-        self.norm = torch.nn.Parameter(tensors["model.norm.weight"].clone())
-        self.head = torch.nn.Parameter(tensors["model.embed_tokens.weight"][vocab_ids].clone())
-        self.cfg = cfg
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        w = {k.replace("/", "."): v for k, v in self.layer.items()}
-        h = decoder_layer(h, w, self.cfg, cos, sin)
-        return rms_norm(h, self.norm, self.cfg.rms_norm_eps) @ self.head.T
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """Tensors under the names the engine's loader reads (layer 0 of the draft's own)."""
-        out = {f"model.layers.0.{k.replace('/', '.')}": v.detach()
-               for k, v in self.layer.items()}
-        out["model.norm.weight"] = self.norm.detach()
-        out["lm_head.weight"] = self.head.detach()
-        return out
-
-
 def rope(cfg, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_sin_tables(inv_frequencies(cfg), length)
     return cos[None, None], sin[None, None]  # broadcast over batch and heads
@@ -170,94 +144,114 @@ def padded(seqs: list[list[int]]) -> torch.Tensor:
     return torch.tensor([s + [0] * (longest - len(s)) for s in seqs])
 
 
+def target_states(tensors: dict, cfg, records: list[dict], work: Path) -> list[torch.Tensor]:
+    """The target's final (normed) hidden state at each reply position and the last prompt
+    position, per record (float16); computed 100 records at a time, cached under `work`."""
+    layers = [layer_weights(tensors, i) for i in range(cfg.num_layers)]
+    out: list[torch.Tensor] = []
+    for part in range(0, len(records), 100):
+        path = work / f"final_{part}.pt"
+        chunk = list(range(part, min(part + 100, len(records))))
+        cached = torch.load(path) if path.exists() else {}
+        if not all(i in cached for i in chunk):
+            cached = _states(tensors, cfg, layers, records, chunk)
+            torch.save(cached, path)
+        out += [cached[i] for i in chunk]
+        print(f"target states {part + len(chunk)}/{len(records)}", file=sys.stderr)
+    return out
+
+
 @torch.no_grad()
-def exit_features(tensors: dict, cfg, records: list[dict], exit_layers: int) -> list[torch.Tensor]:
-    """The residual stream after the target's first `exit_layers` layers, per record (float16)."""
-    layers = [layer_weights(tensors, i) for i in range(exit_layers)]
-    out: list[torch.Tensor] = [None] * len(records)  # type: ignore[list-item]
-    order = sorted(range(len(records)), key=lambda i: len(records[i]["ids"]))
-    for group in batches(order, 16):
+def _states(tensors: dict, cfg, layers: list, records: list[dict], chunk: list[int]) -> dict:
+    out = {}
+    for group in batches(sorted(chunk, key=lambda i: len(records[i]["ids"])), 16):
         ids = padded([records[i]["ids"] for i in group])
         cos, sin = rope(cfg, ids.shape[1])
         h = tensors["model.embed_tokens.weight"][ids]
         for w in layers:
             h = decoder_layer(h, w, cfg, cos, sin)
+        h = rms_norm(h, tensors["model.norm.weight"], cfg.rms_norm_eps)
         for row, i in enumerate(group):
-            out[i] = h[row, : len(records[i]["ids"])].half()
+            out[i] = h[row, records[i]["prompt_len"] - 1 : len(records[i]["ids"])].half()
     return out
 
 
-@torch.no_grad()
-def target_reproduces(tensors: dict, cfg, record: dict) -> bool:
-    """This file's forward pass, run through all the target's layers, gives the engine's reply."""
-    ids = torch.tensor([record["ids"]])
-    cos, sin = rope(cfg, ids.shape[1])
-    h = tensors["model.embed_tokens.weight"][ids]
-    for i in range(cfg.num_layers):
-        h = decoder_layer(h, layer_weights(tensors, i), cfg, cos, sin)
-    logits = rms_norm(h, tensors["model.norm.weight"], cfg.rms_norm_eps) @ \
-        tensors["model.embed_tokens.weight"].T
-    n = record["prompt_len"]
-    return logits[0, n - 1 : -1].argmax(-1).tolist() == record["ids"][n:]
+def reproduces_reply(tensors: dict, record: dict, states: torch.Tensor) -> bool:
+    """This file's forward pass, through the target's tied head, gives the engine's reply."""
+    best = (states[:-1].float() @ tensors["model.embed_tokens.weight"].T).argmax(-1)
+    return best.tolist() == record["ids"][record["prompt_len"]:]
 
 
-def labels(record: dict, token_to_row: torch.Tensor) -> torch.Tensor:
-    """Per position: the draft-head row of the target's next (greedy) token; -100 where there
-    is nothing to learn (prompt positions, whose next token the user chose) or it is not kept."""
-    ids = torch.tensor(record["ids"])
-    out = torch.full((len(ids),), -100)
-    n = record["prompt_len"]
-    out[n - 1 : -1] = token_to_row[ids[n:]]
+def examples(records: list[dict], states: list[torch.Tensor], which: list[int],
+             token_to_row: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Two chained draft steps per reply position q: from (h[q-1], x[q]) the draft predicts
+    h[q] and the head row of x[q+1]; then from its own prediction and x[q+1], h[q+1] and x[q+2]
+    (training the second step on the first's output, as serving chains them)."""
+    cols: dict[str, list] = {k: [] for k in ("h0", "x1", "h1", "y1", "x2", "h2", "y2")}
+    for i in which:
+        ids, n, h = records[i]["ids"], records[i]["prompt_len"], states[i]
+        for q in range(n, len(ids) - 2):
+            r = q - n  # h[r] is the state at position q - 1
+            for key, value in (("h0", h[r]), ("x1", ids[q]), ("h1", h[r + 1]),
+                               ("y1", ids[q + 1]), ("x2", ids[q + 1]), ("h2", h[r + 2]),
+                               ("y2", ids[q + 2])):
+                cols[key].append(value)
+    out = {k: torch.stack(v).float() if k.startswith("h") else torch.tensor(v)
+           for k, v in cols.items()}
+    out["y1"], out["y2"] = token_to_row[out["y1"]], token_to_row[out["y2"]]
     return out
 
 
-def run_head(head: DraftHead, feats: list[torch.Tensor], targets: list[torch.Tensor],
-             cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss and the number of correct argmax predictions, over one batch of records."""
-    longest = max(f.shape[0] for f in feats)
-    h = torch.zeros(len(feats), longest, cfg.hidden_size)
-    y = torch.full((len(feats), longest), -100)
-    for i, (f, t) in enumerate(zip(feats, targets, strict=True)):
-        h[i, : f.shape[0]], y[i, : f.shape[0]] = f.float(), t
-    cos, sin = rope(cfg, longest)
-    logits = head(h, cos, sin)
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-    correct = ((logits.argmax(-1) == y) & (y >= 0)).sum()
-    return loss, correct
+def new_draft(cfg, width: int) -> dict[str, torch.nn.Parameter]:
+    """f's weights; fc2 starts at zero, so the untrained draft predicts "the state stays"."""
+    gen = torch.Generator().manual_seed(SEED)
+    fan_in = 2 * cfg.hidden_size
+    w = {"fc1.weight": (torch.rand(width, fan_in, generator=gen) * 2 - 1) / fan_in ** 0.5,
+         "fc1.bias": torch.zeros(width), "fc2.weight": torch.zeros(cfg.hidden_size, width),
+         "fc2.bias": torch.zeros(cfg.hidden_size), "embed_norm.weight": torch.ones(cfg.hidden_size)}
+    return {k: torch.nn.Parameter(v) for k, v in w.items()}
 
 
-def evaluate(head: DraftHead, feats: list, targets: list, records: list, cfg) -> float:
-    """Held-out share of reply tokens whose draft argmax is the target's (kept or not)."""
-    correct, total = 0, 0
+def two_steps(w: dict, data: dict, embed: torch.Tensor, head: torch.Tensor, eps: float):
+    s1 = draft_step(data["h0"], embed[data["x1"]], w, eps)
+    s2 = draft_step(s1, embed[data["x2"]], w, eps)
+    return s1, s2, s1 @ head.T, s2 @ head.T
+
+
+def evaluate(w: dict, data: dict, embed: torch.Tensor, head: torch.Tensor, eps: float) -> dict:
+    """Held-out share of positions where the draft's first / second token is the target's."""
     with torch.no_grad():
-        for group in batches(list(range(len(feats))), 16):
-            _, c = run_head(head, [feats[i] for i in group], [targets[i] for i in group], cfg)
-            correct += int(c)
-            total += sum(len(records[i]["ids"]) - records[i]["prompt_len"] for i in group)
-    return correct / total
+        _, _, l1, l2 = two_steps(w, data, embed, head, eps)
+    ok1, ok2 = l1.argmax(-1) == data["y1"], l2.argmax(-1) == data["y2"]
+    return {"first_token": float(ok1.float().mean()), "second_token": float(ok2.float().mean()),
+            "both": float((ok1 & ok2).float().mean())}
 
 
-def train(head: DraftHead, feats: list, targets: list, cfg, epochs: int, lr: float,
-          held: tuple[list, list, list]) -> list[dict]:
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    order = list(range(len(feats)))
-    rng = random.Random(SEED)
-    steps = epochs * -(-len(order) // BATCH)
+def train(w: dict, data: dict, held: dict, embed: torch.Tensor, head: torch.Tensor, eps: float,
+          epochs: int, lr: float) -> list[dict]:
+    """Cross-entropy on both steps' tokens plus a regression of the states (EAGLE's recipe)."""
+    opt = torch.optim.AdamW(w.values(), lr=lr, weight_decay=0.0)
+    n = len(data["x1"])
+    steps = epochs * (n // BATCH)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps,
                                                 pct_start=0.1)
+    gen = torch.Generator().manual_seed(SEED)
+    ce, l1_loss = torch.nn.functional.cross_entropy, torch.nn.functional.smooth_l1_loss
     history = []
     for epoch in range(epochs):
-        rng.shuffle(order)
-        total, t0 = 0.0, time.perf_counter()
-        for group in batches(order, BATCH):
-            loss, _ = run_head(head, [feats[i] for i in group], [targets[i] for i in group], cfg)
+        order, total, t0 = torch.randperm(n, generator=gen), 0.0, time.perf_counter()
+        for b in range(n // BATCH):
+            batch = {k: v[order[b * BATCH : (b + 1) * BATCH]] for k, v in data.items()}
+            s1, s2, l1, l2 = two_steps(w, batch, embed, head, eps)
+            loss = (ce(l1, batch["y1"], ignore_index=-100) + ce(l2, batch["y2"], ignore_index=-100)
+                    + STATE_WEIGHT * (l1_loss(s1, batch["h1"]) + l1_loss(s2, batch["h2"])))
             opt.zero_grad()
             loss.backward()
             opt.step()
             sched.step()
-            total += float(loss) * len(group)
-        history.append({"epoch": epoch + 1, "train_loss": total / len(order),
-                        "held_out_top1": evaluate(head, *held, cfg),
+            total += float(loss.detach())
+        history.append({"epoch": epoch + 1, "train_loss": total / (n // BATCH),
+                        "held_out": evaluate(w, held, embed, head, eps),
                         "seconds": time.perf_counter() - t0})
         print(json.dumps(history[-1]), file=sys.stderr)
     return history
@@ -270,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topics", type=int, default=TOPICS,
                         help="train on the first N topics of assets/drafts/prompts.json")
     parser.add_argument("--generate-only", action="store_true")
-    parser.add_argument("--exit-layers", type=int, default=EXIT_LAYERS)
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--width", type=int, default=WIDTH)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--lr", type=float, default=LR)
     args = parser.parse_args(argv)
@@ -288,61 +282,60 @@ def main(argv: list[str] | None = None) -> int:
     train_idx, held_idx = split(prompts)
     ckpt = load_checkpoint(model, dtype=torch.float32)
     cfg, tensors = ckpt.config, ckpt.tensors
+    t0 = time.perf_counter()
+    states = target_states(tensors, cfg, records, work)
+    state_s = time.perf_counter() - t0
     # The draft's vocabulary: the tokens the target wrote in its training replies, most
-    # frequent first.
+    # frequent first; its head is the target's tied head restricted to them.
     counts = Counter(t for i in train_idx for t in records[i]["ids"][records[i]["prompt_len"]:])
     vocab_ids = torch.tensor(sorted(t for t, _ in counts.most_common(args.vocab)))
     token_to_row = torch.full((cfg.vocab_size,), -100)
     token_to_row[vocab_ids] = torch.arange(len(vocab_ids))
+    embed = tensors["model.embed_tokens.weight"]
+    head = embed[vocab_ids]
+    data = examples(records, states, train_idx, token_to_row)
+    held = examples(records, states, held_idx, token_to_row)
+    w = new_draft(cfg, args.width)
+    before = evaluate(w, held, embed, head, cfg.rms_norm_eps)
     t0 = time.perf_counter()
-    feats = exit_features(tensors, cfg, records, args.exit_layers)
-    feature_s = time.perf_counter() - t0
-    targets = [labels(r, token_to_row) for r in records]
-    held = ([feats[i] for i in held_idx], [targets[i] for i in held_idx],
-            [records[i] for i in held_idx])
-    head = DraftHead(tensors, cfg, args.exit_layers, vocab_ids)
-    before = evaluate(head, *held, cfg)
-    t0 = time.perf_counter()
-    history = train(head, [feats[i] for i in train_idx], [targets[i] for i in train_idx], cfg,
-                    args.epochs, args.lr, held)
+    history = train(w, data, held, embed, head, cfg.rms_norm_eps, args.epochs, args.lr)
     train_s = time.perf_counter() - t0
-    save(head, vocab_ids, args, ckpt)
-    held_tokens = [t for r in held[2] for t in r["ids"][r["prompt_len"]:]]
+    save(w, vocab_ids, args, ckpt)
+    held_tokens = [t for i in held_idx for t in records[i]["ids"][records[i]["prompt_len"]:]]
     kept = set(vocab_ids.tolist())
     result = {
         "benchmark": "train_draft", "target": ckpt.name, "out": args.out,
-        "exit_layers": args.exit_layers, "draft_vocab": len(vocab_ids),
+        "draft_vocab": len(vocab_ids), "width": args.width,
         "prompts": {"train": len(train_idx), "held_out": len(held_idx)},
-        "reply_tokens": {"train": sum(len(records[i]["ids"]) - records[i]["prompt_len"]
-                                      for i in train_idx), "held_out": len(held_tokens)},
+        "reply_tokens": {"train": len(data["x1"]), "held_out": len(held["x1"])},
         "held_out_vocab_coverage": sum(t in kept for t in held_tokens) / len(held_tokens),
-        "target_forward_reproduces_engine": target_reproduces(tensors, cfg, records[held_idx[0]]),
+        "target_forward_reproduces_engine": reproduces_reply(tensors, records[held_idx[0]],
+                                                             states[held_idx[0]]),
         "held_out_top1_before_training": before,
-        "held_out_top1": history[-1]["held_out_top1"],
+        "held_out_top1": history[-1]["held_out"],
         "final_train_loss": history[-1]["train_loss"], "history": history,
         "file_bytes": Path(args.out).stat().st_size,
-        "feature_seconds": feature_s, "train_seconds": train_s,
+        "target_state_seconds": state_s, "train_seconds": train_s,
         "threads": torch.get_num_threads(), "machine": machine(),
     }
     # Provenance next to the weights: how they were made and how well they predict.
     provenance = {"file": Path(args.out).name, "command": "python benchmarks/train_draft.py " +
                   " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                            if k not in ("work_dir", "out", "generate_only")),
-                  "prompts": str(PROMPTS.relative_to(REPO)), "max_tokens": MAX_TOKENS,
+                  "prompt_file": str(PROMPTS.relative_to(REPO)), "max_tokens": MAX_TOKENS,
                   "seed": SEED, **{k: v for k, v in result.items() if k != "out"}}
     (Path(args.out).parent / "README.json").write_text(json.dumps(provenance, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
 
 
-def save(head: DraftHead, vocab_ids: torch.Tensor, args, ckpt) -> None:
-    """float16 tensors and the metadata the engine checks (format, tokenizer, shapes)."""
+def save(w: dict, vocab_ids: torch.Tensor, args, ckpt) -> None:
+    """float16 tensors and the metadata the engine checks (format, tokenizer)."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.half().contiguous() for k, v in head.state().items()}
+    tensors = {k: v.detach().half().contiguous() for k, v in w.items()}
     tensors["draft.vocab_ids"] = vocab_ids.int()
-    meta = {"format": FORMAT, "target": ckpt.name, "exit_layers": str(args.exit_layers),
-            "hidden_size": str(ckpt.config.hidden_size),
+    meta = {"format": FORMAT, "target": ckpt.name, "width": str(args.width),
             "tokenizer_sha256": vocab_fingerprint(ckpt.tokenizer),
             "trained_by": "benchmarks/train_draft.py", "seed": str(SEED),
             "epochs": str(args.epochs), "lr": str(args.lr)}

@@ -106,11 +106,11 @@ class LLM:
             return None
         draft = None
         if config.method == "draft":
-            from engine.spec.draft import DraftModel
+            from engine.spec.draft import make_draft
 
-            draft = DraftModel(config.draft_model, self.tokenizer, self.config.vocab_size,
+            draft = make_draft(config.draft_model, self.tokenizer, self.config.vocab_size,
                                self.device, self._dtype, self.block_manager, self.max_model_len,
-                               target_model=self.model)
+                               self.model)
         return SpecDecoder(config, draft)
 
     # ---- properties the app and the benchmarks read ----
@@ -176,6 +176,8 @@ class LLM:
                     s.seq.metrics.first_scheduled = start
             logits = self.runner.run(plan.scheduled)
             new_tokens = self._choose_tokens(sampling, logits)
+            if self.spec is not None:
+                self.spec.after_step(sampling, new_tokens, self.runner.last_hidden)
             now = time.perf_counter()
             for s in plan.scheduled:
                 # Drafts count as computed only once accepted (see _accept).

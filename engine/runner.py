@@ -68,6 +68,7 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         if not all_logits:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        self.last_hidden = hidden  # one row per logits row, for a hidden-state draft
         return self.model.logits(hidden)
 
     def _inputs(self, items: list[RunItem]) -> tuple[torch.Tensor, torch.Tensor, list]:

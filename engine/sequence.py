@@ -161,6 +161,7 @@ class Sequence:
         self.num_cached_blocks = 0  # leading blocks indexed by the prefix cache
         self.spec_rate = 1.0  # running acceptance estimate, optimistic at first
         self.spec_cooldown = 0
+        self.spec_hidden = None  # the target's last hidden state, for a hidden-state draft
 
     @property
     def num_tokens(self) -> int:

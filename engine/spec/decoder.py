@@ -51,14 +51,26 @@ class SpecDecoder:
         self.config = config
         self.draft = draft  # a DraftModel for method "draft"
         self.counters = SpecCounters()
+        self._model_drafted: set[str] = set()  # request ids the draft model drafted this step
 
     def propose_all(self, seqs: list[Sequence]) -> None:
         """Set `draft_token_ids` (possibly empty) of every sequence about to decode."""
-        if self.draft is not None:
-            self.draft.propose([(seq, self.draft_length(seq)) for seq in seqs])
+        if self.draft is None:
+            for seq in seqs:
+                seq.draft_token_ids = self.propose(seq)
             return
+        c, for_model = self.config, []
         for seq in seqs:
-            seq.draft_token_ids = self.propose(seq)
+            k = self.draft_length(seq)
+            # Lookup first when asked: free where the reply repeats itself or the prompt.
+            lookup = propose_ngram(seq.all_token_ids, k, c.ngram_max, c.ngram_min) \
+                if c.lookup and k else []
+            if lookup:
+                seq.draft_token_ids = lookup
+            else:
+                for_model.append((seq, k))
+        self.draft.propose(for_model)
+        self._model_drafted = {seq.request_id for seq, k in for_model if seq.draft_token_ids}
 
     def propose(self, seq: Sequence) -> list[int]:
         """Prompt-lookup draft tokens for one sequence (possibly none)."""
@@ -86,6 +98,7 @@ class SpecDecoder:
         """The configuration and counters as plain values (for --json and the bench result)."""
         c = self.counters
         return {"method": self.config.method, "draft_model": self.config.draft_model,
+                "lookup_first": self.config.lookup,
                 "max_draft_tokens": self.config.num_draft_tokens,
                 "adaptive": self.config.adaptive, "drafts": c.drafts,
                 "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
@@ -93,10 +106,16 @@ class SpecDecoder:
                 "acceptance_rate": c.acceptance_rate,
                 "mean_accepted_length": c.mean_accepted_length}
 
+    def after_step(self, sampling: list, new_tokens: list[list[int]], hidden) -> None:
+        """Hand a hidden-state draft the target's hidden states of the step just run."""
+        if hasattr(self.draft, "remember"):
+            self.draft.remember(sampling, new_tokens, hidden)
+
     def after_verify(self, seq: Sequence, old_num_tokens: int, drafted: int,
                      accepted: int) -> None:
         """Let a draft model know which of its cached keys are still valid."""
-        if self.draft is not None:
+        if self.draft is not None and seq.request_id in self._model_drafted:
+            # A lookup draft leaves the draft model's cache where it was; it catches up later.
             self.draft.after_verify(seq, old_num_tokens, drafted, accepted)
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:

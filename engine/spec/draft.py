@@ -8,8 +8,6 @@ catches up on the tokens accepted since, then drafts one token per forward pass.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from engine.block_manager import BlockManager
@@ -24,24 +22,14 @@ class DraftModel:
     """Proposes tokens with a second, cheaper model; its probabilities go to verification."""
 
     def __init__(self, path: str, target_tokenizer, target_vocab: int, device: torch.device,
-                 dtype: torch.dtype, block_manager: BlockManager, max_positions: int,
-                 target_model: LlamaModel | None = None) -> None:
+                 dtype: torch.dtype, block_manager: BlockManager, max_positions: int) -> None:
         from engine.loader import load_checkpoint
-        from engine.spec.exit_draft import is_exit_draft, load_exit_draft
 
-        # Target token id of each draft logit; None when the draft's vocabulary is the target's.
-        self.vocab_ids: torch.Tensor | None = None
-        self.target_vocab = target_vocab
-        if target_model is not None and is_exit_draft(path):
-            exit_draft = load_exit_draft(path, target_model, target_tokenizer)
-            self.name, self.model = Path(path).stem, exit_draft.model
-            self.vocab_ids = exit_draft.vocab_ids
-        else:
-            ckpt = load_checkpoint(path, dtype=torch.float32)
-            check_same_tokenizer(ckpt.tokenizer, target_tokenizer, ckpt.config.vocab_size,
-                                 target_vocab, path)
-            self.name = ckpt.name
-            self.model = LlamaModel(ckpt.config, ckpt.tensors, device, dtype, max_positions)
+        ckpt = load_checkpoint(path, dtype=torch.float32)
+        check_same_tokenizer(ckpt.tokenizer, target_tokenizer, ckpt.config.vocab_size,
+                             target_vocab, path)
+        self.name = ckpt.name
+        self.model = LlamaModel(ckpt.config, ckpt.tensors, device, dtype, max_positions)
         self.runner = ModelRunner(self.model, block_manager)
         self.block_manager = block_manager
 
@@ -74,17 +62,23 @@ class DraftModel:
 
     def _pick(self, seq: Sequence, logits: torch.Tensor) -> None:
         if seq.params.greedy:
-            best = logits.argmax()
-            seq.draft_token_ids.append(int(best if self.vocab_ids is None else
-                                           self.vocab_ids[best]))
+            seq.draft_token_ids.append(int(logits.argmax()))
             return
-        if self.vocab_ids is not None:
-            # Over the target's vocabulary, tokens the draft cannot write get probability 0.
-            full = logits.new_full((self.target_vocab,), float("-inf"))
-            logits = full.index_copy_(0, self.vocab_ids, logits)
         q = filtered_probs(logits.unsqueeze(0), [seq.params])[0]
         seq.draft_token_ids.append(draw(q, generator_for(seq)))
         seq.draft_probs.append(q)
+
+
+def make_draft(path: str, target_tokenizer, target_vocab: int, device: torch.device,
+               dtype: torch.dtype, block_manager: BlockManager, max_positions: int,
+               target_model: LlamaModel):
+    """A hidden-state draft for a draft file (.safetensors from train_draft.py), else a model."""
+    from engine.spec.hidden_draft import HiddenDraft, is_hidden_draft
+
+    if is_hidden_draft(path):
+        return HiddenDraft(path, target_model, target_tokenizer)
+    return DraftModel(path, target_tokenizer, target_vocab, device, dtype, block_manager,
+                      max_positions)
 
 
 def check_same_tokenizer(draft, target, draft_vocab: int, target_vocab: int, path: str) -> None:

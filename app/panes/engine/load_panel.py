@@ -82,8 +82,8 @@ class LoadPanel(QGroupBox):
         self.concurrency_spin.setToolTip("Requests the KV cache must hold at full context at once")
         self.spec_combo.addItem("Off", "off")
         self.spec_combo.addItem("Prompt lookup (n-gram), up to 5 draft tokens", "ngram:k=5")
-        self.spec_combo.addItem("Demo model's own draft (early exit), up to 4 draft tokens",
-                                "demo-draft:k=4")
+        self.spec_combo.addItem("Demo model's own draft, after prompt lookup, up to 2 draft "
+                                "tokens", "demo-draft")
         self.spec_combo.addItem("Draft model file…", DRAFT_FILE)
         self.spec_combo.setToolTip("Speculative decoding: lossless. Prompt lookup pays off when "
                                    "replies copy from the prompt (edits, summaries, code); the "
