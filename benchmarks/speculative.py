@@ -3,7 +3,7 @@
 Same engine build, same prompts, greedy (temperature 0): the outputs with and without
 speculation are checked equal token for token, so the speed-up is lossless by construction.
 Each proposer is measured right after its own baseline run (the machine's load drifts).
-Run: python benchmarks/speculative.py [--spec ngram --spec demo-draft] [--max-tokens 128]
+Run: python benchmarks/speculative.py [--spec ngram --spec demo-draft ...] [--max-tokens 128]
 """
 
 from __future__ import annotations
@@ -82,10 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="default: the demo model")
     parser.add_argument("--spec", action="append",
-                        help="a proposer to measure (repeatable); default: ngram and demo-draft")
+                        help="a proposer to measure (repeatable); default: ngram, demo-draft "
+                             "(after prompt lookup) and demo-draft:lookup=0 (the draft alone)")
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    specs = args.spec or ["ngram", "demo-draft"]
+    specs = args.spec or ["ngram", "demo-draft", "demo-draft:lookup=0"]
     model = args.model or str(fetch_demo_model(progress=lambda m, f: None))
     plain = LLM(model, device="cpu")
     runs = {}

@@ -14,6 +14,7 @@ EMA_DECAY = 0.7
 FULL_AT = 0.5
 OFF_BELOW = 0.15
 COOLDOWN = 8
+LOOKUP_TOKENS = 5  # prompt lookup's draft length in front of a draft model (lookup=1)
 
 
 @dataclass
@@ -62,9 +63,10 @@ class SpecDecoder:
         c, for_model = self.config, []
         for seq in seqs:
             k = self.draft_length(seq)
-            # Lookup first when asked: free where the reply repeats itself or the prompt.
-            lookup = propose_ngram(seq.all_token_ids, k, c.ngram_max, c.ngram_min) \
-                if c.lookup and k else []
+            # Lookup first when asked: free where the reply repeats itself or the prompt, and
+            # its matches run long, so it may propose more than the draft model's k.
+            lookup = propose_ngram(seq.all_token_ids, max(k, LOOKUP_TOKENS), c.ngram_max,
+                                   c.ngram_min) if c.lookup and k else []
             if lookup:
                 seq.draft_token_ids = lookup
             else:
