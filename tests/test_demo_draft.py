@@ -14,6 +14,7 @@ from engine import LLM, SamplingParams
 from engine.config import ModelError
 from engine.spec import parse_spec
 from engine.spec.config import DEMO_DRAFT_PATH
+from engine.spec.draft import make_draft
 from engine.spec.hidden_draft import FORMAT, vocab_fingerprint
 
 PROMPTS = ["Write a short poem about the ocean.", "Explain what a GPU does in simple terms.",
@@ -92,12 +93,14 @@ def _altered_draft(folder: Path, meta_changes: dict, tensor_changes: dict) -> Pa
     return path
 
 
-def test_bad_drafts_are_refused_with_a_reason(demo_gguf, tmp_path):
-    def load(path) -> None:
-        LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256, speculative=f"draft:{path}")
+def test_bad_drafts_are_refused_with_a_reason(demo_gguf, plain, tmp_path):
+    def load(path) -> None:  # what LLM(..., speculative=f"draft:{path}") builds
+        make_draft(str(path), plain.tokenizer, plain.config.vocab_size, plain.device,
+                   plain.model.dtype, plain.block_manager, plain.max_model_len, plain.model)
 
     with pytest.raises(ModelError, match="does not exist"):
-        load(tmp_path / "missing.safetensors")
+        LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256,
+            speculative=f"draft:{tmp_path / 'missing.safetensors'}")
     with pytest.raises(ModelError, match="different tokenizer"):
         load(_altered_draft(tmp_path, {"tokenizer_sha256": "0" * 64}, {}))
     with pytest.raises(ModelError, match="does not fit this model"):
