@@ -57,8 +57,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--spec", default=None,
-                   help="speculative decoding: ngram[:k=5] (prompt lookup) or draft:PATH[,k=4] "
-                        "(a smaller model with the same tokenizer); default off")
+                   help="speculative decoding: ngram[:k=5] (prompt lookup), draft:PATH[,k=4] "
+                        "(a smaller model with the same tokenizer, or a draft file from "
+                        "benchmarks/train_draft.py) or demo-draft[:k=2] (the demo model's own "
+                        "draft); lookup=1 tries prompt lookup before a draft; default off")
     p.add_argument("--prefix-caching", action="store_true",
                    help="share the KV blocks of common prompt prefixes between requests")
     p.add_argument("--kv-policy", default=None,

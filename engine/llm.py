@@ -128,10 +128,11 @@ class LLM:
             return None
         draft = None
         if config.method == "draft":
-            from engine.spec.draft import DraftModel
+            from engine.spec.draft import make_draft
 
-            draft = DraftModel(config.draft_model, self.tokenizer, self.config.vocab_size,
-                               self.device, self._dtype, self.block_manager, self.max_model_len)
+            draft = make_draft(config.draft_model, self.tokenizer, self.config.vocab_size,
+                               self.device, self._dtype, self.block_manager, self.max_model_len,
+                               self.model)
         return SpecDecoder(config, draft, self.max_model_len)
 
     # ---- properties the app and the benchmarks read ----
@@ -203,6 +204,8 @@ class LLM:
                             for s in plan.scheduled)
             logits = self.runner.run(plan.scheduled, want_mass=want_mass)
             new_tokens = self._choose_tokens(sampling, logits)
+            if self.spec is not None:
+                self.spec.after_step(sampling, new_tokens, self.runner.last_hidden)
             now = time.perf_counter()
             for s in plan.scheduled:
                 # Drafts count as computed only once accepted (see _accept).
@@ -348,7 +351,9 @@ class LLM:
         return max(chunk, 1 + drafts)
 
     def _check_policy_allowed(self) -> None:
-        if self.spec is not None and self.spec.draft is not None:
+        from engine.spec.draft import DraftModel
+
+        if self.spec is not None and isinstance(self.spec.draft, DraftModel):
             raise RequestError("KV eviction does not work with a draft model (its cache mirrors "
                                "the target's block for block): use --spec ngram or no eviction.")
 

@@ -85,6 +85,7 @@ class ModelRunner:
         self.last_mass = _per_item_mass(items, masses) if want_mass else None
         if not all_logits:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        self.last_hidden = hidden  # one row per logits row, for a hidden-state draft
         return self.model.logits(hidden)
 
     @torch.inference_mode()

@@ -178,6 +178,7 @@ class Sequence:
         self.forced_token_ids: list[int] | None = None
         self.forced_logprobs: list[float] = []
         self.forced_top1: list[int] = []
+        self.spec_hidden = None  # the target's last hidden state, for a hidden-state draft
 
     @property
     def num_tokens(self) -> int:

@@ -101,7 +101,7 @@ def test_serve_answers_over_http_and_stops_on_sigint(demo_gguf):
         assert "vllm:time_to_first_token_seconds_count" in httpx.get(f"{url}/metrics").text
     finally:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) in (0, 130)
+        assert proc.wait(timeout=120) in (0, 130)  # generous: CI machines are shared
 
 
 KV_PROMPT = "The history of the Roman Empire spans many centuries, beginning with"
@@ -165,7 +165,7 @@ def test_serve_with_kv_policy_counts_evictions_on_metrics(demo_gguf):
         assert counted and float(counted.group(1)) > 0
     finally:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) in (0, 130)
+        assert proc.wait(timeout=120) in (0, 130)  # generous: CI machines are shared
 
 
 def test_plan_evaluate_and_search_are_wired_in():

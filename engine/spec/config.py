@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 METHODS = ("ngram", "draft")
+# "demo-draft" names the demo model's own early-exit draft, shipped with the repository
+# (trained by benchmarks/train_draft.py); it is method "draft" with this file.
+DEMO_DRAFT = "demo-draft"
+DEMO_DRAFT_PATH = (Path(__file__).resolve().parents[2] / "assets" / "drafts"
+                   / "smollm2-135m-hidden.safetensors")
 
 
 @dataclass(frozen=True)
@@ -18,21 +24,27 @@ class SpecConfig:
     ngram_min: int = 2
     adaptive: bool = True
     draft_model: str | None = None
+    # With a draft model: prompt lookup first, the draft model only where lookup finds nothing.
+    lookup: bool = False
 
     def __post_init__(self) -> None:
         if (self.method == "draft") != (self.draft_model is not None):
             raise ValueError("A draft model goes with method 'draft' only: use draft:PATH.")
         if self.method not in METHODS:
             raise ValueError(f"Unknown speculative method '{self.method}': use one of "
-                             f"{', '.join(METHODS)}.")
+                             f"{', '.join(METHODS)} or {DEMO_DRAFT}.")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be 1..16, got {self.num_draft_tokens}.")
+        if self.lookup and self.method != "draft":
+            raise ValueError("lookup=1 goes with a draft model (draft:PATH or demo-draft); "
+                             "ngram always looks up.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("ngram sizes need 1 <= ngram_min <= ngram_max.")
 
 
 def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
-    """`None`/"off" -> None; "ngram", "ngram:k=6,adaptive=0" or "draft:PATH[,k=4]" -> SpecConfig.
+    """`None`/"off" -> None; "ngram", "ngram:k=6,adaptive=0", "draft:PATH[,k=4]" or
+    "demo-draft[:k=2,lookup=1]" (the demo model's shipped draft) -> SpecConfig.
 
     A draft model's PATH may itself hold ',' or ':', so only trailing ",key=value" options
     that name a known option are split off it.
@@ -43,25 +55,39 @@ def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
         return None
     method, _, options = value.partition(":")
     fields: dict = {"method": method}
-    if method == "draft":
+    if method == DEMO_DRAFT:
+        # Measured best on this machine (benchmarks/speculative.py): 2 draft tokens (its third
+        # is right 12% of the time) and prompt lookup first (copy-heavy replies).
+        fields = {"method": "draft", "draft_model": str(DEMO_DRAFT_PATH),
+                  "num_draft_tokens": 2, "lookup": True}
+    elif method == "draft":
         path, options = _split_trailing_options(options)
         if not path:
             raise ValueError("--spec draft needs a model: draft:PATH (a GGUF file or HF folder).")
         fields["draft_model"] = path
     names = {"k": "num_draft_tokens", "n": "ngram_max", "min": "ngram_min",
-             "adaptive": "adaptive"}
+             "adaptive": "adaptive", "lookup": "lookup"}
     for item in filter(None, options.split(",")):
         key, _, raw = item.partition("=")
         if key not in names:
             raise ValueError(f"Unknown option '{key}' in --spec {value}: use "
                              f"{', '.join(names)}.")
-        fields[names[key]] = raw not in ("0", "false", "off") if key == "adaptive" else int(raw)
+        fields[names[key]] = (raw not in ("0", "false", "off") if key in ("adaptive", "lookup")
+                              else _integer(key, raw, value))
     return SpecConfig(**fields)
+
+
+def _integer(key: str, raw: str, value: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"Option '{key}' in --spec {value} needs a whole number, got "
+                         f"'{raw}'.") from None
 
 
 def _split_trailing_options(text: str) -> tuple[str, str]:
     parts = text.split(",")
     cut = len(parts)
-    while cut > 1 and re.fullmatch(r"(k|adaptive)=\w+", parts[cut - 1]):
+    while cut > 1 and re.fullmatch(r"(k|adaptive|lookup)=\w+", parts[cut - 1]):
         cut -= 1
     return ",".join(parts[:cut]), ",".join(parts[cut:])

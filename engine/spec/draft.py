@@ -69,6 +69,18 @@ class DraftModel:
         seq.draft_probs.append(q)
 
 
+def make_draft(path: str, target_tokenizer, target_vocab: int, device: torch.device,
+               dtype: torch.dtype, block_manager: BlockManager, max_positions: int,
+               target_model: LlamaModel):
+    """A hidden-state draft for a draft file (.safetensors from train_draft.py), else a model."""
+    from engine.spec.hidden_draft import HiddenDraft, is_hidden_draft
+
+    if is_hidden_draft(path):
+        return HiddenDraft(path, target_model, target_tokenizer)
+    return DraftModel(path, target_tokenizer, target_vocab, device, dtype, block_manager,
+                      max_positions)
+
+
 def check_same_tokenizer(draft, target, draft_vocab: int, target_vocab: int, path: str) -> None:
     """Refuse a draft whose token ids mean something else than the target's."""
     if draft_vocab != target_vocab or draft.backend.get_vocab() != target.backend.get_vocab():

@@ -225,3 +225,18 @@ def test_speculative_toggle_drafts_and_shows_acceptance(make_window, qtbot, demo
     assert summary["method"] == "ngram" and summary["draft_tokens"] > 0
     pane.live_view.refresh()
     assert "accepted" in pane.live_view.spec_label.text()
+
+
+def test_speculative_choices_include_the_demo_draft_and_a_draft_file(make_window, tmp_path):
+    panel = make_window().pane("engine").load_panel
+    combo = panel.spec_combo
+    panel.set_model("smollm2-135m-instruct")
+    combo.setCurrentIndex(combo.findData("demo-draft"))
+    assert panel.current_request().speculative == "demo-draft"
+    draft = tmp_path / "draft.gguf"
+    panel.set_draft_file(str(draft))
+    assert panel.current_request().speculative == f"draft:{draft}"
+    panel.set_draft_file(str(draft))  # chosen again: selected, not listed twice
+    assert sum(combo.itemData(i) == f"draft:{draft}" for i in range(combo.count())) == 1
+    # The file entry stays last, so choosing it again still opens the dialog.
+    assert combo.itemData(combo.count() - 1) == "draft-file"

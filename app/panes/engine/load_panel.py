@@ -6,10 +6,11 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSignalBlocker, Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
+    QFileDialog,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
@@ -36,6 +37,7 @@ KV_POLICIES = (
     ("scissorhands", "Scissorhands", "Persistently important tokens + a recent window"),
     ("snapkv", "SnapKV", "The prompt compressed once at its end + a recent window"),
 )
+DRAFT_FILE = "draft-file"  # the speculative choice that asks for a draft model file
 
 
 def probe_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]:
@@ -93,8 +95,12 @@ class LoadPanel(QGroupBox):
         self.concurrency_spin.setToolTip("Requests the KV cache must hold at full context at once")
         self.spec_combo.addItem("Off", "off")
         self.spec_combo.addItem("Prompt lookup (n-gram), up to 5 draft tokens", "ngram:k=5")
-        self.spec_combo.setToolTip("Speculative decoding: lossless; pays off when replies copy "
-                                   "from the prompt (edits, summaries, code)")
+        self.spec_combo.addItem("Demo model's own draft, after prompt lookup, up to 2 draft "
+                                "tokens", "demo-draft")
+        self.spec_combo.addItem("Draft model file…", DRAFT_FILE)
+        self.spec_combo.setToolTip("Speculative decoding: lossless. Prompt lookup pays off when "
+                                   "replies copy from the prompt (edits, summaries, code); the "
+                                   "demo draft speeds up the demo model's open chat too")
         self.prefix_check.setToolTip("Prefix caching: requests that share a beginning (a system "
                                      "prompt, earlier chat turns) reuse its KV blocks")
         for i, (policy, label, tip) in enumerate(KV_POLICIES):
@@ -139,7 +145,10 @@ class LoadPanel(QGroupBox):
         self._select(self.device_combo, s.get("engine/device"))
         self.context_spin.setValue(s.get("engine/context_tokens"))
         self.concurrency_spin.setValue(s.get("engine/concurrency"))
-        self._select(self.spec_combo, s.get("engine/speculative"))
+        spec = s.get("engine/speculative")
+        if isinstance(spec, str) and spec.startswith("draft:"):
+            self.set_draft_file(spec.removeprefix("draft:"))
+        self._select(self.spec_combo, spec)
         self.prefix_check.setChecked(s.get("engine/prefix_caching"))
         self._select(self.kv_policy_combo, s.get("engine/kv_policy"))
         self.kv_budget_edit.setText(s.get("engine/kv_budget"))
@@ -150,7 +159,7 @@ class LoadPanel(QGroupBox):
         self.dtype_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.context_spin.valueChanged.connect(self._on_choice_changed)
         self.concurrency_spin.valueChanged.connect(self._on_choice_changed)
-        self.spec_combo.currentIndexChanged.connect(self._on_choice_changed)
+        self.spec_combo.currentIndexChanged.connect(self._on_spec_changed)
         self.prefix_check.toggled.connect(self._on_choice_changed)
         self.kv_policy_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.kv_budget_edit.textChanged.connect(self._on_choice_changed)
@@ -171,6 +180,17 @@ class LoadPanel(QGroupBox):
         self._model = model
         self._update_estimate()
         self.load_button.setEnabled(bool(model) and self._idle)
+
+    def set_draft_file(self, path: str) -> None:
+        """Offer `path` (a draft model sharing the target's tokenizer) and select it."""
+        data = f"draft:{path}"
+        index = self.spec_combo.findData(data)
+        if index < 0:
+            index = self.spec_combo.count() - 1  # above "Draft model file…"
+            # Inserting above the current item moves the index: no "changed" for that.
+            with QSignalBlocker(self.spec_combo):
+                self.spec_combo.insertItem(index, f"Draft model: {path}", data)
+        self.spec_combo.setCurrentIndex(index)
 
     def current_request(self) -> LoadRequest:
         """The load the controls describe (ValueError when no model is chosen or the KV budget
@@ -255,6 +275,19 @@ class LoadPanel(QGroupBox):
         self._prober.stop()
 
     # ---- internals
+    def _on_spec_changed(self) -> None:
+        if self.spec_combo.currentData() == DRAFT_FILE:
+            path, _ = QFileDialog.getOpenFileName(
+                self, "Choose a draft model", "",
+                "Draft models (*.gguf *.safetensors config.json);;All files (*)")
+            if path:
+                # An HF folder is named by its config.json; the loader wants the folder.
+                self.set_draft_file(path.removesuffix("/config.json"))
+            else:
+                self.spec_combo.setCurrentIndex(0)
+            return
+        self._on_choice_changed()
+
     def _on_devices(self, devices: list[Any]) -> None:
         self._devices = list(devices)
         wanted = self._settings.get("engine/device")

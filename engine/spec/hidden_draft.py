@@ -1,0 +1,139 @@
+"""Hidden-state drafts (EAGLE-style, without attention): draft from the target's own last state.
+
+The target's verification pass already computes its final hidden state h at the position that
+produced the newest token x. The draft predicts the target's next hidden state from (h, x) with
+one small MLP, reads a token off it through the target's own tied LM head restricted to the
+tokens the demo model writes most, and repeats from its own prediction for the next draft token:
+
+    s_1 = f(h, x_n),  d_1 = argmax(s_1 . E[vocab]);  s_j = f(s_{j-1}, d_{j-1}),  d_j = ...
+
+No KV cache and no extra layers: each draft token costs one MLP and a narrow head. A draft file
+(safetensors, written by benchmarks/train_draft.py) holds f and `draft.vocab_ids`; the head rows
+are the target's embedding, so they are not shipped. Drafts are argmax choices, so verification
+treats them as deterministic proposals (p_draft = 1) and stays lossless for sampled requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelError
+from engine.model import LlamaModel
+from engine.sequence import Sequence
+
+FORMAT = "servescope-hidden-draft"
+TENSORS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "embed_norm.weight",
+           "draft.vocab_ids")
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's token -> id map: a draft trained for it must see the same ids."""
+    vocab = sorted(tokenizer.backend.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
+
+
+def is_hidden_draft(path: str) -> bool:
+    """Whether `path` is a hidden-state draft file (rather than a model of its own); a
+    .safetensors file that is missing or not such a draft is a ModelError naming it."""
+    p = Path(path)
+    if p.suffix != ".safetensors":
+        return False
+    if not p.is_file():
+        raise ModelError(f"The draft file {path} does not exist: check the path (the demo "
+                         "draft is rebuilt by benchmarks/train_draft.py).")
+    if read_metadata(p).get("format") != FORMAT:
+        raise ModelError(f"{path} is not a servescope hidden-state draft: give a draft written "
+                         "by benchmarks/train_draft.py, a GGUF file or a Hugging Face folder.")
+    return True
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except SafetensorError as exc:
+        raise ModelError(f"The draft file {path} is not a readable safetensors file ({exc}): "
+                         "it is truncated or corrupt; rebuild or copy it again.") from exc
+
+
+def draft_step(s: torch.Tensor, token_embeddings: torch.Tensor, w: dict[str, torch.Tensor],
+               eps: float) -> torch.Tensor:
+    """f(s, x): the predicted next hidden state ([B, hidden]) from states and token embeddings.
+
+    The training script runs this same function, so training and serving cannot drift apart.
+    """
+    e = token_embeddings * torch.rsqrt(token_embeddings.pow(2).mean(-1, keepdim=True) + eps)
+    x = torch.cat([s, e * w["embed_norm.weight"]], dim=-1)
+    return s + F.linear(F.silu(F.linear(x, w["fc1.weight"], w["fc1.bias"])), w["fc2.weight"],
+                        w["fc2.bias"])
+
+
+class HiddenDraft:
+    """Proposes tokens from each sequence's last target hidden state (see the module doc)."""
+
+    def __init__(self, path: str, target: LlamaModel, target_tokenizer) -> None:
+        from safetensors.torch import load_file
+
+        meta = read_metadata(Path(path))
+        if meta.get("tokenizer_sha256") != vocab_fingerprint(target_tokenizer):
+            raise ModelError(f"The draft {path} was trained for a different tokenizer than the "
+                             "target's: use it with the model it was trained from "
+                             f"({meta.get('target', 'unknown')}).")
+        c = target.config
+        tensors = load_file(path)
+        missing = [n for n in TENSORS if n not in tensors]
+        if missing:
+            raise ModelError(f"The draft {path} has no tensor '{missing[0]}': it is incomplete; "
+                             "rebuild it with benchmarks/train_draft.py.")
+        if tensors["fc2.weight"].shape[0] != c.hidden_size:
+            raise ModelError(f"The draft {path} does not fit this model (hidden size "
+                             f"{tensors['fc2.weight'].shape[0]} vs {c.hidden_size}): use it "
+                             f"with {meta.get('target', 'its target')}.")
+        ids = tensors.pop("draft.vocab_ids").long()
+        if int(ids.max()) >= c.vocab_size:
+            raise ModelError(f"The draft {path} proposes token ids outside the target's "
+                             "vocabulary: use it with the model it was trained from.")
+        self.name = Path(path).stem
+        self.eps = c.rms_norm_eps
+        self.embed = target.embed
+        self.weights = {k: v.to(target.device, torch.float32) for k, v in tensors.items()}
+        self.vocab_ids = ids.to(target.device)
+        self.head = target.embed[self.vocab_ids].float()  # the tied LM head's kept rows
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> None:
+        """Fill each sequence's draft (up to k tokens) from its remembered hidden state."""
+        active = [(seq, k) for seq, k in requests if k > 0 and seq.spec_hidden is not None]
+        if not active:
+            return
+        s = torch.stack([seq.spec_hidden for seq, _ in active])
+        tokens = torch.tensor([seq.all_token_ids[-1] for seq, _ in active],
+                              device=self.head.device)
+        drafts = []
+        with torch.inference_mode():
+            for _ in range(max(k for _, k in active)):
+                s = draft_step(s, self.embed[tokens].float(), self.weights, self.eps)
+                tokens = self.vocab_ids[(s @ self.head.T).argmax(-1)]
+                drafts.append(tokens)
+        table = torch.stack(drafts, dim=1).tolist()
+        for (seq, k), row in zip(active, table, strict=True):
+            seq.draft_token_ids = row[:k]
+
+    def remember(self, sampling: list, new_tokens: list[list[int]],
+                 hidden: torch.Tensor) -> None:
+        """Keep, per sampling sequence (ScheduledSeq), the target's hidden state at the row that
+        chose its newest token: the step's rows are 1 + num_draft per sequence, in order."""
+        start = 0
+        for s, tokens in zip(sampling, new_tokens, strict=True):
+            s.seq.spec_hidden = hidden[start + len(tokens) - 1].float()
+            start += 1 + s.num_draft
+
+    def after_verify(self, seq: Sequence, old_num_tokens: int, proposed: int,
+                     accepted: int) -> None:
+        """Nothing is cached per sequence beyond the hidden state `remember` replaces."""

@@ -1,0 +1,116 @@
+"""The demo model's shipped hidden-state draft: it loads, it is lossless, bad drafts are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.config import ModelError
+from engine.spec import parse_spec
+from engine.spec.config import DEMO_DRAFT_PATH
+from engine.spec.draft import make_draft
+from engine.spec.hidden_draft import FORMAT, vocab_fingerprint
+
+PROMPTS = ["Write a short poem about the ocean.", "Explain what a GPU does in simple terms.",
+           "What should I pack for a weekend hiking trip?"]
+
+
+@pytest.fixture(scope="module")
+def plain(demo_gguf):
+    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048)
+
+
+def _chat(llm: LLM) -> list[list[int]]:
+    return [llm.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+def test_the_shipped_draft_is_small_and_names_its_target(plain):
+    assert DEMO_DRAFT_PATH.stat().st_size <= 20 * 1024 * 1024
+    with safe_open(str(DEMO_DRAFT_PATH), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == FORMAT and meta["tokenizer_sha256"] == vocab_fingerprint(
+        plain.tokenizer)
+    ids = load_file(str(DEMO_DRAFT_PATH))["draft.vocab_ids"]
+    assert int(ids.min()) >= 0 and int(ids.max()) < plain.config.vocab_size
+    provenance = json.loads((DEMO_DRAFT_PATH.parent / "README.json").read_text())
+    assert provenance["file"] == DEMO_DRAFT_PATH.name
+
+
+def test_greedy_output_is_identical_with_the_demo_draft(demo_gguf, plain):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _chat(plain)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048,
+               speculative="demo-draft:k=2,lookup=0")
+    assert spec.spec.config.draft_model == str(DEMO_DRAFT_PATH)
+    alone = [spec.generate([p], params)[0].token_ids for p in prompts]
+    together = [o.token_ids for o in spec.generate(prompts, params)]
+    assert alone == expected and together == expected
+    c = spec.spec.counters
+    # A trained draft is right far more often than chance on the demo model's own chat
+    # (an untrained one, fc2 = 0, is right about 1% of the time: train_draft.py's figures).
+    assert c.draft_tokens > 0 and c.acceptance_rate > 0.25
+    assert spec.block_manager.num_used_blocks == 0
+    # The default: prompt lookup first, the draft where lookup finds nothing.
+    hybrid = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, speculative="demo-draft")
+    assert [o.token_ids for o in hybrid.generate(prompts, params)] == expected
+    # Sampled requests verify the draft's argmax choices as deterministic proposals.
+    sampled = SamplingParams(temperature=0.8, max_tokens=16, seed=5, ignore_eos=True)
+    a, b = (spec.generate([prompts[0]], sampled)[0].token_ids for _ in range(2))
+    assert a == b and len(a) == 16
+
+
+def test_spec_names_for_the_demo_draft():
+    cfg = parse_spec("demo-draft")
+    assert cfg.method == "draft" and cfg.num_draft_tokens == 2 and cfg.lookup
+    cfg = parse_spec("demo-draft:k=3,lookup=0")
+    assert cfg.num_draft_tokens == 3 and not cfg.lookup
+    assert cfg.draft_model == str(DEMO_DRAFT_PATH)
+    with pytest.raises(ValueError, match="Unknown option 'x'"):
+        parse_spec("demo-draft:k=3,x")
+    with pytest.raises(ValueError, match="needs a whole number"):
+        parse_spec("demo-draft:k=two")
+    with pytest.raises(ValueError, match="lookup=1 goes with a draft model"):
+        parse_spec("ngram:lookup=1")
+
+
+def _altered_draft(folder: Path, meta_changes: dict, tensor_changes: dict) -> Path:
+    with safe_open(str(DEMO_DRAFT_PATH), framework="pt") as f:
+        meta = dict(f.metadata())
+    meta.update(meta_changes)
+    tensors = load_file(str(DEMO_DRAFT_PATH))
+    tensors.update(tensor_changes)
+    for name in [k for k, v in tensors.items() if v is None]:
+        del tensors[name]
+    path = folder / "altered.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def test_bad_drafts_are_refused_with_a_reason(demo_gguf, plain, tmp_path):
+    def load(path) -> None:  # what LLM(..., speculative=f"draft:{path}") builds
+        make_draft(str(path), plain.tokenizer, plain.config.vocab_size, plain.device,
+                   plain.model.dtype, plain.block_manager, plain.max_model_len, plain.model)
+
+    with pytest.raises(ModelError, match="does not exist"):
+        LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256,
+            speculative=f"draft:{tmp_path / 'missing.safetensors'}")
+    with pytest.raises(ModelError, match="different tokenizer"):
+        load(_altered_draft(tmp_path, {"tokenizer_sha256": "0" * 64}, {}))
+    with pytest.raises(ModelError, match="does not fit this model"):
+        load(_altered_draft(tmp_path, {}, {"fc2.weight": torch.zeros(960, 8)}))
+    with pytest.raises(ModelError, match="has no tensor 'fc1.bias'"):
+        load(_altered_draft(tmp_path, {}, {"fc1.bias": None}))
+    other = tmp_path / "plain.safetensors"
+    save_file({"x": torch.zeros(2)}, str(other))
+    with pytest.raises(ModelError, match="not a servescope hidden-state draft"):
+        load(other)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelError, match="not a readable safetensors file"):
+        load(tmp_path / "junk.safetensors")
