@@ -16,6 +16,7 @@ from engine.detokenizer import append_token_text, final_text
 from engine.devices import kv_budget_tokens, resolve_device, resolve_dtype
 from engine.model import LlamaModel
 from engine.prefix_cache import PrefixCache
+from engine.quantize import parse_weights
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler
@@ -68,10 +69,15 @@ class LLM:
                  block_size: int = 16, kernel_backend: str | None = None,
                  progress: Callable[[float], None] | None = None,
                  speculative: str | SpecConfig | None = None,
-                 prefix_caching: bool = False) -> None:
-        """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled."""
+                 prefix_caching: bool = False, weights: str = "float") -> None:
+        """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled.
+
+        `weights`: "float", "int8" or "int4[:g32|g64|g128]" weight-only quantization
+        (engine/quantize.py); a bad value raises WeightsError before anything is read.
+        """
         from engine.loader import load_checkpoint
 
+        weight_format = parse_weights(weights)
         self.device, self.fallback_reason = resolve_device(device)
         self._dtype = resolve_dtype(dtype, self.device)
         ckpt = load_checkpoint(model, dtype=torch.float32, progress=progress)
@@ -82,7 +88,7 @@ class LLM:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.model = LlamaModel(self.config, ckpt.tensors, self.device, self._dtype,
-                                self.max_model_len, kernel_backend)
+                                self.max_model_len, kernel_backend, weight_format, ckpt.blocks)
         del ckpt
         self.block_size = block_size
         tokens = kv_cache_tokens or kv_budget_tokens(self.config, self.device, self._dtype,
@@ -116,6 +122,11 @@ class LLM:
     @property
     def dtype(self) -> str:
         return str(self._dtype).removeprefix("torch.")
+
+    @property
+    def weights(self) -> str:
+        """The weight format: "float", "int8", "int4:g32", ..."""
+        return self.model.weight_format.name
 
     @property
     def weight_bytes(self) -> int:
