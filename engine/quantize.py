@@ -119,3 +119,37 @@ class WeightQuantizer:
             return None
         return quant.concat([quant.from_gguf_blocks(b.kind, b.rows, b.in_features)
                              for b in found])
+
+
+# ---- bytes, for the memory estimate before loading (engine/memory.py) ----
+def linear_shapes(config) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's fused matmuls: Q/K/V, O, gate/up, down."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
+
+
+def matrix_bytes(out: int, inp: int, bits: int, group_size: int | None, packed: bool) -> int:
+    """Bytes of one quantized [out, inp] matrix as kernels/quant.py holds it: the packed CPU
+    forms keep scales (and int4 zeros) in bfloat16, the dequantize form in float32."""
+    group = group_size or inp
+    groups = -(-inp // group)
+    codes = out * groups * group * bits // 8
+    if bits == 8:
+        per_channel_packed = packed and group == inp
+        return codes + out * groups * (2 if per_channel_packed else 4)
+    return codes + out * groups * 2 * (2 if packed else 4)
+
+
+def quantized_weight_bytes(config, parameters: int, float_size: int, fmt: WeightFormat,
+                           packed: bool) -> int:
+    """Weight bytes under a quantized format: embedding and norms float, layer matmuls in
+    `fmt`, the LM head int8 per channel (a separate matrix even when tied)."""
+    shapes = linear_shapes(config)
+    linear_params = config.num_layers * sum(o * i for o, i in shapes)
+    head_params = config.vocab_size * config.hidden_size
+    float_params = parameters - linear_params - (0 if config.tie_word_embeddings else head_params)
+    layers = config.num_layers * sum(matrix_bytes(o, i, fmt.bits, fmt.group_size, packed)
+                                     for o, i in shapes)
+    head = matrix_bytes(config.vocab_size, config.hidden_size, 8, None, packed)
+    return float_params * float_size + layers + head

@@ -214,9 +214,12 @@ def prepare_packed(q: QuantizedWeight) -> QuantizedWeight | PackedInt8 | PackedI
     (whose `linear` dequantizes)."""
     if q.codes.device.type != "cpu":
         return q
-    if q.bits == 8 and q.group_size == q.in_features and int8_packed_available():
+    # Shapes outside these the ops refuse (int4: N % 16) or, worse, crash on (int8 with
+    # K % 16 != 0 and more than one row segfaults in torch 2.13): those keep the fallback.
+    if (q.bits == 8 and q.group_size == q.in_features and q.in_features % 16 == 0
+            and int8_packed_available()):
         return PackedInt8(q)
-    if q.bits == 4 and int4_packed_available():
+    if q.bits == 4 and q.out_features % 16 == 0 and int4_packed_available():
         try:
             return PackedInt4(q)
         except RuntimeError:  # a shape the packing kernel does not take
