@@ -19,6 +19,7 @@ DEFAULTS: dict[str, Any] = {
     "engine/context_tokens": 2048,
     "engine/concurrency": 4,
     "engine/speculative": "off",
+    "engine/weights": "float",
     "chat/system_prompt": "You are a helpful assistant.",
     "chat/temperature": 0.7,
     "chat/top_p": 0.95,

@@ -225,3 +225,16 @@ def test_speculative_toggle_drafts_and_shows_acceptance(make_window, qtbot, demo
     assert summary["method"] == "ngram" and summary["draft_tokens"] > 0
     pane.live_view.refresh()
     assert "accepted" in pane.live_view.spec_label.text()
+
+
+def test_weights_choice_shows_the_memory_saved_and_loads_int4(make_window, qtbot,
+                                                              demo_gguf: Path) -> None:
+    window = make_window()
+    pane = window.pane("engine")
+    panel = pane.load_panel
+    assert pane.picker.add_path(str(demo_gguf))
+    assert "less than float" not in panel.estimate_label.text()
+    panel.weights_combo.setCurrentIndex(panel.weights_combo.findData("int4"))
+    assert "less than float" in panel.estimate_label.text()
+    load_model(qtbot, window, demo_gguf)
+    assert "int4:g32 weights" in panel.status_label.text()

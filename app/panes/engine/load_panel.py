@@ -1,4 +1,5 @@
-"""Load panel: device, dtype and KV sizing, the memory estimate, and load / cancel / unload."""
+"""Load panel: device, dtype, weight format and KV sizing, the memory estimate, and load /
+cancel / unload."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ from app.theme import LEVEL_COLOURS, current_theme
 from app.workers import Progress, TaskRunner
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# engine.quantize's formats (WEIGHT_CHOICES), named for the combo box.
+WEIGHT_LABELS = {"float": "float (as the dtype)", "int8": "int8, per channel",
+                 "int4": "int4, groups of 32", "int4:g64": "int4, groups of 64",
+                 "int4:g128": "int4, groups of 128"}
 
 
 def probe_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]:
@@ -56,6 +61,7 @@ class LoadPanel(QGroupBox):
         self.context_spin = QSpinBox(minimum=64, maximum=131072, singleStep=256)
         self.concurrency_spin = QSpinBox(minimum=1, maximum=256)
         self.spec_combo = QComboBox()
+        self.weights_combo = QComboBox()
         self.estimate_label = QLabel(wordWrap=True)
         self.load_button = QPushButton("Load")
         self.cancel_button = QPushButton("Cancel load")
@@ -75,6 +81,10 @@ class LoadPanel(QGroupBox):
         for dtype in DTYPES:
             self.dtype_combo.addItem("Auto (float32 on CPU, bf16 on GPU)" if dtype == "auto"
                                      else dtype, dtype)
+        for value, label in WEIGHT_LABELS.items():
+            self.weights_combo.addItem(label, value)
+        self.weights_combo.setToolTip("Weight-only quantization of the decoder's matmuls; the "
+                                      "embedding and norms stay float, the LM head is int8")
         self.context_spin.setSuffix(" tokens")
         self.context_spin.setToolTip("Longest conversation one request may hold (max_model_len)")
         self.concurrency_spin.setToolTip("Requests the KV cache must hold at full context at once")
@@ -85,6 +95,7 @@ class LoadPanel(QGroupBox):
         form = QFormLayout()
         form.addRow("Device", self.device_combo)
         form.addRow("Dtype", self.dtype_combo)
+        form.addRow("Weights", self.weights_combo)
         form.addRow("Context", self.context_spin)
         form.addRow("Concurrency", self.concurrency_spin)
         form.addRow("Speculative", self.spec_combo)
@@ -107,6 +118,7 @@ class LoadPanel(QGroupBox):
         self.context_spin.setValue(s.get("engine/context_tokens"))
         self.concurrency_spin.setValue(s.get("engine/concurrency"))
         self._select(self.spec_combo, s.get("engine/speculative"))
+        self._select(self.weights_combo, s.get("engine/weights"))
 
     def _connect(self) -> None:
         self.device_combo.currentIndexChanged.connect(self._on_choice_changed)
@@ -114,6 +126,7 @@ class LoadPanel(QGroupBox):
         self.context_spin.valueChanged.connect(self._on_choice_changed)
         self.concurrency_spin.valueChanged.connect(self._on_choice_changed)
         self.spec_combo.currentIndexChanged.connect(self._on_choice_changed)
+        self.weights_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.load_button.clicked.connect(self.request_load)
         self.cancel_button.clicked.connect(self.cancel_requested)
         self.unload_button.clicked.connect(self.request_unload)
@@ -136,7 +149,8 @@ class LoadPanel(QGroupBox):
         """The load the controls describe (ValueError when no model is chosen)."""
         return LoadRequest(self._model, self.device_combo.currentData(),
                            self.dtype_combo.currentData(), self.context_spin.value(),
-                           self.concurrency_spin.value(), self.spec_combo.currentData())
+                           self.concurrency_spin.value(), self.spec_combo.currentData(),
+                           self.weights_combo.currentData())
 
     def request_load(self) -> None:
         """Ask for a load, unless the estimate shows the model cannot fit at all."""
@@ -197,6 +211,7 @@ class LoadPanel(QGroupBox):
         s.set("engine/context_tokens", self.context_spin.value())
         s.set("engine/concurrency", self.concurrency_spin.value())
         s.set("engine/speculative", self.spec_combo.currentData())
+        s.set("engine/weights", self.weights_combo.currentData())
 
     def shutdown(self) -> None:
         """Stop the device probe (flag, quit, wait)."""
@@ -227,16 +242,21 @@ class LoadPanel(QGroupBox):
             from engine.memory import estimate_memory
 
             target = self._target_device()
-            self._estimate = estimate_memory(self._model, dtype=self._estimate_dtype(),
-                                             context_tokens=self.context_spin.value(),
-                                             concurrency=self.concurrency_spin.value(),
-                                             device="cpu" if target is None else target.kind)
+            kwargs = dict(dtype=self._estimate_dtype(), context_tokens=self.context_spin.value(),
+                          concurrency=self.concurrency_spin.value(),
+                          device="cpu" if target is None else target.kind)
+            weights = self.weights_combo.currentData()
+            self._estimate = estimate_memory(self._model, weights=weights, **kwargs)
+            float_weights = estimate_memory(self._model, **kwargs).weight_bytes
         except Exception as exc:  # an unreadable header is reported here and again on load
             self.estimate_label.setText(f"No estimate: {exc}")
             return
         level, sentence = self._verdict()
         e = self._estimate
-        detail = (f"weights {format_bytes(e.weight_bytes)} + KV cache {format_bytes(e.kv_bytes)}"
+        saved = float_weights - e.weight_bytes
+        detail = (f"weights {format_bytes(e.weight_bytes)}"
+                  + (f", {format_bytes(saved)} less than float" if saved > 0 else "")
+                  + f" + KV cache {format_bytes(e.kv_bytes)}"
                   f" + activations {format_bytes(e.activation_bytes)}")
         colour = {"ok": "", "warning": LEVEL_COLOURS[current_theme()]["warning"][1],
                   "error": LEVEL_COLOURS[current_theme()]["error"][1]}[level]

@@ -19,6 +19,7 @@ class LoadRequest:
     context_tokens: int = 2048
     concurrency: int = 4
     speculative: str = "off"
+    weights: str = "float"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -34,6 +35,7 @@ class LoadRequest:
             "max_model_len": self.context_tokens,
             "kv_cache_tokens": self.context_tokens * self.concurrency,
             "speculative": None if self.speculative == "off" else self.speculative,
+            "weights": self.weights,
         }
 
 
@@ -50,17 +52,19 @@ class EngineInfo:
     weight_bytes: int
     kv_cache_bytes: int
     load_s: float
+    weights: str = "float"
 
     @classmethod
     def from_llm(cls, llm: Any, load_s: float) -> EngineInfo:
         """Read the facts off a loaded engine.LLM."""
         return cls(str(llm.model_name), str(llm.device), str(llm.dtype), llm.fallback_reason,
                    int(llm.num_kv_blocks), int(llm.block_size), int(llm.weight_bytes),
-                   int(llm.kv_cache_bytes), load_s)
+                   int(llm.kv_cache_bytes), load_s, str(getattr(llm, "weights", "float")))
 
     def summary(self) -> str:
         """One line for the pane: memory actually used and the load time."""
-        return (f"{self.model_name} on {self.device} ({self.dtype}): weights "
+        return (f"{self.model_name} on {self.device} ({self.dtype}, {self.weights} weights): "
+                "weights "
                 f"{format_bytes(self.weight_bytes)}, KV cache {format_bytes(self.kv_cache_bytes)} "
                 f"({self.num_kv_blocks} blocks of {self.block_size} tokens), "
                 f"loaded in {self.load_s:.1f} s")
