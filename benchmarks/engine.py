@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -271,7 +272,7 @@ def run(model: str | None, quick: bool, threads: int) -> dict:
         "model_path": path, "device": "cpu", "dtype": "float32",
         "torch_threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "machine": machine(), "sizes": sz, **bw,
+        "machine": machine(), "load_average_1_5_15_min": os.getloadavg(), "sizes": sz, **bw,
         "weight_bytes_per_token": llm.weight_bytes,
         "weight_bytes_assumption": "every weight tensor read once per batch-1 step, float32; the "
                                    "tied embedding counted once (the LM head reads all of it; the "

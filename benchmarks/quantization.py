@@ -12,6 +12,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -124,7 +125,7 @@ def run(model: str | None, quick: bool) -> dict:
     return {
         "benchmark": "weight_only_quantization", "quick": quick, "model_path": path,
         "device": "cpu", "activations": "float32 (bfloat16 inside the packed int8/int4 ops)",
-        "machine": machine(),
+        "machine": machine(), "load_average_1_5_15_min": os.getloadavg(),
         "text": {"file": str(TEXT.relative_to(_HERE.parent)), "tokens": text_tokens,
                  "source": "Lewis Carroll, Alice's Adventures in Wonderland, Chapter I "
                            "(Project Gutenberg eBook #11, public domain)"},
