@@ -30,6 +30,9 @@ from engine.bench import machine  # noqa: E402
 TEXT = _HERE / "data" / "alice_chapter1.txt"
 FORMATS = ("float", "int8", "int4:g32", "int4:g64", "int4:g128")
 TARGETS = {"int8": 0.02, "int4:g32": 0.08}  # perplexity within this fraction of float32
+# The same formats through the reference kernels (dequantize, then a float32 matmul): what the
+# packed ops' bfloat16 activations cost, apart from the weights themselves.
+REFERENCE_RUNS = ("int8", "int4:g32")
 PROMPTS = (
     "What is the capital of France?",
     "Name three primary colours.",
@@ -86,10 +89,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def measure(model: str, fmt: str, text: str, max_text_tokens: int | None,
-            prompts: tuple[str, ...], tokens: int) -> tuple[dict, list[list[int]], int]:
-    log(f"{fmt}: loading")
+            prompts: tuple[str, ...], tokens: int,
+            backend: str | None = None) -> tuple[dict, list[list[int]], int]:
+    log(f"{fmt}: loading" + (f" with the {backend} kernels" if backend else ""))
     start = time.perf_counter()
-    llm = LLM(model, device="cpu", dtype="float32", weights=fmt, kv_cache_tokens=8192)
+    llm = LLM(model, device="cpu", dtype="float32", weights=fmt, kv_cache_tokens=8192,
+              kernel_backend=backend)
     ids = llm.tokenizer.encode(text)[:max_text_tokens]
     row = {"weights": llm.weights, "load_s": time.perf_counter() - start,
            "weight_bytes": llm.weight_bytes,
@@ -122,6 +127,13 @@ def run(model: str | None, quick: bool) -> dict:
         row["weight_bytes_vs_float32"] = row["weight_bytes"] / base["weight_bytes"]
         if fmt != "float":
             row["greedy_vs_float32"] = agreement(replies[fmt], replies["float"])
+    reference = {}
+    for fmt in REFERENCE_RUNS:
+        row, fmt_replies, _ = measure(path, fmt, text, 512 if quick else None, prompts, tokens,
+                                      "reference")
+        row["perplexity_vs_float32"] = row["perplexity"] / base["perplexity"]
+        row["greedy_vs_float32"] = agreement(fmt_replies, replies["float"])
+        reference[fmt] = row
     return {
         "benchmark": "weight_only_quantization", "quick": quick, "model_path": path,
         "device": "cpu", "activations": "float32 (bfloat16 inside the packed int8/int4 ops)",
@@ -132,6 +144,7 @@ def run(model: str | None, quick: bool) -> dict:
         "greedy": {"prompts": len(prompts), "max_tokens": tokens,
                    "method": "chat template, temperature 0, token ids compared with float32's"},
         "formats": rows,
+        "float32_activations_reference_kernels": reference,
         "lm_head": "int8 per output channel under every quantized format; embedding and norms "
                    "float32",
         "targets": {f"{fmt}_perplexity_within_{int(limit * 100)}pct":
