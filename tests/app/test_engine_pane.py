@@ -233,8 +233,8 @@ def test_weights_choice_shows_the_memory_saved_and_loads_int4(make_window, qtbot
     pane = window.pane("engine")
     panel = pane.load_panel
     assert pane.picker.add_path(str(demo_gguf))
-    assert "less than float" not in panel.estimate_label.text()
+    assert "save" not in panel.estimate_label.text()
     panel.weights_combo.setCurrentIndex(panel.weights_combo.findData("int4"))
-    assert "less than float" in panel.estimate_label.text()
+    assert "int4 weights save" in panel.estimate_label.text()
     load_model(qtbot, window, demo_gguf)
     assert "int4:g32 weights" in panel.status_label.text()

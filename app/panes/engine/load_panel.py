@@ -94,8 +94,12 @@ class LoadPanel(QGroupBox):
                                    "from the prompt (edits, summaries, code)")
         form = QFormLayout()
         form.addRow("Device", self.device_combo)
-        form.addRow("Dtype", self.dtype_combo)
-        form.addRow("Weights", self.weights_combo)
+        # Dtype and weight format share a row: the window must still fit 760 px high.
+        precision = QHBoxLayout()
+        precision.addWidget(self.dtype_combo, 1)
+        precision.addWidget(QLabel("Weights"))
+        precision.addWidget(self.weights_combo, 1)
+        form.addRow("Dtype", precision)
         form.addRow("Context", self.context_spin)
         form.addRow("Concurrency", self.concurrency_spin)
         form.addRow("Speculative", self.spec_combo)
@@ -253,15 +257,16 @@ class LoadPanel(QGroupBox):
             return
         level, sentence = self._verdict()
         e = self._estimate
-        saved = float_weights - e.weight_bytes
-        detail = (f"weights {format_bytes(e.weight_bytes)}"
-                  + (f", {format_bytes(saved)} less than float" if saved > 0 else "")
-                  + f" + KV cache {format_bytes(e.kv_bytes)}"
+        detail = (f"weights {format_bytes(e.weight_bytes)} + KV cache {format_bytes(e.kv_bytes)}"
                   f" + activations {format_bytes(e.activation_bytes)}")
+        saving = ""
+        if float_weights > e.weight_bytes:
+            saving = (f"\n{weights} weights save {format_bytes(float_weights - e.weight_bytes)} "
+                      "against float")
         colour = {"ok": "", "warning": LEVEL_COLOURS[current_theme()]["warning"][1],
                   "error": LEVEL_COLOURS[current_theme()]["error"][1]}[level]
         self.estimate_label.setStyleSheet(f"color: {colour};" if colour else "")
-        self.estimate_label.setText(f"{sentence}\n({detail})")
+        self.estimate_label.setText(f"{sentence}\n({detail}){saving}")
 
     def _estimate_dtype(self) -> str:
         dtype = self.dtype_combo.currentData()
