@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 GROUP_SIZES = (32, 64, 128)
-# The packed CPU ops take activations and scales in this dtype; float32 inputs run a scalar
-# loop 10-50x slower on this project's machines (measured in benchmarks/quantization.py).
+# The packed CPU ops take activations and scales in this dtype: torch 2.13's CPU build
+# vectorises them for bfloat16 only, and float32 inputs were slower than float32 oneDNN itself.
 PACKED_COMPUTE_DTYPE = torch.bfloat16
 GGUF_BLOCK = 32
 _GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
