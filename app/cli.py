@@ -55,6 +55,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="a GGUF file, a Hugging Face folder, or a name from `models list`")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    p.add_argument("--weights", default="float",
+                   help="weight-only quantization: float, int8 (per channel) or "
+                        "int4[:g32|g64|g128] (default float)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--spec", default=None,
                    help="speculative decoding: ngram[:k=5] (prompt lookup), draft:PATH[,k=4] "
@@ -165,8 +168,8 @@ def _load(args, **engine_kwargs):
     t = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative=args.spec,
               prefix_caching=args.prefix_caching, kv_policy=args.kv_policy,
-              kv_budget=kv_budget, **engine_kwargs)
-    print(f"loaded {llm.model_name} on {llm.device} ({llm.dtype}) in "
+              kv_budget=kv_budget, weights=args.weights, **engine_kwargs)
+    print(f"loaded {llm.model_name} on {llm.device} ({llm.dtype}, {llm.weights} weights) in "
           f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
     if llm.fallback_reason:
         print(f"note: {llm.fallback_reason}", file=sys.stderr)

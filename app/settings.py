@@ -22,6 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "engine/prefix_caching": False,
     "engine/kv_policy": "none",
     "engine/kv_budget": "",
+    "engine/weights": "float",
     "chat/system_prompt": "You are a helpful assistant.",
     "chat/temperature": 0.7,
     "chat/top_p": 0.95,

@@ -1,9 +1,11 @@
-"""This engine vs transformers `generate` on the same weights, float32 on the CPU."""
+"""This engine vs transformers `generate` on the same weights, float32 on the CPU; and the
+engine's batch-1 decode with int4 weights against its own float32 in the same run."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -22,7 +24,8 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.bench import machine, synthetic_prompts  # noqa: E402
 
 T = TypeVar("T")
-TARGETS = {"decode_ratio": 0.9, "throughput_ratio": 1.5, "engine_batch_scaling": 8.0}
+TARGETS = {"decode_ratio": 0.9, "throughput_ratio": 1.5, "engine_batch_scaling": 8.0,
+           "int4_decode_ratio": 1.8}
 
 
 def log(message: str) -> None:
@@ -143,19 +146,22 @@ def engine_decode_run(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[flo
 
 
 # ---- measurements ----
-def measure_decode(llm: LLM, hf, sz: dict, bandwidth_gbs: float) -> dict:
-    """Batch-1 decode rate of each, by per-token timestamps and by wall clock minus prefill."""
+def measure_decode(llm: LLM, hf, sz: dict, bandwidth_gbs: float, int4: LLM) -> dict:
+    """Batch-1 decode rate of each, by per-token timestamps and by wall clock minus prefill;
+    the same engine with int4 weights runs alternating with them."""
     prompt = synthetic_prompts(llm.tokenizer, 1, sz["decode_prompt"])[0]
     ids = torch.tensor([prompt])
     n, reps = sz["decode_tokens"], sz["repeats"]
     llm.generate([prompt], greedy(8))  # warm-up
+    int4.generate([prompt], greedy(8))
     hf_generate(hf, ids, 8)
     log(f"batch-1 decode, {n} tokens")
     r = interleaved({"engine": lambda: engine_decode_run(llm, prompt, n),
                      "hf": lambda: hf_decode_run(hf, ids, n),
+                     "int4": lambda: engine_decode_run(int4, prompt, n),
                      "engine_1": lambda: engine_decode_run(llm, prompt, 1),
                      "hf_1": lambda: hf_decode_run(hf, ids, 1)}, reps)
-    tpot = {k: statistics.median(rate for rate, _ in r[k]) for k in ("engine", "hf")}
+    tpot = {k: statistics.median(rate for rate, _ in r[k]) for k in ("engine", "hf", "int4")}
     # Wall clock: a whole generate minus a 1-token generate (same prompt), over n - 1 tokens.
     wall = {k: (n - 1) / (statistics.median(w for _, w in r[k])
                           - statistics.median(w for _, w in r[k + "_1"])) for k in ("engine", "hf")}
@@ -173,6 +179,10 @@ def measure_decode(llm: LLM, hf, sz: dict, bandwidth_gbs: float) -> dict:
         "bandwidth_bound_tokens_per_s": bound,
         "engine_fraction_of_bound": tpot["engine"] / bound,
         "transformers_fraction_of_bound": tpot["hf"] / bound,
+        "engine_int4_tokens_per_s": tpot["int4"],
+        "int4_over_float32": tpot["int4"] / tpot["engine"],
+        "int4_weights": f"{int4.weights} layers, int8 LM head, float32 embedding and norms "
+                        f"({int4.weight_bytes} bytes vs {llm.weight_bytes})",
     }
 
 
@@ -239,6 +249,7 @@ def targets(decode: dict, throughput: dict, quick: bool) -> dict:
         "throughput_ratio_ge_1.5": throughput["ratio"] >= TARGETS["throughput_ratio"],
         "engine_batch_scaling_ge_8": scaling >= TARGETS["engine_batch_scaling"],
         "engine_batch_scaling": scaling,
+        "int4_decode_ratio_ge_1.8": decode["int4_over_float32"] >= TARGETS["int4_decode_ratio"],
         "note": "quick run: smaller sizes than the targets assume" if quick else "full run",
     }
 
@@ -250,7 +261,10 @@ def run(model: str | None, quick: bool, threads: int) -> dict:
     llm, hf, path = load_models(model, threads)
     log("memory bandwidth")
     bw = memory_bandwidth(sz["bandwidth_mib"])
-    decode = measure_decode(llm, hf, sz, bw["memory_bandwidth_gbs"])
+    log("loading the engine again with int4 weights")
+    int4 = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=4096, weights="int4")
+    decode = measure_decode(llm, hf, sz, bw["memory_bandwidth_gbs"], int4)
+    int4.close()
     throughput = measure_throughput(llm, hf, sz)
     prefill = measure_prefill(llm, hf, sz)
     return {
@@ -258,7 +272,7 @@ def run(model: str | None, quick: bool, threads: int) -> dict:
         "model_path": path, "device": "cpu", "dtype": "float32",
         "torch_threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "machine": machine(), "sizes": sz, **bw,
+        "machine": machine(), "load_average_1_5_15_min": os.getloadavg(), "sizes": sz, **bw,
         "weight_bytes_per_token": llm.weight_bytes,
         "weight_bytes_assumption": "every weight tensor read once per batch-1 step, float32; the "
                                    "tied embedding counted once (the LM head reads all of it; the "

@@ -38,6 +38,7 @@ def iter_benchmark(llm, *, quick: bool = False) -> Iterator[BenchEvent]:
     """Run the benchmark step by step; close the iterator to stop it early."""
     sizes = _sizes(quick)
     result: dict = {"model": llm.model_name, "device": str(llm.device), "dtype": llm.dtype,
+                    "weights": llm.weights, "weight_bytes": llm.weight_bytes,
                     "quick": quick, "config": sizes}
     yield BenchEvent(0.0, f"prefill of {sizes['prefill_tokens']} tokens")
     result.update(measure_prefill(llm, sizes["prefill_tokens"]))

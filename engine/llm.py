@@ -18,6 +18,7 @@ from engine.devices import kv_budget_tokens, resolve_device, resolve_dtype
 from engine.kv_eviction import KVEvictor, KVState, parse_policy, resolve_budget
 from engine.model import LlamaModel
 from engine.prefix_cache import PrefixCache
+from engine.quantize import parse_weights
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler
@@ -72,17 +73,21 @@ class LLM:
                  progress: Callable[[float], None] | None = None,
                  speculative: str | SpecConfig | None = None,
                  prefix_caching: bool = False, kv_policy: str | None = None,
-                 kv_budget: int | float | None = None, cuda_graphs: bool = False) -> None:
+                 kv_budget: int | float | None = None, cuda_graphs: bool = False,
+                 weights: str = "float") -> None:
         """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled.
 
         `kv_policy` (none, streaming, h2o, scissorhands, snapkv) with `kv_budget` (tokens, or a
         fraction of each request's length) evicts KV entries; requests may override both.
         `cuda_graphs` replays decode-only steps from CUDA graphs (CUDA only).
+        `weights`: "float", "int8" or "int4[:g32|g64|g128]" weight-only quantization
+        (engine/quantize.py); a bad value raises WeightsError before anything is read.
         """
         if parse_policy(kv_policy) is not None:
             resolve_budget(kv_budget, 1 << 30, block_size)  # a bad budget fails before loading
         from engine.loader import load_checkpoint
 
+        weight_format = parse_weights(weights)
         self.device, self.fallback_reason = resolve_device(device)
         if cuda_graphs:
             check_device(self.device)  # before the weights load
@@ -95,7 +100,7 @@ class LLM:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.model = LlamaModel(self.config, ckpt.tensors, self.device, self._dtype,
-                                self.max_model_len, kernel_backend)
+                                self.max_model_len, kernel_backend, weight_format, ckpt.blocks)
         del ckpt
         self.block_size = block_size
         tokens = kv_cache_tokens or kv_budget_tokens(self.config, self.device, self._dtype,
@@ -139,6 +144,11 @@ class LLM:
     @property
     def dtype(self) -> str:
         return str(self._dtype).removeprefix("torch.")
+
+    @property
+    def weights(self) -> str:
+        """The weight format: "float", "int8", "int4:g32", ..."""
+        return self.model.weight_format.name
 
     @property
     def weight_bytes(self) -> int:

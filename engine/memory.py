@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.models import resolve_model
+from engine.quantize import parse_weights, quantized_weight_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BLOCK_SIZE = 16
@@ -43,30 +44,37 @@ class DeviceMemory:
 
 def estimate_memory(model: str | Path, dtype: str = "float32", context_tokens: int = 2048,
                     concurrency: int = 1, max_num_batched_tokens: int = 2048,
-                    device: str = "cpu") -> MemoryEstimate:
-    """Estimate from the model's header only: weights are dequantized to `dtype` at load."""
+                    device: str = "cpu", weights: str = "float") -> MemoryEstimate:
+    """Estimate from the model's header only: weights are dequantized to `dtype` at load, or
+    held in the `weights` format (engine/quantize.py)."""
     path = resolve_model(model)
     config, parameters = read_header(path, path.stat().st_mtime_ns)
     return estimate_for(config, parameters, dtype, context_tokens, concurrency,
-                        max_num_batched_tokens, device)
+                        max_num_batched_tokens, device, weights)
 
 
 def estimate_for(config: ModelConfig, parameters: int, dtype: str, context_tokens: int,
                  concurrency: int, max_num_batched_tokens: int = 2048,
-                 device: str = "cpu") -> MemoryEstimate:
+                 device: str = "cpu", weights: str = "float") -> MemoryEstimate:
     """The estimate for a known config and parameter count."""
     size = DTYPE_BYTES[dtype]
-    weights = parameters * size
-    if device == "cpu" and dtype == "float32" and config.tie_word_embeddings:
-        # The CPU engine keeps a oneDNN-packed copy of a tied LM head (kernels/onednn.py).
-        weights += config.vocab_size * config.hidden_size * size
+    weight_format = parse_weights(weights)
+    if weight_format.quantized:
+        # The CPU engine runs quantized matmuls through PyTorch's packed ops (kernels/quant.py).
+        weight_bytes = quantized_weight_bytes(config, parameters, size, weight_format,
+                                              packed=device == "cpu")
+    else:
+        weight_bytes = parameters * size
+        if device == "cpu" and dtype == "float32" and config.tie_word_embeddings:
+            # The CPU engine keeps a oneDNN-packed copy of a tied LM head (kernels/onednn.py).
+            weight_bytes += config.vocab_size * config.hidden_size * size
     per_token = config.kv_bytes_per_token(size)
     blocks = concurrency * -(-context_tokens // BLOCK_SIZE)
     # The widest activations of one step: the MLP's fused gate/up output plus float32 logits
     # for every sequence sampled.
     activations = (max_num_batched_tokens * 2 * config.intermediate_size * size
                    + concurrency * config.vocab_size * 4)
-    return MemoryEstimate(weights, blocks * BLOCK_SIZE * per_token, activations, parameters,
+    return MemoryEstimate(weight_bytes, blocks * BLOCK_SIZE * per_token, activations, parameters,
                           per_token)
 
 

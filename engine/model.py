@@ -8,21 +8,27 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, ModelError
+from engine.quantize import GGUFBlocks, WeightFormat, WeightQuantizer, parse_weights
 from engine.rope import cos_sin_tables, inv_frequencies
 from kernels import AttentionMetadata, ops_for
+from kernels.quant import QuantizedWeight
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's weights, with Q/K/V and gate/up fused into single matrices."""
+    """One decoder layer's weights, with Q/K/V and gate/up fused into single matrices.
+
+    The matmul weights are float tensors or, under a quantized weight format, whatever the
+    kernel table's prepare_linear made of them (its linear takes either).
+    """
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor | QuantizedWeight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | QuantizedWeight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | QuantizedWeight
+    down: torch.Tensor | QuantizedWeight
 
 
 class LlamaModel:
@@ -34,18 +40,25 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, max_positions: int,
-                 kernel_backend: str | None = None) -> None:
+                 kernel_backend: str | None = None, weights: str | WeightFormat | None = None,
+                 blocks: dict[str, GGUFBlocks] | None = None) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
         self.ops = ops_for(device.type, dtype, kernel_backend)
-        take = _Taker(tensors, device, dtype)
+        self.weight_format = parse_weights(weights)
+        quantizer = (WeightQuantizer(self.weight_format, blocks)
+                     if self.weight_format.quantized else None)
+        take = _Taker(tensors, device, dtype, quantizer)
         self.embed = take("model.embed_tokens.weight")
         self.layers = [_layer(take, config, i) for i in range(config.num_layers)]
         self.norm = take("model.norm.weight")
-        head = self.embed if "lm_head.weight" not in tensors else take("lm_head.weight")
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in take.kept)
+        head = take.head(self.embed)
         self._prepare_linears(head)
+        # Bytes held, as prepared: a tied head re-laid out or quantized is a second matrix
+        # beside the embedding (whose lookup needs the original).
+        self.weight_bytes = sum(_nbytes(w) for w in self._weights())
+        self.weights_from_gguf_blocks = 0 if quantizer is None else quantizer.from_blocks
         freq_factors = tensors.get("rope_freqs.weight")
         self.inv_freq = inv_frequencies(config, freq_factors).to(device)  # float32
         cos, sin = cos_sin_tables(self.inv_freq.cpu(), max_positions)
@@ -59,9 +72,13 @@ class LlamaModel:
             layer.qkv, layer.o = prep(layer.qkv), prep(layer.o)
             layer.gate_up, layer.down = prep(layer.gate_up), prep(layer.down)
         self.lm_head = prep(head)
-        if self.lm_head is not head and head is self.embed:
-            # A tied head re-laid out is a second copy: the embedding lookup needs the original.
-            self.weight_bytes += head.numel() * head.element_size()
+
+    def _weights(self) -> list:
+        held = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for layer in self.layers:
+            held += [layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.post_norm,
+                     layer.gate_up, layer.down]
+        return [w for w in held if w is not None]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -105,23 +122,46 @@ class _Taker:
     """Moves checkpoint tensors to the device and dtype, naming any that are missing."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quantizer: WeightQuantizer | None = None) -> None:
         self.tensors, self.device, self.dtype = tensors, device, dtype
-        self.kept: list[torch.Tensor] = []
+        self.quantizer = quantizer
 
     def __call__(self, *names: str) -> torch.Tensor:
+        self._check(names)
+        parts = [self.tensors[n] for n in names]
+        t = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+        return t.to(self.device, self.dtype).contiguous()
+
+    def linear(self, *names: str) -> torch.Tensor | QuantizedWeight:
+        """A matmul weight (rows of `names` stacked): float, or in the quantizer's format."""
+        if self.quantizer is None:
+            return self(*names)
+        self._check(names)
+        return self.quantizer.linear(names, self.tensors, self.device)
+
+    def head(self, embed: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+        """The LM head: the embedding when tied; quantized (int8) whenever the layers are."""
+        name = "lm_head.weight" if "lm_head.weight" in self.tensors else None
+        if self.quantizer is not None:
+            source = self.tensors[name or "model.embed_tokens.weight"]
+            return self.quantizer.head(source, self.device)
+        return embed if name is None else self(name)
+
+    def _check(self, names) -> None:
         missing = [n for n in names if n not in self.tensors]
         if missing:
             raise ModelError(f"The model file has no tensor '{missing[0]}': it is incomplete or "
                              "not a Llama-family checkpoint.")
-        parts = [self.tensors[n] for n in names]
-        t = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
-        t = t.to(self.device, self.dtype).contiguous()
-        self.kept.append(t)
-        return t
 
     def optional(self, *names: str) -> torch.Tensor | None:
         return self(*names) if all(n in self.tensors for n in names) else None
+
+
+def _nbytes(weight) -> int:
+    """Bytes of a float tensor, or of a quantized weight in whatever form it was prepared."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return weight.nbytes
 
 
 def _layer(take: _Taker, config: ModelConfig, i: int) -> LayerWeights:
@@ -129,10 +169,10 @@ def _layer(take: _Taker, config: ModelConfig, i: int) -> LayerWeights:
     attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
     return LayerWeights(
         input_norm=take(p + "input_layernorm.weight"),
-        qkv=take(*(a + ".weight" for a in attn)),
+        qkv=take.linear(*(a + ".weight" for a in attn)),
         qkv_bias=take.optional(*(a + ".bias" for a in attn)) if config.attention_bias else None,
-        o=take(p + "self_attn.o_proj.weight"),
+        o=take.linear(p + "self_attn.o_proj.weight"),
         post_norm=take(p + "post_attention_layernorm.weight"),
-        gate_up=take(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-        down=take(p + "mlp.down_proj.weight"),
+        gate_up=take.linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        down=take.linear(p + "mlp.down_proj.weight"),
     )

@@ -2,7 +2,10 @@
 
 Every op the model runs is looked up here, so a faster implementation (oneDNN linear layers on
 the CPU, Triton on CUDA) can replace the reference for one device without the model knowing.
-`SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere.
+`SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere. Each table's
+`prepare_linear` / `linear` also take weight-only quantized weights (kernels/quant.py): the
+reference dequantizes them per call, the oneDNN table runs PyTorch's packed int8 / int4 ops where
+they exist.
 """
 
 from __future__ import annotations
@@ -14,22 +17,41 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import onednn, reference
+from kernels import onednn, quant, reference
 from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 
 OPS = ("prepare_linear", "linear", "rms_norm", "rotary", "silu_and_mul", "store_kv",
        "paged_attention", "paged_attention_mass")
 
 
-def _table(name: str, **overrides) -> SimpleNamespace:
+def _table(name: str, prepare_quantized=None, **overrides) -> SimpleNamespace:
     ops = {op: getattr(reference, op) for op in OPS} | overrides
+    ops["prepare_linear"], ops["linear"] = _quant_aware(ops["prepare_linear"], ops["linear"],
+                                                        prepare_quantized)
     return SimpleNamespace(name=name, **ops)
+
+
+def _quant_aware(prepare, linear, prepare_quantized):
+    """prepare_linear / linear that also take a quantized weight, so the model never asks which
+    kind it holds: float tensors go to the table's own ops, quantized ones to their own matmul."""
+
+    def prepare_any(weight):
+        if isinstance(weight, quant.QuantizedWeight):
+            return weight if prepare_quantized is None else prepare_quantized(weight)
+        return prepare(weight)
+
+    def linear_any(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return linear(x, weight, bias)
+        return weight.linear(x, bias)
+
+    return prepare_any, linear_any
 
 
 _BACKENDS: dict[str, SimpleNamespace] = {"reference": _table("reference")}
 if onednn.available():
-    _BACKENDS["onednn"] = _table("onednn", prepare_linear=onednn.prepare_linear,
-                                 linear=onednn.linear)
+    _BACKENDS["onednn"] = _table("onednn", prepare_quantized=quant.prepare_packed,
+                                 prepare_linear=onednn.prepare_linear, linear=onednn.linear)
 # Importing triton takes a while and is only needed on CUDA: its table is built on first use.
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 

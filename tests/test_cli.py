@@ -181,3 +181,11 @@ def test_plan_evaluate_and_search_are_wired_in():
     assert r.returncode == 0, r.stderr
     found = json.loads(r.stdout)
     assert found["evaluated"] > 100 and found["candidates"]
+
+
+def test_bad_weights_is_one_clear_error(demo_gguf):
+    r = servescope("generate", "--model", str(demo_gguf), "--weights", "int3", "--prompt", "hi",
+                   "--json")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "Unknown weights format 'int3'" in json.loads(r.stdout)["error"]
+    assert len(r.stderr.strip().splitlines()) == 1

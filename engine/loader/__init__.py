@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +29,9 @@ class Checkpoint:
     source: Path
     name: str
     format: str
+    # GGUF only: quantized tensors' raw blocks by HF name (engine.quantize.GGUFBlocks), which
+    # weight-only quantization takes as they are instead of re-quantizing the floats.
+    blocks: dict = field(default_factory=dict, repr=False)
 
 
 def load_checkpoint(model: str | Path, dtype: torch.dtype | None = None,

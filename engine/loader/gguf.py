@@ -61,7 +61,8 @@ def load_gguf(path: Path, dtype: torch.dtype, progress=None):
     tensors = read_tensors(reader, config, path, dtype, progress)
     tokenizer = read_tokenizer(reader, path)
     name = path.stem.lower()
-    return Checkpoint(config, tensors, tokenizer, path, name, "gguf")
+    return Checkpoint(config, tensors, tokenizer, path, name, "gguf",
+                      blocks=read_blocks(reader, config))
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -222,6 +223,28 @@ def read_tensors(
         tensors[name] = torch.from_numpy(np.ascontiguousarray(array)).to(keep)
     _check_complete(tensors, config, path)
     return tensors
+
+
+def read_blocks(reader: gguf.GGUFReader, config: ModelConfig) -> dict:
+    """The raw Q8_0 / Q4_0 / Q4_1 rows of each 2-D tensor under its HF name (memory-mapped
+    views, Q/K rows in HF order), so weight-only quantization can take them code for code."""
+    from engine.quantize import GGUFBlocks
+    from kernels.quant import GGUF_KINDS
+
+    permuted = field(reader, "general.architecture") in _PERMUTED_ARCHITECTURES
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+    blocks = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        kind = tensor.tensor_type.name
+        if name is None or kind not in GGUF_KINDS or len(tensor.shape) != 2:
+            continue
+        rows = tensor.data  # [out, bytes per row]: a block row per output channel
+        proj = name.split(".")[-2]
+        if permuted and proj in heads:
+            rows = unpermute(rows, heads[proj])  # rows move whole, so the blocks move with them
+        blocks[name] = GGUFBlocks(kind, rows, int(tensor.shape[0]))
+    return blocks
 
 
 def _check_complete(tensors: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> None:

@@ -240,3 +240,16 @@ def test_speculative_choices_include_the_demo_draft_and_a_draft_file(make_window
     assert sum(combo.itemData(i) == f"draft:{draft}" for i in range(combo.count())) == 1
     # The file entry stays last, so choosing it again still opens the dialog.
     assert combo.itemData(combo.count() - 1) == "draft-file"
+
+
+def test_weights_choice_shows_the_memory_saved_and_loads_int4(make_window, qtbot,
+                                                              demo_gguf: Path) -> None:
+    window = make_window()
+    pane = window.pane("engine")
+    panel = pane.load_panel
+    assert pane.picker.add_path(str(demo_gguf))
+    assert "save" not in panel.estimate_label.text()
+    panel.weights_combo.setCurrentIndex(panel.weights_combo.findData("int4"))
+    assert "int4 weights save" in panel.estimate_label.text()
+    load_model(qtbot, window, demo_gguf)
+    assert "int4:g32 weights" in panel.status_label.text()

@@ -1,4 +1,5 @@
-"""Load panel: device, dtype and KV sizing, the memory estimate, and load / cancel / unload."""
+"""Load panel: device, dtype, weight format and KV sizing, the memory estimate, and load /
+cancel / unload."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ KV_POLICIES = (
     ("snapkv", "SnapKV", "The prompt compressed once at its end + a recent window"),
 )
 DRAFT_FILE = "draft-file"  # the speculative choice that asks for a draft model file
+# engine.quantize's formats (WEIGHT_CHOICES), named for the combo box.
+WEIGHT_LABELS = {"float": "float (as the dtype)", "int8": "int8, per channel",
+                 "int4": "int4, groups of 32", "int4:g64": "int4, groups of 64",
+                 "int4:g128": "int4, groups of 128"}
 
 
 def probe_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]:
@@ -71,6 +76,7 @@ class LoadPanel(QGroupBox):
         self.prefix_check = QCheckBox("Share prefixes")
         self.kv_policy_combo = QComboBox()
         self.kv_budget_edit = QLineEdit(placeholderText="budget: 512 or 0.2")
+        self.weights_combo = QComboBox()
         self.estimate_label = QLabel(wordWrap=True)
         self.load_button = QPushButton("Load")
         self.cancel_button = QPushButton("Cancel load")
@@ -90,6 +96,10 @@ class LoadPanel(QGroupBox):
         for dtype in DTYPES:
             self.dtype_combo.addItem("Auto (float32 on CPU, bf16 on GPU)" if dtype == "auto"
                                      else dtype, dtype)
+        for value, label in WEIGHT_LABELS.items():
+            self.weights_combo.addItem(label, value)
+        self.weights_combo.setToolTip("Weight-only quantization of the decoder's matmuls; the "
+                                      "embedding and norms stay float, the LM head is int8")
         self.context_spin.setSuffix(" tokens")
         self.context_spin.setToolTip("Longest conversation one request may hold (max_model_len)")
         self.concurrency_spin.setToolTip("Requests the KV cache must hold at full context at once")
@@ -113,7 +123,12 @@ class LoadPanel(QGroupBox):
                                        "fraction of its length (e.g. 0.2)")
         form = QFormLayout()
         form.addRow("Device", self.device_combo)
-        form.addRow("Dtype", self.dtype_combo)
+        # Dtype and weight format share a row: the window must still fit 760 px high.
+        precision = QHBoxLayout()
+        precision.addWidget(self.dtype_combo, 1)
+        precision.addWidget(QLabel("Weights"))
+        precision.addWidget(self.weights_combo, 1)
+        form.addRow("Dtype", precision)
         # Context and concurrency share a row, as do the KV options, to keep the panel short.
         sizing = QHBoxLayout()
         sizing.addWidget(self.context_spin)
@@ -153,6 +168,7 @@ class LoadPanel(QGroupBox):
         self._select(self.kv_policy_combo, s.get("engine/kv_policy"))
         self.kv_budget_edit.setText(s.get("engine/kv_budget"))
         self._enable_budget()
+        self._select(self.weights_combo, s.get("engine/weights"))
 
     def _connect(self) -> None:
         self.device_combo.currentIndexChanged.connect(self._on_choice_changed)
@@ -163,6 +179,7 @@ class LoadPanel(QGroupBox):
         self.prefix_check.toggled.connect(self._on_choice_changed)
         self.kv_policy_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.kv_budget_edit.textChanged.connect(self._on_choice_changed)
+        self.weights_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.load_button.clicked.connect(self.request_load)
         self.cancel_button.clicked.connect(self.cancel_requested)
         self.unload_button.clicked.connect(self.request_unload)
@@ -200,7 +217,8 @@ class LoadPanel(QGroupBox):
                            self.dtype_combo.currentData(), self.context_spin.value(),
                            self.concurrency_spin.value(), self.spec_combo.currentData(),
                            self.prefix_check.isChecked(), policy,
-                           self._kv_budget() if policy != "none" else None)
+                           self._kv_budget() if policy != "none" else None,
+                           self.weights_combo.currentData())
 
     def request_load(self) -> None:
         """Ask for a load, unless the estimate shows the model cannot fit at all."""
@@ -269,6 +287,7 @@ class LoadPanel(QGroupBox):
         s.set("engine/prefix_caching", self.prefix_check.isChecked())
         s.set("engine/kv_policy", self.kv_policy_combo.currentData())
         s.set("engine/kv_budget", self.kv_budget_edit.text().strip())
+        s.set("engine/weights", self.weights_combo.currentData())
 
     def shutdown(self) -> None:
         """Stop the device probe (flag, quit, wait)."""
@@ -326,11 +345,14 @@ class LoadPanel(QGroupBox):
             target = self._target_device()
             request = self.current_request()
             # Under an eviction budget each request holds at most budget + a prefill chunk.
-            self._estimate = estimate_memory(
-                self._model, dtype=self._estimate_dtype(),
-                context_tokens=request.kv_tokens_per_request(), concurrency=request.concurrency,
-                max_num_batched_tokens=request.max_num_batched_tokens(),
-                device="cpu" if target is None else target.kind)
+            kwargs = dict(dtype=self._estimate_dtype(),
+                          context_tokens=request.kv_tokens_per_request(),
+                          concurrency=request.concurrency,
+                          max_num_batched_tokens=request.max_num_batched_tokens(),
+                          device="cpu" if target is None else target.kind)
+            weights = self.weights_combo.currentData()
+            self._estimate = estimate_memory(self._model, weights=weights, **kwargs)
+            float_weights = estimate_memory(self._model, **kwargs).weight_bytes
         except Exception as exc:  # an unreadable header is reported here and again on load
             self.estimate_label.setText(f"No estimate: {exc}")
             return
@@ -338,10 +360,14 @@ class LoadPanel(QGroupBox):
         e = self._estimate
         detail = (f"weights {format_bytes(e.weight_bytes)} + KV cache {format_bytes(e.kv_bytes)}"
                   f" + activations {format_bytes(e.activation_bytes)}")
+        saving = ""
+        if float_weights > e.weight_bytes:
+            saving = (f"\n{weights} weights save {format_bytes(float_weights - e.weight_bytes)} "
+                      "against float")
         colour = {"ok": "", "warning": LEVEL_COLOURS[current_theme()]["warning"][1],
                   "error": LEVEL_COLOURS[current_theme()]["error"][1]}[level]
         self.estimate_label.setStyleSheet(f"color: {colour};" if colour else "")
-        self.estimate_label.setText(f"{sentence}\n({detail})")
+        self.estimate_label.setText(f"{sentence}\n({detail}){saving}")
 
     def _estimate_dtype(self) -> str:
         dtype = self.dtype_combo.currentData()

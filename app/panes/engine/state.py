@@ -23,6 +23,7 @@ class LoadRequest:
     prefix_caching: bool = False
     kv_policy: str = "none"
     kv_budget: int | float | None = None  # tokens, or a fraction of each request's length
+    weights: str = "float"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -39,6 +40,7 @@ class LoadRequest:
             "kv_cache_tokens": self.kv_tokens_per_request() * self.concurrency,
             "speculative": None if self.speculative == "off" else self.speculative,
             "prefix_caching": self.prefix_caching,
+            "weights": self.weights,
         }
         if self.kv_policy != "none":
             kwargs |= {"kv_policy": self.kv_policy, "kv_budget": self.kv_budget,
@@ -84,6 +86,7 @@ class EngineInfo:
     prefix_caching: bool = False
     kv_policy: str = "none"
     kv_budget: int | float | None = None
+    weights: str = "float"
 
     @classmethod
     def from_llm(cls, llm: Any, load_s: float) -> EngineInfo:
@@ -91,7 +94,8 @@ class EngineInfo:
         return cls(str(llm.model_name), str(llm.device), str(llm.dtype), llm.fallback_reason,
                    int(llm.num_kv_blocks), int(llm.block_size), int(llm.weight_bytes),
                    int(llm.kv_cache_bytes), load_s, llm.prefix_cache is not None,
-                   llm.kv_policy or "none", llm.kv_budget)
+                   llm.kv_policy or "none", llm.kv_budget,
+                   str(getattr(llm, "weights", "float")))
 
     def summary(self) -> str:
         """One line for the pane: memory actually used, the KV options and the load time."""
@@ -100,7 +104,8 @@ class EngineInfo:
             kv.append("prefix caching")
         if self.kv_policy != "none":
             kv.append(f"{self.kv_policy} eviction (budget {self.kv_budget})")
-        return (f"{self.model_name} on {self.device} ({self.dtype}): weights "
+        return (f"{self.model_name} on {self.device} ({self.dtype}, {self.weights} weights): "
+                "weights "
                 f"{format_bytes(self.weight_bytes)}, KV cache {format_bytes(self.kv_cache_bytes)} "
                 f"({self.num_kv_blocks} blocks of {self.block_size} tokens"
                 f"{''.join(', ' + k for k in kv)}), loaded in {self.load_s:.1f} s")
