@@ -77,6 +77,15 @@ def test_bench_quick_json(demo_gguf, tmp_path):
     assert json.loads(saved[-1])["ttft_ms"] == out["ttft_ms"]
 
 
+def _default_sigint() -> None:
+    """In the server's process: Ctrl+C's default action. A shell starts background jobs with
+    SIGINT ignored, and a child inherits that, so a test suite run in the background would
+    otherwise send a SIGINT the server never sees."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_serve_answers_over_http_and_stops_on_sigint(demo_gguf):
     import re
     import signal
@@ -85,7 +94,7 @@ def test_serve_answers_over_http_and_stops_on_sigint(demo_gguf):
 
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(demo_gguf),
                              "--port", "0", "--kv-cache-tokens", "1024"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     try:
         url = None
         for line in proc.stderr:
@@ -152,7 +161,7 @@ def test_serve_with_kv_policy_counts_evictions_on_metrics(demo_gguf):
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(demo_gguf),
                              "--port", "0", "--kv-cache-tokens", "1024", "--kv-policy",
                              "scissorhands", "--kv-budget", "32"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     try:
         url = next(m.group(1) for line in proc.stderr
                    if (m := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)))

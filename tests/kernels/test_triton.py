@@ -274,7 +274,11 @@ def test_dispatch_offers_triton_and_keeps_the_reference_on_the_cpu(monkeypatch):
     ops = kernels.ops_for("cpu", torch.float32, "triton")
     assert ops.name == "triton"
     assert ops.paged_attention.__module__ == "kernels.triton_ops"
-    assert ops.linear is reference.linear  # matmuls stay with cuBLAS through torch
+    # Matmuls stay with cuBLAS through torch: float weights are used as they are, not re-laid
+    # out, and the product is torch's.
+    w, x = torch.randn(5, 7), torch.randn(3, 7)
+    assert ops.prepare_linear(w) is w
+    torch.testing.assert_close(ops.linear(x, w), reference.linear(x, w))
 
 
 def test_demo_model_layers_give_the_reference_logits_with_triton_kernels(demo_checkpoint):
