@@ -61,7 +61,7 @@ def sweep(model: str, ids: list[int], prompt_len: int) -> dict:
 
 
 def streaming_past_context(model: str, ids: list[int], context: int) -> dict:
-    budget, prompt_len, window = context // 2, context // 4, 512
+    budget, prompt_len, window = context // 2, context // 4, context // 2
     llm = LLM(model, device="cpu", max_model_len=context, max_num_batched_tokens=context // 4,
               kv_cache_tokens=context * 4)
     start = time.perf_counter()
@@ -86,7 +86,7 @@ def streaming_past_context(model: str, ids: list[int], context: int) -> dict:
             "seconds": time.perf_counter() - start,
             "full_cache_perplexity_within_context": fits.perplexity,
             "streaming_perplexity_within_context": stream[1].perplexity,
-            "streaming_perplexity_per_512_tokens": windows,
+            "window_tokens": window, "streaming_perplexity_per_window": windows,
             "streaming_perplexity_whole_text": math.exp(-sum(lps) / len(lps)),
             "last_window_over_full_cache": windows[-1] / fits.perplexity,
             "kv_tokens_held_max": max(held), "kv_tokens_held_at_end": held[-1],
