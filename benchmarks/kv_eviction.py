@@ -7,7 +7,7 @@ one at a time with the true token forced in. Every (policy, budget) runs in the 
 the full cache, so each row's perplexity, top-1 agreement and KV memory are ratios against the
 full cache of the same run. Part 2 (`streaming_past_context`): an engine whose context is 1,024
 tokens reads the same 3,072 tokens (3x its context) with StreamingLLM at a 512-token budget;
-perplexity per 512-token window of the continuation (stable = no blow-up) and the KV tokens
+perplexity per half-context window of the continuation (stable = no blow-up) and the KV tokens
 held (constant), against the full cache's perplexity on the part that fits in the context.
 Run: python benchmarks/kv_eviction.py [--quick]
 """
