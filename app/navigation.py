@@ -44,6 +44,21 @@ class Pane(Protocol):
         """Stop every thread the pane owns (flag, quit, wait)."""
 
 
+class PageMixin:
+    """The Pane protocol's widget() and menu_actions() for a pane that is its own page and keeps
+    its menu actions in `_actions` (every pane here)."""
+
+    _actions: list[QAction]
+
+    def widget(self) -> QWidget:
+        """The pane's page: the pane itself."""
+        return self
+
+    def menu_actions(self) -> list[QAction]:
+        """The pane's menu actions, with their shortcuts."""
+        return self._actions
+
+
 class NavigationRail(QListWidget):
     """A vertical list of pane titles driving a stacked widget."""
 

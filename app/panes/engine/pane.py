@@ -7,7 +7,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QHBoxLayout, QTabWidget, QVBoxLayout, QWidget
 
 from app.engine_host import EngineHost
-from app.navigation import make_actions
+from app.navigation import PageMixin, make_actions
 from app.panes.engine.bench import BenchPanel
 from app.panes.engine.chat import ChatPanel
 from app.panes.engine.live_view import LiveView
@@ -17,7 +17,7 @@ from app.panes.engine.state import EngineInfo
 from app.settings import Settings
 
 
-class EnginePane(QWidget):
+class EnginePane(PageMixin, QWidget):
     """The local engine's page: model picker, load panel, live view, chat and benchmark tabs."""
 
     pane_id = "engine"
@@ -85,14 +85,6 @@ class EnginePane(QWidget):
         return make_actions(self, specs)
 
     # ---- Pane protocol
-    def widget(self) -> QWidget:
-        """The pane's page."""
-        return self
-
-    def menu_actions(self) -> list[QAction]:
-        """The Engine menu, with shortcuts."""
-        return self._actions
-
     def start(self) -> None:
         """After the window shows: list models, find devices, read earlier benchmark results."""
         self.picker.refresh()

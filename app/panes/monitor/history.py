@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.navigation import make_actions
+from app.navigation import PageMixin, make_actions
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import fmt, table_csv
 from app.workers import TaskRunner
@@ -64,7 +64,7 @@ def compare_rows(a: dict, b: dict) -> list[list[str]]:
     return rows
 
 
-class HistoryPane(QWidget):
+class HistoryPane(PageMixin, QWidget):
     """Past runs from the database; select two to compare them."""
 
     pane_id = "history"
@@ -115,14 +115,6 @@ class HistoryPane(QWidget):
         return actions
 
     # ---- Pane protocol
-    def widget(self) -> QWidget:
-        """The pane's page."""
-        return self
-
-    def menu_actions(self) -> list[QAction]:
-        """The History menu."""
-        return self._actions
-
     def start(self) -> None:
         """Start the shared monitor and list the stored runs."""
         self.service.start()

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.navigation import make_actions
+from app.navigation import PageMixin, make_actions
 from app.panes.monitor.charts import ChartView
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import CHARTS, LIVE_ONLY_S, WINDOWS, chart_series, merge_history
@@ -40,7 +40,7 @@ class ServiceBridge(QObject):
     database = Signal()  # the database opened, or failed to
 
 
-class MonitorPane(QWidget):
+class MonitorPane(PageMixin, QWidget):
     """Live charts of GPUs, the engine and remote servers; older data from the database."""
 
     pane_id = "monitor"
@@ -128,14 +128,6 @@ class MonitorPane(QWidget):
         ))
 
     # ---- Pane protocol
-    def widget(self) -> QWidget:
-        """The pane's page."""
-        return self
-
-    def menu_actions(self) -> list[QAction]:
-        """The Monitor menu."""
-        return self._actions
-
     def start(self) -> None:
         """Open the database, start the hub and begin refreshing the charts."""
         self.service.start()

@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.navigation import make_actions
+from app.navigation import PageMixin, make_actions
 from app.panes.monitor.loadtest import LoadTestDialog
 from app.panes.monitor.service import MonitorService, test_connection
 from app.panes.monitor.state import API_METRICS, API_PROMETHEUS, ServerEntry, fmt
@@ -78,7 +78,7 @@ class ServerDialog(QDialog):
                            self.job.text().strip() if api == API_PROMETHEUS else "")
 
 
-class ServersPane(QWidget):
+class ServersPane(PageMixin, QWidget):
     """The remote servers the monitor watches, with their kind, status and last error."""
 
     pane_id = "servers"
@@ -126,14 +126,6 @@ class ServersPane(QWidget):
         return actions
 
     # ---- Pane protocol
-    def widget(self) -> QWidget:
-        """The pane's page."""
-        return self
-
-    def menu_actions(self) -> list[QAction]:
-        """The Servers menu."""
-        return self._actions
-
     def start(self) -> None:
         """Start the shared monitor and show the saved servers."""
         self.service.start()

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.navigation import make_actions
+from app.navigation import PageMixin, make_actions
 from app.panes.planner.charts import ChartView
 from app.panes.planner.figures import ChartSpec, all_charts
 from app.panes.planner.form import WorkloadForm
@@ -53,7 +53,7 @@ PRESENTATION_SCALE = 1.8
 CHART_KEYS = ("pareto", "ttft", "tpot", "day_cost", "memory")
 
 
-class PlannerPane(QWidget):
+class PlannerPane(PageMixin, QWidget):
     """Sizes a deployment for a workload and presents it: ranking, charts, what-ifs, report."""
 
     pane_id = "planner"
@@ -203,14 +203,6 @@ class PlannerPane(QWidget):
         return make_actions(self, specs)
 
     # ---- Pane protocol
-    def widget(self) -> QWidget:
-        """The pane's page."""
-        return self
-
-    def menu_actions(self) -> list[QAction]:
-        """The Planner menu, with shortcuts."""
-        return self._actions
-
     def start(self) -> None:
         """After the window shows: report a broken catalog, or rank the saved workload."""
         if self._catalog_error:
