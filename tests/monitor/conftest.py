@@ -11,16 +11,15 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 
-class TextServer(ThreadingHTTPServer):
-    """Serves `body` with `status` on every GET; optionally demands a bearer token or stalls."""
+class LocalServer(ThreadingHTTPServer):
+    """A real HTTP server on 127.0.0.1 (a free port), serving from a daemon thread."""
 
     daemon_threads = True
 
-    def __init__(self, body: str = "", status: int = 200, token: str | None = None,
-                 delay_s: float = 0.0) -> None:
-        super().__init__(("127.0.0.1", 0), _TextHandler)
-        self.body, self.status, self.token, self.delay_s = body, status, token, delay_s
-        self.auth_headers: list[str | None] = []
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(("127.0.0.1", 0), handler)
+
+    def serve_in_background(self) -> None:
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
@@ -32,11 +31,24 @@ class TextServer(ThreadingHTTPServer):
         self.server_close()
 
 
-class _TextHandler(BaseHTTPRequestHandler):
-    server: TextServer
-
+class QuietHandler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:  # keep test output quiet
         pass
+
+
+class TextServer(LocalServer):
+    """Serves `body` with `status` on every GET; optionally demands a bearer token or stalls."""
+
+    def __init__(self, body: str = "", status: int = 200, token: str | None = None,
+                 delay_s: float = 0.0) -> None:
+        super().__init__(_TextHandler)
+        self.body, self.status, self.token, self.delay_s = body, status, token, delay_s
+        self.auth_headers: list[str | None] = []
+        self.serve_in_background()
+
+
+class _TextHandler(QuietHandler):
+    server: TextServer
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         srv = self.server
@@ -79,33 +91,20 @@ def fuzz_servers():
     bad.close()
 
 
-class PromApi(ThreadingHTTPServer):
+class PromApi(LocalServer):
     """Answers /api/v1/query from `answers` and /api/v1/query_range from `ranges` (expression
     -> JSON body text), as Prometheus does."""
 
-    daemon_threads = True
-
     def __init__(self, answers: dict[str, str], ranges: dict[str, str] | None = None) -> None:
-        super().__init__(("127.0.0.1", 0), _PromApiHandler)
+        super().__init__(_PromApiHandler)
         self.answers = answers
         self.ranges = ranges or {}
         self.seen: list[dict[str, list[str]]] = []
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_port}"
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
+        self.serve_in_background()
 
 
-class _PromApiHandler(BaseHTTPRequestHandler):
+class _PromApiHandler(QuietHandler):
     server: PromApi
-
-    def log_message(self, *args) -> None:  # keep test output quiet
-        pass
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         parts = urlsplit(self.path)

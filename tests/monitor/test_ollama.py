@@ -8,13 +8,12 @@ with the JSON shapes of its API reference; our client code runs unchanged agains
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from monitor.ollama import NOT_PROVIDED
 from monitor.remote import PrometheusSource, ServerConfig
+from tests.monitor.conftest import LocalServer, QuietHandler
 
 GIB = 2**30
 # Shaped after docs/api.md "List Running Models" of ollama/ollama.
@@ -31,27 +30,18 @@ PS = {"models": [
 ]}
 
 
-class OllamaLike(ThreadingHTTPServer):
+class OllamaLike(LocalServer):
     """Answers Ollama's GET endpoints from `routes` (path -> body); anything else is 404."""
 
-    daemon_threads = True
-
     def __init__(self, routes: dict[str, str]) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(_Handler)
         self.routes = routes
         self.paths: list[str] = []
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_port}"
+        self.serve_in_background()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     server: OllamaLike
-
-    def log_message(self, *args) -> None:
-        pass
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self.server.paths.append(self.path)
@@ -75,8 +65,7 @@ def ollama_server():
 
     yield start
     for server in servers:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def _values(poll) -> dict[str, float]:
