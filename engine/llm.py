@@ -83,7 +83,8 @@ class LLM:
         `weights`: "float", "int8" or "int4[:g32|g64|g128]" weight-only quantization
         (engine/quantize.py); a bad value raises WeightsError before anything is read.
         """
-        if parse_policy(kv_policy) is not None:
+        engine_policy = parse_policy(kv_policy)
+        if engine_policy is not None:
             resolve_budget(kv_budget, 1 << 30, block_size)  # a bad budget fails before loading
         from engine.loader import load_checkpoint
 
@@ -118,7 +119,7 @@ class LLM:
         self.kv_policy, self.kv_budget = kv_policy, kv_budget
         self.evictor = KVEvictor(self.runner, self.block_manager)
         self.max_num_batched_tokens = max(max_num_batched_tokens, block_size)
-        if parse_policy(kv_policy) is not None:
+        if engine_policy is not None:
             self._check_policy_allowed()
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()

@@ -11,6 +11,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
 from kernels import AttentionMetadata, PrefillChunk
+from kernels.reference import rotate_half
 
 
 @dataclass
@@ -108,9 +109,7 @@ class ModelRunner:
         angles = delta.float().unsqueeze(-1) * self.model.inv_freq
         angles = torch.cat((angles, angles), dim=-1)
         kf = k.float()
-        half = k.shape[-1] // 2
-        rotated = torch.cat((-kf[..., half:], kf[..., :half]), dim=-1)
-        return (kf * angles.cos() + rotated * angles.sin()).to(k.dtype)
+        return (kf * angles.cos() + rotate_half(kf) * angles.sin()).to(k.dtype)
 
     def _inputs(self, items: list[RunItem]) -> tuple[torch.Tensor, torch.Tensor, list]:
         ids: list[int] = []
