@@ -72,6 +72,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", default=None,
                    help="KV entries each request keeps under --kv-policy: tokens (512) or a "
                         "fraction of the request's length (0.2)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps from CUDA graphs (CUDA only)")
+    p.add_argument("--compile", action="store_true",
+                   help="run decode steps through torch.compile (CUDA only)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache storage: auto (the model's dtype), int8 or fp8 (e4m3), with "
+                        "a scale per token and KV head")
 
 
 # ---- models ----
@@ -159,16 +166,18 @@ def _generate_parser(sub) -> None:
 
 def _load(args, **engine_kwargs):
     from engine import LLM
-    from engine.kv_options import parse_kv_budget
+    from engine.kv_options import parse_kv_budget, parse_kv_cache_dtype
     from engine.models import DEMO_MODEL, fetch_demo_model
 
-    kv_budget = parse_kv_budget(args.kv_budget)  # a bad value fails before the model loads
+    kv_budget = parse_kv_budget(args.kv_budget)  # bad values fail before the model loads
+    kv_cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype)
     if args.model == DEMO_MODEL:
         fetch_demo_model()
     t = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative=args.spec,
               prefix_caching=args.prefix_caching, kv_policy=args.kv_policy,
-              kv_budget=kv_budget, weights=args.weights, **engine_kwargs)
+              kv_budget=kv_budget, weights=args.weights, kv_cache_dtype=kv_cache_dtype,
+              cuda_graphs=args.cuda_graphs, torch_compile=args.compile, **engine_kwargs)
     print(f"loaded {llm.model_name} on {llm.device} ({llm.dtype}, {llm.weights} weights) in "
           f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
     if llm.fallback_reason:
@@ -205,8 +214,10 @@ def _generate(args) -> int:
 
 
 def _kv_report(llm) -> dict:
-    """The KV options in force and what they did: tokens evicted, prefix-cache hit rate."""
-    return {"kv_policy": llm.kv_policy or "none", "kv_budget": llm.kv_budget,
+    """The KV options in force and what they did: pool size, tokens evicted, prefix-cache hit
+    rate."""
+    return {"kv_cache_dtype": llm.kv_cache_dtype, "kv_cache_bytes": llm.kv_cache_bytes,
+            "kv_policy": llm.kv_policy or "none", "kv_budget": llm.kv_budget,
             "kv_tokens_evicted": llm.evictor.tokens_evicted,
             "prefix_caching": llm.prefix_cache is not None,
             "prefix_cache_hit_rate": None if llm.prefix_cache is None

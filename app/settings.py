@@ -23,6 +23,7 @@ DEFAULTS: dict[str, Any] = {
     "engine/kv_policy": "none",
     "engine/kv_budget": "",
     "engine/weights": "float",
+    "engine/kv_cache_dtype": "auto",
     "chat/system_prompt": "You are a helpful assistant.",
     "chat/temperature": 0.7,
     "chat/top_p": 0.95,

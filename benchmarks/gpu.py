@@ -4,8 +4,9 @@ Prints ONE JSON object:
 - the device-to-device copy bandwidth of this GPU;
 - batch-1 / 16 / 64 decode tokens/s of the demo model in float16 (and int8 / int4 weights when
   this engine's LLM takes `weights=`), each as a fraction of the bandwidth bound, with the
-  Triton kernels, with them and CUDA graphs, and, as the same-run baseline, the torch reference
-  kernels; and how many of 16 greedy outputs each variant shares with the reference;
+  Triton kernels, with them and CUDA graphs, with torch.compile inside the graphs, with an int8
+  and an fp8 KV cache, and, as the same-run baseline, the torch reference kernels; and how many
+  of 16 greedy outputs each variant shares with the reference;
 - the same decode with transformers' `generate` on the same weights;
 - Triton attention kernel timings against PyTorch's scaled_dot_product_attention on dense
   K/V (and against the reference's gather + SDPA), with the largest difference in their outputs.
@@ -102,7 +103,8 @@ def bandwidth_bound(llm: LLM, batch: int, new: int, bandwidth_gbs: float) -> flo
     """Tokens/s if each decode step only read the weights once and every sequence's keys and
     values once (the mean context of the run), at the measured bandwidth."""
     mean_context = PROMPT_TOKENS + new / 2
-    kv_bytes = batch * mean_context * llm.config.kv_bytes_per_token(llm.model.dtype.itemsize)
+    per_token = llm.kv_cache_bytes // (llm.num_kv_blocks * llm.block_size)  # int8/fp8: smaller
+    kv_bytes = batch * mean_context * per_token
     return batch * bandwidth_gbs * 1e9 / (llm.weight_bytes + kv_bytes)
 
 
@@ -114,6 +116,8 @@ class Variant:
     precision: str  # float16, or int8 / int4 weights
     kernels: str
     cuda_graphs: bool
+    torch_compile: bool = False
+    kv_cache_dtype: str = "auto"
 
 
 def variants() -> tuple[list[Variant], list[str]]:
@@ -133,6 +137,13 @@ def variants() -> tuple[list[Variant], list[str]]:
         chosen += [Variant(f"{p}_triton{suffix}", p, "triton", graphs) for p in ("int8", "int4")]
     else:
         skipped.append("LLM(weights=...) is not in this engine: int8 / int4 weights skipped")
+    if "torch_compile" in params:
+        chosen.append(Variant(f"float16_triton_compile{suffix}", "float16", "triton", graphs,
+                              torch_compile=True))
+    if "kv_cache_dtype" in params:
+        fp8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+        chosen += [Variant(f"float16_triton{suffix}_{kv}_kv", "float16", "triton", graphs,
+                           kv_cache_dtype=kv) for kv in ("int8", "fp8") if kv == "int8" or fp8]
     return chosen, skipped
 
 
@@ -140,6 +151,10 @@ def open_engine(path: Path, variant: Variant, sz: dict) -> LLM:
     kwargs = {} if variant.precision == "float16" else {"weights": variant.precision}
     if variant.cuda_graphs:
         kwargs["cuda_graphs"] = True
+    if variant.torch_compile:
+        kwargs["torch_compile"] = True
+    if variant.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = variant.kv_cache_dtype
     tokens = max(BATCHES) * (PROMPT_TOKENS + sz["new_tokens"] + 16)
     return LLM(str(path), device=DEVICE, dtype="float16", max_num_seqs=max(BATCHES),
                kv_cache_tokens=tokens, kernel_backend=variant.kernels, **kwargs)
@@ -147,7 +162,8 @@ def open_engine(path: Path, variant: Variant, sz: dict) -> LLM:
 
 def engine_decode(llm: LLM, prompts: dict[int, list[list[int]]], sz: dict,
                   bandwidth_gbs: float) -> dict:
-    result = {"kernels": llm.model.ops.name, "weight_bytes": llm.weight_bytes}
+    result = {"kernels": llm.model.ops.name, "weight_bytes": llm.weight_bytes,
+              "kv_cache_dtype": getattr(llm, "kv_cache_dtype", "auto")}
     for batch in BATCHES:
         log(f"engine {result['kernels']} kernels: batch {batch}")
         rate = decode_rate(lambda n, p=prompts[batch]: llm.generate(p, greedy(n)), batch,

@@ -1,9 +1,12 @@
-"""Weight-only quantization quality on the demo model: perplexity, greedy agreement, memory.
+"""Quantization quality on the demo model: weights and KV cache; perplexity, greedy agreement,
+memory.
 
 Perplexity of float32, int8 and int4 (groups of 32 / 64 / 128) weights over Chapter I of
 "Alice's Adventures in Wonderland" (Lewis Carroll, 1865; public domain, Project Gutenberg
 eBook #11; benchmarks/data/alice_chapter1.txt, ~2,900 tokens) in one pass; greedy replies of
-each quantized engine against float32 on the same chat prompts; weight bytes of each.
+each quantized engine against float32 on the same chat prompts; weight bytes of each. Then the
+same for an int8 and an fp8 KV cache (float32 weights) against the float32 cache, with the KV
+bytes per token and the decode throughput of concurrent long requests in the same run.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench import machine  # noqa: E402
+from engine.bench import machine, measure_throughput  # noqa: E402
 
 TEXT = _HERE / "data" / "alice_chapter1.txt"
 FORMATS = ("float", "int8", "int4:g32", "int4:g64", "int4:g128")
@@ -33,6 +36,7 @@ TARGETS = {"int8": 0.02, "int4:g32": 0.08}  # perplexity within this fraction of
 # The same formats through the reference kernels (dequantize, then a float32 matmul): what the
 # packed ops' bfloat16 activations cost, apart from the weights themselves.
 REFERENCE_RUNS = ("int8", "int4:g32")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 PROMPTS = (
     "What is the capital of France?",
     "Name three primary colours.",
@@ -89,17 +93,21 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def measure(model: str, fmt: str, text: str, max_text_tokens: int | None,
-            prompts: tuple[str, ...], tokens: int,
-            backend: str | None = None) -> tuple[dict, list[list[int]], int]:
-    log(f"{fmt}: loading" + (f" with the {backend} kernels" if backend else ""))
+            prompts: tuple[str, ...], tokens: int, backend: str | None = None,
+            kv_cache_dtype: str = "auto",
+            dtype: str = "float32") -> tuple[dict, list[list[int]], int]:
+    log(f"{fmt}: loading" + (f" with the {backend} kernels" if backend else "")
+        + (f" and an {kv_cache_dtype} KV cache" if kv_cache_dtype != "auto" else ""))
     start = time.perf_counter()
-    llm = LLM(model, device="cpu", dtype="float32", weights=fmt, kv_cache_tokens=8192,
-              kernel_backend=backend)
+    llm = LLM(model, device="cpu", dtype=dtype, weights=fmt, kv_cache_tokens=8192,
+              kernel_backend=backend, kv_cache_dtype=kv_cache_dtype)
     ids = llm.tokenizer.encode(text)[:max_text_tokens]
     row = {"weights": llm.weights, "load_s": time.perf_counter() - start,
            "weight_bytes": llm.weight_bytes,
            "matrices_from_gguf_blocks": llm.model.weights_from_gguf_blocks,
-           "linear_kernel": type(llm.model.layers[0].qkv).__name__}
+           "linear_kernel": type(llm.model.layers[0].qkv).__name__,
+           "kv_cache_dtype": llm.kv_cache_dtype,
+           "kv_bytes_per_token": llm.kv_cache_bytes // (llm.num_kv_blocks * llm.block_size)}
     log(f"{fmt}: perplexity over {len(ids)} tokens")
     row.update(perplexity(llm, ids))
     log(f"{fmt}: greedy replies to {len(prompts)} prompts")
@@ -134,8 +142,15 @@ def run(model: str | None, quick: bool) -> dict:
         row["perplexity_vs_float32"] = row["perplexity"] / base["perplexity"]
         row["greedy_vs_float32"] = agreement(fmt_replies, replies["float"])
         reference[fmt] = row
+    # How sensitive greedy agreement is: bfloat16 weights and activations, no quantization.
+    row, bf16_replies, _ = measure(path, "float", text, 512 if quick else None, prompts, tokens,
+                                   "reference", dtype="bfloat16")
+    row["perplexity_vs_float32"] = row["perplexity"] / base["perplexity"]
+    row["greedy_vs_float32"] = agreement(bf16_replies, replies["float"])
+    kv = kv_cache_rows(path, text, 512 if quick else None, prompts, tokens, replies["float"],
+                       base, quick)
     return {
-        "benchmark": "weight_only_quantization", "quick": quick, "model_path": path,
+        "benchmark": "quantization", "quick": quick, "model_path": path,
         "device": "cpu", "activations": "float32 (bfloat16 inside the packed int8/int4 ops)",
         "machine": machine(), "load_average_1_5_15_min": os.getloadavg(),
         "text": {"file": str(TEXT.relative_to(_HERE.parent)), "tokens": text_tokens,
@@ -145,13 +160,47 @@ def run(model: str | None, quick: bool) -> dict:
                    "method": "chat template, temperature 0, token ids compared with float32's"},
         "formats": rows,
         "float32_activations_reference_kernels": reference,
+        "bfloat16_unquantized_baseline": row,
         "lm_head": "int8 per output channel under every quantized format; embedding and norms "
                    "float32",
+        "kv_cache": kv,
         "targets": {f"{fmt}_perplexity_within_{int(limit * 100)}pct":
                     rows[fmt]["perplexity_vs_float32"] <= 1 + limit
                     for fmt, limit in TARGETS.items()},
         "finished_at": time.time(),
     }
+
+
+def kv_cache_rows(path: str, text: str, max_text_tokens: int | None, prompts: tuple[str, ...],
+                  tokens: int, float_replies: list[list[int]], base: dict, quick: bool) -> dict:
+    """Each KV cache dtype with float32 weights: quality against the float32 cache (the float
+    weights' row above: the same engine), memory per token, and concurrent decode speed."""
+    rows = {"auto": {k: base[k] for k in ("perplexity", "kv_cache_dtype", "kv_bytes_per_token")}}
+    for kv in KV_CACHE_DTYPES[1:]:
+        row, kv_replies, _ = measure(path, "float", text, max_text_tokens, prompts, tokens,
+                                     kv_cache_dtype=kv)
+        rows[kv] = {k: row[k] for k in ("perplexity", "kv_cache_dtype", "kv_bytes_per_token")}
+        rows[kv]["greedy_vs_float32_cache"] = agreement(kv_replies, float_replies)
+    concurrency, prompt_tokens, new_tokens = (4, 256, 8) if quick else (8, 1024, 32)
+    for kv in KV_CACHE_DTYPES:
+        rows[kv]["perplexity_vs_float32_cache"] = rows[kv]["perplexity"] / base["perplexity"]
+        rows[kv]["kv_bytes_vs_float32_cache"] = (rows[kv]["kv_bytes_per_token"]
+                                                 / base["kv_bytes_per_token"])
+        log(f"{kv} KV cache: {concurrency} concurrent requests of {prompt_tokens} tokens")
+        llm = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=16384,
+                  kv_cache_dtype=kv)
+        rows[kv]["concurrent_tokens_per_s"] = measure_throughput(llm, concurrency,
+                                                                 prompt_tokens, new_tokens)
+        llm.close()
+        gc.collect()
+    for kv in KV_CACHE_DTYPES:
+        rows[kv]["concurrent_speed_vs_float32_cache"] = (
+            rows[kv]["concurrent_tokens_per_s"] / rows["auto"]["concurrent_tokens_per_s"])
+    return {"dtypes": rows,
+            "scales": "float32, one per token and KV head (kernels/kv_quant.py)",
+            "speed": {"concurrency": concurrency, "prompt_tokens": prompt_tokens,
+                      "new_tokens": new_tokens, "method": "engine.bench.measure_throughput: "
+                      "generated tokens per second, prefill included"}}
 
 
 def main(argv: list[str] | None = None) -> int:

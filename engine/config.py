@@ -48,6 +48,8 @@ class ModelConfig:
                 f"({self.num_kv_heads}): the model file is inconsistent."
             )
 
-    def kv_bytes_per_token(self, element_bytes: int) -> int:
-        """K and V bytes one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+    def kv_bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
+        """K and V bytes one token occupies across all layers; a quantized cache stores
+        `element_bytes` per number plus `scale_bytes` per head row (kernels/kv_quant.py)."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * element_bytes
+                                                          + scale_bytes)

@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode step: each (batch, key width) bucket captured once, then replayed.
+"""CUDA graphs and torch.compile for the decode step: each (batch, key width) bucket captured
+once, then replayed.
 
 A decode step launches several kernels per layer, each reading little memory for a small
 model, so issuing them from Python can take longer than running them; a graph replays the whole
@@ -7,6 +8,11 @@ forward pass as one launch (benchmarks/gpu.py measures both against the bandwidt
 Shapes are baked into a graph, so a step is padded up to its bucket: batch to the next size in
 BATCH_BUCKETS, the keys' width to the next power of two. Padded rows read and write only the
 runner's null slot, which is zeroed again after every replay.
+
+With a compile backend the bucket's forward pass is torch.compile'd first (one graph with
+dynamic batch and width, the KV cache's ops as opaque custom ops: kernels/compiled.py), so the
+graph replays fused kernels. Both are for CUDA; the CPU tests run the same padded steps eagerly
+or compiled with the "aot_eager" backend, which traces without generating code.
 """
 
 from __future__ import annotations
@@ -25,11 +31,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 256  # narrower key widths share one graph: the padding costs less than a capture
 
 
-def check_device(device: torch.device) -> None:
-    """CUDA graphs exist on CUDA only; anywhere else, say so."""
+def check_device(device: torch.device, what: str = "CUDA graphs",
+                 option: str = "cuda_graphs") -> None:
+    """CUDA graphs and the compiled decode step are for CUDA only; anywhere else, say so."""
     if device.type != "cuda":
-        raise ValueError(f"CUDA graphs need a CUDA device, not '{device}': leave cuda_graphs "
-                         "off there.")
+        raise ValueError(f"{what} need a CUDA device, not '{device}': leave {option} off there.")
 
 
 @dataclass
@@ -78,13 +84,25 @@ class _Step:
 
 class DecodeGraphs:
     """Decode-only steps of a runner through captured graphs (or, with capture=False, through the
-    same padded static tensors run eagerly: the CPU tests' way to check the padding)."""
+    same padded static tensors run eagerly: the CPU tests' way to check the padding), compiled
+    first when `compile_backend` names a torch.compile backend ("inductor" on CUDA)."""
 
     def __init__(self, runner: ModelRunner, max_batch: int, max_width: int,
-                 capture: bool = True) -> None:
+                 capture: bool = True, compile_backend: str | None = None) -> None:
         if capture:
             check_device(runner.device)
         self.runner = runner
+        self._compiled = None
+        if compile_backend is not None:
+            from kernels.compiled import compilable
+
+            ops = compilable(runner.model.ops)
+
+            def forward(ids, positions, meta):
+                return runner.model.forward(ids, positions, meta, runner.kv_caches, ops=ops)
+
+            self._compiled = torch.compile(forward, backend=compile_backend, fullgraph=True,
+                                           dynamic=True)
         self.batches = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.max_width = max_width
         self.capture = capture
@@ -108,13 +126,15 @@ class DecodeGraphs:
             step.graph.replay()
         else:
             step.hidden = self._forward(step)
-        self.runner.kv[:, :, self.runner.null_slot].zero_()  # padded rows wrote their K/V there
+        self.runner.zero_null_slot()  # padded rows wrote their K/V there
         return step.hidden[:batch]
 
     def _width(self, width: int) -> int:
         return min(max(MIN_WIDTH, 1 << (width - 1).bit_length()), self.max_width)
 
     def _forward(self, step: _Step) -> torch.Tensor:
+        if self._compiled is not None:
+            return self._compiled(step.ids, step.positions, step.meta)
         return self.runner.model.forward(step.ids, step.positions, step.meta,
                                          self.runner.kv_caches)
 

@@ -7,6 +7,7 @@ import os
 import torch
 
 from engine.config import ModelConfig
+from engine.kv_options import kv_cache_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,14 +44,24 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
+    """An fp8 KV cache on CUDA needs fp8 conversions in hardware (the Triton kernels use them)."""
+    if kv_cache_dtype == "fp8" and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(
+                f"An fp8 KV cache needs a GPU with fp8 support (compute capability 8.9 or newer; "
+                f"{torch.cuda.get_device_name(device)} is {major}.{minor}): use int8.")
+
+
 def kv_budget_tokens(config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                     max_num_seqs: int, max_model_len: int) -> int:
+                     max_num_seqs: int, max_model_len: int, kv_cache_dtype: str = "auto") -> int:
     """Default KV pool size: room for every sequence at full context, within a memory budget.
 
     On the CPU the budget is a quarter of physical memory (at most 4 GiB); on CUDA 85% of the
-    memory free after the weights were loaded.
+    memory free after the weights were loaded. A quantized cache (int8/fp8) fits more tokens.
     """
-    per_token = config.kv_bytes_per_token(dtype.itemsize)
+    per_token = config.kv_bytes_per_token(*kv_cache_bytes(kv_cache_dtype, dtype.itemsize))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * 0.85)

@@ -14,8 +14,14 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, check_device
 from engine.detokenizer import append_token_text, final_text
-from engine.devices import kv_budget_tokens, resolve_device, resolve_dtype
+from engine.devices import (
+    check_kv_cache_dtype,
+    kv_budget_tokens,
+    resolve_device,
+    resolve_dtype,
+)
 from engine.kv_eviction import KVEvictor, KVState, parse_policy, resolve_budget
+from engine.kv_options import parse_kv_cache_dtype
 from engine.model import LlamaModel
 from engine.prefix_cache import PrefixCache
 from engine.quantize import parse_weights
@@ -74,14 +80,18 @@ class LLM:
                  speculative: str | SpecConfig | None = None,
                  prefix_caching: bool = False, kv_policy: str | None = None,
                  kv_budget: int | float | None = None, cuda_graphs: bool = False,
-                 weights: str = "float") -> None:
+                 weights: str = "float", kv_cache_dtype: str = "auto",
+                 torch_compile: bool = False) -> None:
         """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled.
 
         `kv_policy` (none, streaming, h2o, scissorhands, snapkv) with `kv_budget` (tokens, or a
         fraction of each request's length) evicts KV entries; requests may override both.
-        `cuda_graphs` replays decode-only steps from CUDA graphs (CUDA only).
+        `cuda_graphs` replays decode-only steps from CUDA graphs and `torch_compile` runs them
+        through torch.compile (inductor), alone or inside the graphs (CUDA only).
         `weights`: "float", "int8" or "int4[:g32|g64|g128]" weight-only quantization
         (engine/quantize.py); a bad value raises WeightsError before anything is read.
+        `kv_cache_dtype`: "auto" (the model's dtype), "int8" or "fp8" KV cache, quantized with a
+        scale per token and KV head (kernels/kv_quant.py).
         """
         engine_policy = parse_policy(kv_policy)
         if engine_policy is not None:
@@ -89,9 +99,13 @@ class LLM:
         from engine.loader import load_checkpoint
 
         weight_format = parse_weights(weights)
+        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
         self.device, self.fallback_reason = resolve_device(device)
-        if cuda_graphs:
-            check_device(self.device)  # before the weights load
+        if cuda_graphs:  # before the weights load
+            check_device(self.device)
+        if torch_compile:
+            check_device(self.device, "Compiled decode steps", "torch_compile")
+        check_kv_cache_dtype(self.kv_cache_dtype, self.device)
         self._dtype = resolve_dtype(dtype, self.device)
         ckpt = load_checkpoint(model, dtype=torch.float32, progress=progress)
         self.config: ModelConfig = ckpt.config
@@ -105,15 +119,18 @@ class LLM:
         del ckpt
         self.block_size = block_size
         tokens = kv_cache_tokens or kv_budget_tokens(self.config, self.device, self._dtype,
-                                                     max_num_seqs, self.max_model_len)
+                                                     max_num_seqs, self.max_model_len,
+                                                     self.kv_cache_dtype)
         self.num_kv_blocks = max(1, tokens // block_size)
         self.block_manager = BlockManager(self.num_kv_blocks, block_size)
         self.prefix_cache = PrefixCache(self.block_manager) if prefix_caching else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs,
                                    max(max_num_batched_tokens, block_size), self.prefix_cache)
-        self.runner = ModelRunner(self.model, self.block_manager)
-        if cuda_graphs:
-            self.runner.decode_graphs = DecodeGraphs(self.runner, max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.block_manager, self.kv_cache_dtype)
+        if cuda_graphs or torch_compile:
+            self.runner.decode_graphs = DecodeGraphs(
+                self.runner, max_num_seqs, self.max_model_len, capture=cuda_graphs,
+                compile_backend="inductor" if torch_compile else None)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.spec = self._spec_decoder(parse_spec(speculative))
         self.kv_policy, self.kv_budget = kv_policy, kv_budget

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import ModelConfig
+from engine.kv_options import kv_cache_bytes, parse_kv_cache_dtype
 from engine.models import resolve_model
 from engine.quantize import parse_weights, quantized_weight_bytes
 
@@ -44,18 +45,21 @@ class DeviceMemory:
 
 def estimate_memory(model: str | Path, dtype: str = "float32", context_tokens: int = 2048,
                     concurrency: int = 1, max_num_batched_tokens: int = 2048,
-                    device: str = "cpu", weights: str = "float") -> MemoryEstimate:
+                    device: str = "cpu", weights: str = "float",
+                    kv_cache_dtype: str = "auto") -> MemoryEstimate:
     """Estimate from the model's header only: weights are dequantized to `dtype` at load, or
-    held in the `weights` format (engine/quantize.py)."""
+    held in the `weights` format (engine/quantize.py); the KV cache in `dtype` or quantized
+    (`kv_cache_dtype` int8 / fp8, kernels/kv_quant.py)."""
     path = resolve_model(model)
     config, parameters = read_header(path, path.stat().st_mtime_ns)
     return estimate_for(config, parameters, dtype, context_tokens, concurrency,
-                        max_num_batched_tokens, device, weights)
+                        max_num_batched_tokens, device, weights, kv_cache_dtype)
 
 
 def estimate_for(config: ModelConfig, parameters: int, dtype: str, context_tokens: int,
                  concurrency: int, max_num_batched_tokens: int = 2048,
-                 device: str = "cpu", weights: str = "float") -> MemoryEstimate:
+                 device: str = "cpu", weights: str = "float",
+                 kv_cache_dtype: str = "auto") -> MemoryEstimate:
     """The estimate for a known config and parameter count."""
     size = DTYPE_BYTES[dtype]
     weight_format = parse_weights(weights)
@@ -68,7 +72,8 @@ def estimate_for(config: ModelConfig, parameters: int, dtype: str, context_token
         if device == "cpu" and dtype == "float32" and config.tie_word_embeddings:
             # The CPU engine keeps a oneDNN-packed copy of a tied LM head (kernels/onednn.py).
             weight_bytes += config.vocab_size * config.hidden_size * size
-    per_token = config.kv_bytes_per_token(size)
+    per_token = config.kv_bytes_per_token(*kv_cache_bytes(parse_kv_cache_dtype(kv_cache_dtype),
+                                                          size))
     blocks = concurrency * -(-context_tokens // BLOCK_SIZE)
     # The widest activations of one step: the MLP's fused gate/up output plus float32 logits
     # for every sequence sampled.

@@ -82,13 +82,14 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                masses: list | None = None) -> torch.Tensor:
+                masses: list | None = None, ops=None) -> torch.Tensor:
         """Hidden states after the final norm for every token of the flat batch ([N, hidden]).
 
         With `meta.want_mass`, each layer's AttentionMass (KV-eviction statistics) is appended
-        to `masses`.
+        to `masses`. `ops` replaces the model's kernel table for this pass (the compiled decode
+        step's, kernels/compiled.py).
         """
-        c, ops = self.config, self.ops
+        c, ops = self.config, ops or self.ops
         n = input_ids.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.cos[positions], self.sin[positions]

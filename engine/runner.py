@@ -10,7 +10,8 @@ from engine.block_manager import BlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
-from kernels import AttentionMetadata, PrefillChunk
+from kernels import AttentionMetadata, PrefillChunk, kv_quant
+from kernels.kv_quant import QuantizedCache
 from kernels.reference import rotate_half
 
 
@@ -39,27 +40,48 @@ class RunItem:
 class ModelRunner:
     """Runs one engine step: input ids, positions and attention metadata, then the forward pass."""
 
-    def __init__(self, model: LlamaModel, block_manager: BlockManager) -> None:
+    def __init__(self, model: LlamaModel, block_manager: BlockManager,
+                 kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.block_manager = block_manager
         self.device = model.device
+        self.kv_cache_dtype = kv_cache_dtype
         c = model.config
         slots = block_manager.num_blocks * block_manager.block_size
         # One extra slot, kept at zero, that padded attention rows point at: masked keys get
         # weight 0, but 0 * NaN from a never-written slot would still poison the output.
         self.null_slot = slots
         shape = (c.num_layers, 2, slots + 1, c.num_kv_heads, c.head_dim)
+        quantized = kv_quant.storage_dtype(kv_cache_dtype)
         # torch.empty: on the CPU the OS commits pages only as the cache fills.
-        self.kv = torch.empty(shape, dtype=model.dtype, device=self.device)
-        self.kv[:, :, self.null_slot].zero_()
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(c.num_layers)]
+        self.kv = torch.empty(shape, dtype=quantized or model.dtype, device=self.device)
+        self._kv_bytes = kv_quant.as_bytes(self.kv) if quantized else self.kv
+        self._kv_bytes[:, :, self.null_slot].zero_()
+        # Quantized: a float32 scale per slot and KV head beside the values (kernels/kv_quant.py).
+        self.kv_scale = (torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
+                         if quantized else None)
+        self.kv_caches = [self._layer_caches(i) for i in range(c.num_layers)]
         self.last_mass: list[torch.Tensor] | None = None
         self.decode_graphs: DecodeGraphs | None = None  # set by LLM(cuda_graphs=True)
 
+    def _layer_caches(self, layer: int) -> tuple:
+        if self.kv_scale is None:
+            return self.kv[layer, 0], self.kv[layer, 1]
+        return (QuantizedCache(self.kv[layer, 0], self.kv_scale[layer, 0]),
+                QuantizedCache(self.kv[layer, 1], self.kv_scale[layer, 1]))
+
+    def zero_null_slot(self) -> None:
+        """Clear what padded rows wrote into the null slot (values; a zero value needs no scale)."""
+        self._kv_bytes[:, :, self.null_slot].zero_()
+
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the KV pool (the one zeroed padding slot, a few KiB, is not counted)."""
-        return self.kv[:, :, : self.null_slot].numel() * self.kv.element_size()
+        """Bytes of the KV pool, scales included (the one zeroed padding slot, a few KiB, is not
+        counted)."""
+        values = self.kv[:, :, : self.null_slot].numel() * self.kv.element_size()
+        if self.kv_scale is None:
+            return values
+        return values + self.kv_scale[:, :, : self.null_slot].numel() * 4
 
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False,
             want_mass: bool = False) -> torch.Tensor:
@@ -97,10 +119,29 @@ class ModelRunner:
         layers = torch.arange(src.shape[0]).view(-1, 1, 1)
         heads = torch.arange(src.shape[1]).view(1, -1, 1)
         src, dst = src.to(self.device), dst.to(self.device)
-        moved = self.kv[layers, :, src, heads]  # [layers, kv_heads, n, 2, D] (a copy)
+        index_src, index_dst = (layers, slice(None), src, heads), (layers, slice(None),
+                                                                     dst.view(1, 1, -1), heads)
+        # Quantized values move as bytes (float8 has no CPU indexing kernel) with their scales.
+        moved = self._kv_bytes[index_src]  # [layers, kv_heads, n, 2, D] (a copy)
+        scales = None if self.kv_scale is None else self.kv_scale[index_src]  # [.., n, 2]
         if delta is not None:
-            moved[..., 0, :] = self._rotate(moved[..., 0, :], delta.to(self.device))
-        self.kv[layers, :, dst.view(1, 1, -1), heads] = moved
+            moved, scales = self._rotate_keys(moved, scales, delta.to(self.device))
+        self._kv_bytes[index_dst] = moved
+        if scales is not None:
+            self.kv_scale[index_dst] = scales
+
+    def _rotate_keys(self, moved: torch.Tensor, scales: torch.Tensor | None,
+                     delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Moved keys re-rotated by `delta`; quantized keys are dequantized, rotated and stored
+        again with fresh scales (a rotation keeps a row's norm, not its largest element)."""
+        if scales is None:
+            moved[..., 0, :] = self._rotate(moved[..., 0, :], delta)
+            return moved, None
+        keys = kv_quant.dequantize(moved[..., 0, :].view(self.kv.dtype), scales[..., 0],
+                                   torch.float32)
+        data, scales[..., 0] = kv_quant.quantize(self._rotate(keys, delta), self.kv.dtype)
+        moved[..., 0, :] = kv_quant.as_bytes(data)
+        return moved, scales
 
     def _rotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Keys rotated by `delta` more positions (rotary angles add). In float32 with angles

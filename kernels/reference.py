@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_quant
+from kernels.kv_quant import QuantizedCache
 from kernels.metadata import AttentionMass, AttentionMetadata
 
 
@@ -58,7 +60,12 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write the new tokens' K/V ([N, Hkv, D]) into flat cache slots ([slots, Hkv, D])."""
+    """Write the new tokens' K/V ([N, Hkv, D]) into flat cache slots ([slots, Hkv, D]), quantized
+    when the cache is a QuantizedCache."""
+    if isinstance(k_cache, QuantizedCache):
+        kv_quant.store(k_cache, k, slot_mapping)
+        kv_quant.store(v_cache, v, slot_mapping)
+        return
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
 
@@ -118,8 +125,8 @@ def _decode_attention_mass(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    k = _gather(k_cache, meta.decode_slots).permute(0, 2, 1, 3)  # [B, Hkv, T, D]
-    v = _gather(v_cache, meta.decode_slots).permute(0, 2, 1, 3)
+    k = _gather(k_cache, meta.decode_slots, q.dtype).permute(0, 2, 1, 3)  # [B, Hkv, T, D]
+    v = _gather(v_cache, meta.decode_slots, q.dtype).permute(0, 2, 1, 3)
     qg = q.view(batch, kv_heads, heads // kv_heads, dim)
     scores = (qg @ k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, T]
     if meta.decode_mask is not None:
@@ -133,8 +140,8 @@ def _prefill_attention_mass(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, heads, dim = q.shape
-    k = _gather(k_cache, chunk.slots).transpose(0, 1)  # [Hkv, T, D]
-    v = _gather(v_cache, chunk.slots).transpose(0, 1)
+    k = _gather(k_cache, chunk.slots, q.dtype).transpose(0, 1)  # [Hkv, T, D]
+    v = _gather(v_cache, chunk.slots, q.dtype).transpose(0, 1)
     kv_heads, ctx = k.shape[0], k.shape[1]
     qg = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads, n, dim)
     scores = (qg @ k.unsqueeze(1).transpose(-1, -2)).float() * scale  # [Hkv, G, n, T]
@@ -156,8 +163,8 @@ def _decode_attention(
     group = heads // kv_heads
     # [B, T, Hkv, D] -> [B, Hkv, T, D]; the query heads of one KV head become query rows, so
     # grouped-query attention needs no copy of K/V per query head.
-    k = _gather(k_cache, meta.decode_slots).permute(0, 2, 1, 3)
-    v = _gather(v_cache, meta.decode_slots).permute(0, 2, 1, 3)
+    k = _gather(k_cache, meta.decode_slots, q.dtype).permute(0, 2, 1, 3)
+    v = _gather(v_cache, meta.decode_slots, q.dtype).permute(0, 2, 1, 3)
     qg = q.view(batch, kv_heads, group, dim)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)
     return o.reshape(batch, heads, dim)
@@ -166,8 +173,8 @@ def _decode_attention(
 def _prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk, scale: float
 ) -> torch.Tensor:
-    k = _gather(k_cache, chunk.slots).transpose(0, 1)
-    v = _gather(v_cache, chunk.slots).transpose(0, 1)
+    k = _gather(k_cache, chunk.slots, q.dtype).transpose(0, 1)
+    v = _gather(v_cache, chunk.slots, q.dtype).transpose(0, 1)
     # A leading batch dimension: with 3-D inputs the CPU falls back to the slow math kernel.
     qh, k, v = q.transpose(0, 1)[None], k[None], v[None]
     if chunk.mask is None:
@@ -178,7 +185,10 @@ def _prefill_attention(
     return o[0].transpose(0, 1)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache rows at `slots` (any shape) -> slots.shape + cache row shape; index_select is far
-    cheaper than advanced indexing on the CPU."""
+def _gather(cache: torch.Tensor | QuantizedCache, slots: torch.Tensor,
+            dtype: torch.dtype) -> torch.Tensor:
+    """cache rows at `slots` (any shape) -> slots.shape + cache row shape, dequantized to `dtype`
+    from a quantized cache; index_select is far cheaper than advanced indexing on the CPU."""
+    if isinstance(cache, QuantizedCache):
+        return kv_quant.gather(cache, slots, dtype)
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])

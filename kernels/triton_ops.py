@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import QMAX, QuantizedCache
 from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 
 OPS = ("rms_norm", "rotary", "silu_and_mul", "store_kv", "paged_attention",
@@ -173,51 +174,102 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- KV store ----
+# How the cache holds values: as the model's dtype, or quantized (kernels/kv_quant.py).
+_PLAIN, _INT8, _FP8 = 0, 1, 2
+_QUANT_CODE = {torch.int8: _INT8, torch.float8_e4m3fn: _FP8}
+
+
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kn, stride_kh,
-                     stride_vn, stride_vh, stride_cs, stride_ch, n_heads, dim,
+def _store_rows(x_ptr, cache_ptr, scale_ptr, token, slot, heads, n_heads, d, valid, stride_xn,
+                stride_xh, stride_cs, stride_ch, stride_ss, stride_sh, QUANT: tl.constexpr,
+                QMAX: tl.constexpr):
+    """One token's heads into its cache slot; quantized, each head row with its own scale."""
+    h = heads[:, None]
+    x = tl.load(x_ptr + token * stride_xn + h * stride_xh + d, mask=valid, other=0.0)
+    dst = cache_ptr + slot * stride_cs + h * stride_ch + d
+    if QUANT == 0:
+        tl.store(dst, x, mask=valid)
+    else:
+        xf = x.to(tl.float32)
+        scale = tl.max(tl.abs(xf), axis=1) / QMAX
+        y = xf * tl.where(scale > 0.0, 1.0 / scale, 0.0)[:, None]
+        if QUANT == 1:
+            y = tl.where(y >= 0.0, tl.floor(y + 0.5), -tl.floor(0.5 - y))  # half away from 0
+        tl.store(dst, y.to(cache_ptr.dtype.element_ty), mask=valid)
+        tl.store(scale_ptr + slot * stride_ss + heads * stride_sh, scale, mask=heads < n_heads)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
+                     stride_kn, stride_kh, stride_vn, stride_vh, stride_cs, stride_ch, stride_ss,
+                     stride_sh, n_heads, dim, QUANT: tl.constexpr, QMAX: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
-    h = tl.arange(0, BLOCK_H)[:, None]
+    heads = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)[None, :]
-    valid = (h < n_heads) & (d < dim)
-    dst = slot * stride_cs + h * stride_ch + d
-    k = tl.load(k_ptr + token * stride_kn + h * stride_kh + d, mask=valid)
-    tl.store(k_cache_ptr + dst, k, mask=valid)
-    v = tl.load(v_ptr + token * stride_vn + h * stride_vh + d, mask=valid)
-    tl.store(v_cache_ptr + dst, v, mask=valid)
+    valid = (heads[:, None] < n_heads) & (d < dim)
+    _store_rows(k_ptr, k_cache_ptr, k_scale_ptr, token, slot, heads, n_heads, d, valid,
+                stride_kn, stride_kh, stride_cs, stride_ch, stride_ss, stride_sh, QUANT, QMAX)
+    _store_rows(v_ptr, v_cache_ptr, v_scale_ptr, token, slot, heads, n_heads, d, valid,
+                stride_vn, stride_vh, stride_cs, stride_ch, stride_ss, stride_sh, QUANT, QMAX)
 
 
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | QuantizedCache,
+    v_cache: torch.Tensor | QuantizedCache,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write the new tokens' K/V ([N, Hkv, D]) into flat cache slots ([slots, Hkv, D])."""
+    """Write the new tokens' K/V ([N, Hkv, D]) into flat cache slots ([slots, Hkv, D]), quantized
+    when the cache is a QuantizedCache."""
     n, heads, dim = k.shape
     if n == 0:
         return
-    k, v = _unit_last(k).to(k_cache.dtype), _unit_last(v).to(v_cache.dtype)
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+    cache = _CacheArgs.of(k_cache, v_cache)
+    if not cache.quant:
+        k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
+    k, v = _unit_last(k), _unit_last(v)
+    if cache.k.stride() != cache.v.stride() or cache.k.stride(-1) != 1:
         raise ValueError("store_kv needs the K and V caches in the same layout with contiguous "
                          "head rows: allocate both as one [slots, Hkv, D] tensor each.")
     _store_kv_kernel[(n,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), heads, dim, BLOCK_H=_pow2(heads),
-        BLOCK_D=_pow2(dim))
+        k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, slot_mapping, k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), cache.k.stride(0), cache.k.stride(1),
+        cache.stride_ss, cache.stride_sh, heads, dim, QUANT=cache.quant, QMAX=cache.qmax,
+        BLOCK_H=_pow2(heads), BLOCK_D=_pow2(dim))
+
+
+class _CacheArgs:
+    """A layer's K/V caches as kernel arguments: the value tensors and, quantized, their scales
+    (for a plain cache the scale arguments are unused placeholders)."""
+
+    def __init__(self, k, v, k_scale, v_scale, quant: int, qmax: float) -> None:
+        self.k, self.v, self.k_scale, self.v_scale = k, v, k_scale, v_scale
+        self.quant, self.qmax = quant, qmax
+        self.stride_ss, self.stride_sh = (k_scale.stride(0), k_scale.stride(1)) if quant else (0, 0)
+
+    @classmethod
+    def of(cls, k_cache, v_cache) -> _CacheArgs:
+        if isinstance(k_cache, QuantizedCache):
+            if k_cache.scale.stride() != v_cache.scale.stride():
+                raise ValueError("The K and V scales need the same layout: allocate both as one "
+                                 "[slots, Hkv] float32 tensor each.")
+            return cls(k_cache.data, v_cache.data, k_cache.scale, v_cache.scale,
+                       _QUANT_CODE[k_cache.dtype], QMAX[k_cache.dtype])
+        return cls(k_cache, v_cache, k_cache, v_cache, _PLAIN, 1.0)
 
 
 # ---- paged attention ----
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, part_ptr, m_ptr, l_ptr,
-                   row_ptr, slots_ptr, mask_ptr, scale, n_keys, keys_per_split, n_splits, n_heads,
-                   dim, group, stride_qn, stride_qh, stride_cs, stride_ch, stride_sb, stride_mb,
-                   stride_massb, stride_massh, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
-                   RETURN_MASS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, mass_ptr,
+                   part_ptr, m_ptr, l_ptr, row_ptr, slots_ptr, mask_ptr, scale, n_keys,
+                   keys_per_split, n_splits, n_heads, dim, group, stride_qn, stride_qh, stride_cs,
+                   stride_ch, stride_ss, stride_sh, stride_sb, stride_mb, stride_massb,
+                   stride_massh, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
+                   RETURN_MASS: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One decode query's `group` query heads that share KV head `kv_head`, over its keys (or,
     with SPLIT, over split `program_id(2)` of them, flash-decoding style).
 
@@ -225,7 +277,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, part_ptr,
     head (grouped-query attention without repeating K/V). Online softmax over key blocks. With
     SPLIT each split writes its normalised partial output and its running max and sum for
     _combine_kernel. With RETURN_MASS (never split) a second pass writes each key's probability
-    summed over the group.
+    summed over the group. With QUANT the cache holds int8/fp8 rows with a scale each
+    (kernels/kv_quant.py), dequantized as they are loaded.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -244,16 +297,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, part_ptr,
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        s, keep, kv_off, in_range = _decode_scores(
-            q, k_cache_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale, hi, d, d_valid,
-            stride_cs, stride_ch, stride_sb, stride_mb, HAS_MASK, PRECISION, BLOCK_N)
+        s, keep, kv_off, sc_off, in_range = _decode_scores(
+            q, k_cache_ptr, k_scale_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale, hi, d,
+            d_valid, stride_cs, stride_ch, stride_ss, stride_sh, stride_sb, stride_mb, HAS_MASK,
+            QUANT, PRECISION, BLOCK_N)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with no key allowed yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off, mask=in_range[:, None] & d_valid[None, :], other=0.0)
+        v = _load_rows(v_cache_ptr, kv_off, in_range[:, None] & d_valid[None, :], v_scale_ptr,
+                       sc_off, in_range, q, QUANT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -268,10 +323,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, part_ptr,
     if RETURN_MASS:
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         for start in range(0, n_keys, BLOCK_N):
-            s, keep, kv_off, in_range = _decode_scores(
-                q, k_cache_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale, n_keys, d,
-                d_valid, stride_cs, stride_ch, stride_sb, stride_mb, HAS_MASK, PRECISION,
-                BLOCK_N)
+            s, keep, kv_off, sc_off, in_range = _decode_scores(
+                q, k_cache_ptr, k_scale_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale,
+                n_keys, d, d_valid, stride_cs, stride_ch, stride_ss, stride_sh, stride_sb,
+                stride_mb, HAS_MASK, QUANT, PRECISION, BLOCK_N)
             p = tl.exp(s - m_safe[:, None]) / l_safe[:, None]
             p = tl.where(g_valid[:, None], p, 0.0)
             n = start + tl.arange(0, BLOCK_N)
@@ -280,10 +335,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, part_ptr,
 
 
 @triton.jit
-def _decode_scores(q, k_cache_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale, n_keys, d,
-                   d_valid, stride_cs, stride_ch, stride_sb, stride_mb, HAS_MASK: tl.constexpr,
+def _decode_scores(q, k_cache_ptr, k_scale_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale,
+                   n_keys, d, d_valid, stride_cs, stride_ch, stride_ss, stride_sh, stride_sb,
+                   stride_mb, HAS_MASK: tl.constexpr, QUANT: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Scaled scores [G, BLOCK_N] of keys start.. (-inf where masked), and where their rows are."""
+    """Scaled scores [G, BLOCK_N] of keys start.. (-inf where masked), and where their rows and
+    (quantized) scales are."""
     n = start + tl.arange(0, BLOCK_N)
     in_range = n < n_keys
     keep = in_range
@@ -291,10 +348,23 @@ def _decode_scores(q, k_cache_ptr, slots_ptr, mask_ptr, b, kv_head, start, scale
         keep = keep & (tl.load(mask_ptr + b * stride_mb + n, mask=in_range, other=0) != 0)
     slot = tl.load(slots_ptr + b * stride_sb + n, mask=in_range, other=0)
     kv_off = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=in_range[:, None] & d_valid[None, :], other=0.0)
+    sc_off = slot * stride_ss + kv_head * stride_sh
+    k = _load_rows(k_cache_ptr, kv_off, in_range[:, None] & d_valid[None, :], k_scale_ptr, sc_off,
+                   in_range, q, QUANT)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     s = tl.where(keep[None, :], s, float("-inf"))
-    return s, keep, kv_off, in_range
+    return s, keep, kv_off, sc_off, in_range
+
+
+@triton.jit
+def _load_rows(cache_ptr, kv_off, valid, scale_ptr, sc_off, row_valid, like,
+               QUANT: tl.constexpr):
+    """Cached K or V rows [BLOCK_N, BLOCK_D] in `like`'s dtype, dequantized when QUANT."""
+    x = tl.load(cache_ptr + kv_off, mask=valid, other=0.0)
+    if QUANT != 0:
+        sc = tl.load(scale_ptr + sc_off, mask=row_valid, other=0.0)
+        x = (x.to(tl.float32) * sc[:, None]).to(like.dtype)
+    return x
 
 
 @triton.jit
@@ -321,10 +391,11 @@ def _combine_kernel(out_ptr, part_ptr, m_ptr, l_ptr, row_ptr, n_splits, n_heads,
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, slots_ptr, mask_ptr,
-                    scale, row0, n_queries, n_keys, mass_from, dim, group, stride_qn, stride_qh,
-                    stride_cs, stride_ch, stride_mq, stride_massh, HAS_MASK: tl.constexpr,
-                    RETURN_MASS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, mass_ptr,
+                    slots_ptr, mask_ptr, scale, row0, n_queries, n_keys, mass_from, dim, group,
+                    stride_qn, stride_qh, stride_cs, stride_ch, stride_ss, stride_sh, stride_mq,
+                    stride_massh, HAS_MASK: tl.constexpr, RETURN_MASS: tl.constexpr,
+                    QUANT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """A tile of one chunk's queries for one query head over the chunk's keys.
 
@@ -350,15 +421,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, slots_pt
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, end, BLOCK_N):
-        s, kv_off, kv_valid = _prefill_scores(
-            q, k_cache_ptr, slots_ptr, mask_ptr, kv_head, start, scale, i, i_valid, n_queries,
-            n_keys, d, d_valid, stride_cs, stride_ch, stride_mq, HAS_MASK, PRECISION, BLOCK_N)
+        s, kv_off, sc_off, kv_valid, j_valid = _prefill_scores(
+            q, k_cache_ptr, k_scale_ptr, slots_ptr, mask_ptr, kv_head, start, scale, i, i_valid,
+            n_queries, n_keys, d, d_valid, stride_cs, stride_ch, stride_ss, stride_sh, stride_mq,
+            HAS_MASK, QUANT, PRECISION, BLOCK_N)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_valid, other=0.0)
+        v = _load_rows(v_cache_ptr, kv_off, kv_valid, v_scale_ptr, sc_off, j_valid, q, QUANT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -367,10 +439,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, slots_pt
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         counted = i_valid & (i >= mass_from)
         for start in range(0, end, BLOCK_N):
-            s, kv_off, kv_valid = _prefill_scores(
-                q, k_cache_ptr, slots_ptr, mask_ptr, kv_head, start, scale, i, i_valid,
-                n_queries, n_keys, d, d_valid, stride_cs, stride_ch, stride_mq, HAS_MASK,
-                PRECISION, BLOCK_N)
+            s, kv_off, sc_off, kv_valid, j_valid = _prefill_scores(
+                q, k_cache_ptr, k_scale_ptr, slots_ptr, mask_ptr, kv_head, start, scale, i,
+                i_valid, n_queries, n_keys, d, d_valid, stride_cs, stride_ch, stride_ss,
+                stride_sh, stride_mq, HAS_MASK, QUANT, PRECISION, BLOCK_N)
             p = tl.exp(s - m_safe[:, None]) / l_safe[:, None]
             p = tl.where(counted[:, None], p, 0.0)
             j = start + tl.arange(0, BLOCK_N)
@@ -379,24 +451,26 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mass_ptr, slots_pt
 
 
 @triton.jit
-def _prefill_scores(q, k_cache_ptr, slots_ptr, mask_ptr, kv_head, start, scale, i, i_valid,
-                    n_queries, n_keys, d, d_valid, stride_cs, stride_ch, stride_mq,
-                    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+def _prefill_scores(q, k_cache_ptr, k_scale_ptr, slots_ptr, mask_ptr, kv_head, start, scale, i,
+                    i_valid, n_queries, n_keys, d, d_valid, stride_cs, stride_ch, stride_ss,
+                    stride_sh, stride_mq, HAS_MASK: tl.constexpr, QUANT: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """Scaled scores [BLOCK_M, BLOCK_N] of keys start.. (-inf where not allowed), and where the
     keys' rows are in the cache."""
     j = start + tl.arange(0, BLOCK_N)
     j_valid = j < n_keys
     slot = tl.load(slots_ptr + j, mask=j_valid, other=0)
     kv_off = slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+    sc_off = slot * stride_ss + kv_head * stride_sh
     kv_valid = j_valid[:, None] & d_valid[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=kv_valid, other=0.0)
+    k = _load_rows(k_cache_ptr, kv_off, kv_valid, k_scale_ptr, sc_off, j_valid, q, QUANT)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     if HAS_MASK:
         allowed = tl.load(mask_ptr + i[:, None] * stride_mq + j[None, :],
                           mask=i_valid[:, None] & j_valid[None, :], other=0) != 0
     else:
         allowed = (j[None, :] <= n_keys - n_queries + i[:, None]) & j_valid[None, :]
-    return tl.where(allowed, s, float("-inf")), kv_off, kv_valid
+    return tl.where(allowed, s, float("-inf")), kv_off, sc_off, kv_valid, j_valid
 
 
 def paged_attention(
@@ -440,7 +514,9 @@ def decode_attention(
     `out`; with `return_mass`, also each key's softmax probability summed over the query heads of
     its KV head ([B, Hkv, T] float32, 0 at masked keys). `splits` overrides how many parts each
     query's keys are split into (see _decode_splits; the mass pass always runs unsplit)."""
-    _check_attention_inputs(q, k_cache, v_cache, out)
+    cache = _CacheArgs.of(k_cache, v_cache)
+    k_cache = cache.k
+    _check_attention_inputs(q, k_cache, cache.v, out)
     rows, slots = meta.decode_token_index, _unit_last(meta.decode_slots)
     batch, n_keys = slots.shape
     heads, dim = q.shape[1], q.shape[2]
@@ -464,10 +540,11 @@ def decode_attention(
     mass_arg = mass if mass is not None else out
     mask_arg = mask if mask is not None else slots
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, out, mass_arg, part, m, l, rows, slots, mask_arg, scale, n_keys,
-        keys_per_split, splits, heads, dim, group, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), slots.stride(0), mask_arg.stride(0), mass_arg.stride(0),
-        mass_arg.stride(1), HAS_MASK=mask is not None, SPLIT=splits > 1, RETURN_MASS=return_mass,
+        q, k_cache, cache.v, cache.k_scale, cache.v_scale, out, mass_arg, part, m, l, rows, slots,
+        mask_arg, scale, n_keys, keys_per_split, splits, heads, dim, group, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), cache.stride_ss, cache.stride_sh,
+        slots.stride(0), mask_arg.stride(0), mass_arg.stride(0), mass_arg.stride(1),
+        HAS_MASK=mask is not None, SPLIT=splits > 1, RETURN_MASS=return_mass, QUANT=cache.quant,
         PRECISION=_dot_precision(q.dtype), BLOCK_G=_pow2(group, 16), BLOCK_N=_DECODE_BLOCK_N,
         BLOCK_D=block_d)
     if splits > 1:
@@ -493,7 +570,9 @@ def prefill_attention(
     """Attention of one chunk's query rows (chunk.start:chunk.end) written into `out`; with
     `return_mass`, also each key's probability summed over the query heads of its KV head and
     over the chunk's queries, or its last `chunk.mass_rows` ([Hkv, context] float32)."""
-    _check_attention_inputs(q, k_cache, v_cache, out)
+    cache = _CacheArgs.of(k_cache, v_cache)
+    k_cache = cache.k
+    _check_attention_inputs(q, k_cache, cache.v, out)
     n_queries, n_keys = chunk.end - chunk.start, chunk.slots.shape[0]
     slots = chunk.slots.contiguous()
     heads, dim = q.shape[1], q.shape[2]
@@ -506,10 +585,11 @@ def prefill_attention(
     mass_from = n_queries - (chunk.mass_rows if chunk.mass_rows is not None else n_queries)
     block = prefill_block(q.dtype)
     _prefill_kernel[(triton.cdiv(n_queries, block), heads)](
-        q, k_cache, v_cache, out, mass_arg, slots, mask_arg, scale, chunk.start,
-        n_queries, n_keys, mass_from, dim, heads // kv_heads, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), mask_arg.stride(0), mass_arg.stride(0),
-        HAS_MASK=mask is not None, RETURN_MASS=return_mass, PRECISION=_dot_precision(q.dtype),
+        q, k_cache, cache.v, cache.k_scale, cache.v_scale, out, mass_arg, slots, mask_arg, scale,
+        chunk.start, n_queries, n_keys, mass_from, dim, heads // kv_heads, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), cache.stride_ss, cache.stride_sh,
+        mask_arg.stride(0), mass_arg.stride(0), HAS_MASK=mask is not None,
+        RETURN_MASS=return_mass, QUANT=cache.quant, PRECISION=_dot_precision(q.dtype),
         BLOCK_M=block, BLOCK_N=block, BLOCK_D=_pow2(dim, 16))
     return mass
 

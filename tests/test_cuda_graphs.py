@@ -2,7 +2,9 @@
 
 The capture itself needs a GPU (benchmarks/gpu.py runs it); what the CPU can check is everything
 around it: padding a step up to its (batch, width) bucket, the null slot that padded rows use,
-and which steps the graphs serve.
+which steps the graphs serve, and the compiled step: torch.compile with the "aot_eager" backend
+traces the whole forward pass into one graph (fullgraph: any break fails) with the cache ops as
+custom ops and functionalizes their writes, as inductor would on CUDA, without generating code.
 """
 
 from __future__ import annotations
@@ -68,3 +70,43 @@ def test_graphs_serve_only_plain_decode_steps(model):
 def test_cuda_graphs_on_the_cpu_are_refused_before_loading():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, not 'cpu'"):
         LLM("no-such-model.gguf", device="cpu", cuda_graphs=True)
+
+
+def test_torch_compile_on_the_cpu_is_refused_before_loading():
+    with pytest.raises(ValueError, match="Compiled decode steps need a CUDA device, not 'cpu'"):
+        LLM("no-such-model.gguf", device="cpu", torch_compile=True)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_compiled_decode_steps_give_the_plain_logits_and_cache(model, kv_cache_dtype):
+    plain = ModelRunner(model, BlockManager(16, 16), kv_cache_dtype)
+    compiled = ModelRunner(model, BlockManager(16, 16), kv_cache_dtype)
+    compiled.decode_graphs = DecodeGraphs(compiled, max_batch=4, max_width=512, capture=False,
+                                          compile_backend="aot_eager")
+    steps = _steps(model.config.vocab_size)
+    steps.append(steps[-1][:1])  # a batch of one: another bucket (and graph: size 1 is special)
+    for items in steps:
+        want = plain.run_items(items)
+        got = compiled.run_items(items)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # The compiled store wrote the same K/V (and scales) into the real cache.
+    lengths, tables = [5, 40, 17], [[0, 1, 2], [3, 4, 5, 6], [7, 8]]  # as _steps makes them
+    slots = [table[t // 16] * 16 + t % 16 for n, table in zip(lengths, tables, strict=True)
+             for t in range(n + 3)]
+    as_bytes = (lambda t: t.view(torch.uint8)) if kv_cache_dtype == "int8" else (lambda t: t)
+    torch.testing.assert_close(as_bytes(compiled.kv[:, :, slots]), as_bytes(plain.kv[:, :, slots]),
+                               atol=1e-5, rtol=1e-5)
+    assert sorted(compiled.decode_graphs._steps) == [(1, 256), (4, 256)]
+
+
+def test_compiled_steps_refuse_prefills(model):
+    from kernels.compiled import compilable
+
+    runner = ModelRunner(model, BlockManager(16, 16))
+    prefill = _steps(model.config.vocab_size)[0]
+    meta = runner._metadata(prefill)
+    ops = compilable(model.ops)
+    q = torch.zeros(int(meta.slot_mapping.shape[0]), model.config.num_heads,
+                    model.config.head_dim)
+    with pytest.raises(ValueError, match="Compiled steps are decode-only"):
+        ops.paged_attention(q, *runner.kv_caches[0], meta, 1.0)

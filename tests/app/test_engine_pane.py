@@ -253,3 +253,20 @@ def test_weights_choice_shows_the_memory_saved_and_loads_int4(make_window, qtbot
     assert "int4 weights save" in panel.estimate_label.text()
     load_model(qtbot, window, demo_gguf)
     assert "int4:g32 weights" in panel.status_label.text()
+
+
+def test_kv_cache_dtype_choice_shows_the_memory_saved_and_loads_int8(make_window, qtbot,
+                                                                     demo_gguf: Path) -> None:
+    window = make_window()
+    pane = window.pane("engine")
+    panel = pane.load_panel
+    assert pane.picker.add_path(str(demo_gguf))
+    assert "KV cache saves" not in panel.estimate_label.text()
+    plain_kv = panel._estimate.kv_bytes
+    panel.kv_dtype_combo.setCurrentIndex(panel.kv_dtype_combo.findData("int8"))
+    assert "an int8 KV cache saves" in panel.estimate_label.text()
+    head_dim = 64  # the demo model's: 64 float32 values become 64 bytes and a 4-byte scale
+    assert panel._estimate.kv_bytes * 4 * head_dim == plain_kv * (head_dim + 4)
+    assert panel.current_request().kv_cache_dtype == "int8"
+    load_model(qtbot, window, demo_gguf)
+    assert "int8 values" in panel.status_label.text()

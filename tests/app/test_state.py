@@ -88,8 +88,9 @@ def test_requests_are_validated_and_map_to_engine_arguments() -> None:
     assert request.llm_kwargs() == {"device": "cpu", "dtype": None, "max_model_len": 1024,
                                     "kv_cache_tokens": 2048, "speculative": None,
                                     "prefix_caching": False,
-                                    "weights": "float"}
+                                    "weights": "float", "kv_cache_dtype": "auto"}
     assert LoadRequest("m.gguf", weights="int4").llm_kwargs()["weights"] == "int4"
+    assert LoadRequest("m.gguf", kv_cache_dtype="int8").llm_kwargs()["kv_cache_dtype"] == "int8"
     assert LoadRequest("m.gguf", speculative="ngram:k=5").llm_kwargs()["speculative"] == "ngram:k=5"
     with pytest.raises(ValueError):
         LoadRequest("")

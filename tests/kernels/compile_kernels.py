@@ -28,29 +28,40 @@ _ATTENTION = {"scale": "fp32", "row_ptr": "*i64", "slots_ptr": "*i64", "mask_ptr
               "mass_ptr": "*fp32", "part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
 
 
-def variants(dt: str) -> list[tuple]:
-    """(kernel, pointer types, constexprs) for each launch the wrappers make with dtype dt."""
+def variants(dt: str, arch: int = 90) -> list[tuple]:
+    """(kernel, pointer types, constexprs) for each launch the wrappers make with dtype dt; a
+    quantized KV cache in int8 everywhere and in fp8 (e4m3) from sm_89, which converts it in
+    hardware."""
     p = "*" + dt
     block = ops.prefill_block({"fp16": torch.float16, "bf16": torch.bfloat16,
                                "fp32": torch.float32}[dt])
     precision = "ieee" if dt == "fp32" else "tf32"
-    tensors = {n: p for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
-    decode = [(ops._decode_kernel, {**tensors, **_ATTENTION},
-               {"HAS_MASK": mask, "SPLIT": split, "RETURN_MASS": mass, "PRECISION": precision,
-                "BLOCK_G": 16, "BLOCK_N": ops._DECODE_BLOCK_N, "BLOCK_D": d})
-              for mask, split, mass, d in ((True, False, True, 64), (False, True, False, 128))]
-    prefill = [(ops._prefill_kernel, {**tensors, **_ATTENTION},
-                {"HAS_MASK": mask, "RETURN_MASS": mass, "PRECISION": precision,
+    plain = {"k_cache_ptr": p, "v_cache_ptr": p, "k_scale_ptr": p, "v_scale_ptr": p}
+    caches = [(ops._PLAIN, plain), (ops._INT8, _quantized("*i8"))]
+    if arch >= 89:
+        caches.append((ops._FP8, _quantized("*fp8e4nv")))
+    attention = {"q_ptr": p, "out_ptr": p, **_ATTENTION}
+    decode = [(ops._decode_kernel, {**attention, **cache},
+               {"HAS_MASK": mask, "SPLIT": split, "RETURN_MASS": mass, "QUANT": quant,
+                "PRECISION": precision, "BLOCK_G": 16, "BLOCK_N": ops._DECODE_BLOCK_N,
+                "BLOCK_D": d})
+              for mask, split, mass, d in ((True, False, True, 64), (False, True, False, 128))
+              for quant, cache in caches[: 1 if split else None]]
+    prefill = [(ops._prefill_kernel, {**attention, **cache},
+                {"HAS_MASK": mask, "RETURN_MASS": mass, "QUANT": quant, "PRECISION": precision,
                  "BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": d})
-               for mask, mass, d in ((True, True, 64), (False, False, 128))]
+               for mask, mass, d in ((True, True, 64), (False, False, 128))
+               for quant, cache in caches[: None if mass else 1]]
+    store = [(ops._store_kv_kernel, {"k_ptr": p, "v_ptr": p, "slot_ptr": "*i64", **cache},
+              {"QUANT": quant, "QMAX": qmax, "BLOCK_H": 8, "BLOCK_D": 128})
+             for (quant, cache), qmax in zip(caches, (1.0, 127.0, 448.0), strict=False)]
     return [
         *decode,
         (ops._combine_kernel, {"out_ptr": p, "part_ptr": "*fp32", "m_ptr": "*fp32",
                                "l_ptr": "*fp32", "row_ptr": "*i64"},
          {"BLOCK_S": 16, "BLOCK_D": 128}),
         *prefill,
-        (ops._store_kv_kernel, {"k_ptr": p, "v_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p,
-                                "slot_ptr": "*i64"}, {"BLOCK_H": 8, "BLOCK_D": 128}),
+        *store,
         *[(ops._rms_norm_kernel, {"x_ptr": p, "res_ptr": p, "w_ptr": p, "out_ptr": p,
                                   "res_out_ptr": p, "eps": "fp32"},
            {"HAS_RESIDUAL": residual, "BLOCK": 4096}) for residual in (False, True)],
@@ -59,6 +70,11 @@ def variants(dt: str) -> list[tuple]:
          {"BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_HALF": 64}),
         (ops._silu_and_mul_kernel, {"x_ptr": p, "out_ptr": p}, {"BLOCK": 1024}),
     ]
+
+
+def _quantized(values: str) -> dict:
+    return {"k_cache_ptr": values, "v_cache_ptr": values, "k_scale_ptr": "*fp32",
+            "v_scale_ptr": "*fp32"}
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, target: GPUTarget):
@@ -82,10 +98,12 @@ def main(argv: list[str]) -> int:
     for arch in args.archs:
         target = GPUTarget("cuda", arch, 32)
         for dt in args.dtypes.split(","):
-            for fn, types, constexprs in variants(dt):
+            for fn, types, constexprs in variants(dt, arch):
                 kernel = compile_kernel(fn, types, constexprs, target)
                 shared = kernel.metadata.shared
-                print(f"sm_{arch} {dt} {fn.__name__}: {len(kernel.asm['cubin'])} bytes of cubin, "
+                quant = {1: " int8 KV", 2: " fp8 KV"}.get(constexprs.get("QUANT"), "")
+                print(f"sm_{arch} {dt} {fn.__name__}{quant}: {len(kernel.asm['cubin'])} bytes of "
+                      f"cubin, "
                       f"{shared} bytes of shared memory", flush=True)
                 if shared > SHARED_MEMORY_LIMIT:
                     print(f"{fn.__name__} needs {shared} bytes of shared memory in {dt}, over "

@@ -43,6 +43,7 @@ DRAFT_FILE = "draft-file"  # the speculative choice that asks for a draft model 
 WEIGHT_LABELS = {"float": "float (as the dtype)", "int8": "int8, per channel",
                  "int4": "int4, groups of 32", "int4:g64": "int4, groups of 64",
                  "int4:g128": "int4, groups of 128"}
+KV_CACHE_DTYPE_LABELS = {"auto": "as the dtype", "int8": "int8", "fp8": "fp8 (e4m3)"}
 
 
 def probe_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]:
@@ -77,6 +78,7 @@ class LoadPanel(QGroupBox):
         self.kv_policy_combo = QComboBox()
         self.kv_budget_edit = QLineEdit(placeholderText="budget: 512 or 0.2")
         self.weights_combo = QComboBox()
+        self.kv_dtype_combo = QComboBox()
         self.estimate_label = QLabel(wordWrap=True)
         self.load_button = QPushButton("Load")
         self.cancel_button = QPushButton("Cancel load")
@@ -100,6 +102,11 @@ class LoadPanel(QGroupBox):
             self.weights_combo.addItem(label, value)
         self.weights_combo.setToolTip("Weight-only quantization of the decoder's matmuls; the "
                                       "embedding and norms stay float, the LM head is int8")
+        for value, label in KV_CACHE_DTYPE_LABELS.items():
+            self.kv_dtype_combo.addItem(label, value)
+        self.kv_dtype_combo.setToolTip("KV cache storage: the model's dtype, or int8 / fp8 with a "
+                                       "scale per token and KV head (about a quarter of float32's "
+                                       "memory; fp8 needs a GPU with fp8 on CUDA)")
         self.context_spin.setSuffix(" tokens")
         self.context_spin.setToolTip("Longest conversation one request may hold (max_model_len)")
         self.concurrency_spin.setToolTip("Requests the KV cache must hold at full context at once")
@@ -128,6 +135,8 @@ class LoadPanel(QGroupBox):
         precision.addWidget(self.dtype_combo, 1)
         precision.addWidget(QLabel("Weights"))
         precision.addWidget(self.weights_combo, 1)
+        precision.addWidget(QLabel("KV"))
+        precision.addWidget(self.kv_dtype_combo, 1)
         form.addRow("Dtype", precision)
         # Context and concurrency share a row, as do the KV options, to keep the panel short.
         sizing = QHBoxLayout()
@@ -169,6 +178,7 @@ class LoadPanel(QGroupBox):
         self.kv_budget_edit.setText(s.get("engine/kv_budget"))
         self._enable_budget()
         self._select(self.weights_combo, s.get("engine/weights"))
+        self._select(self.kv_dtype_combo, s.get("engine/kv_cache_dtype"))
 
     def _connect(self) -> None:
         self.device_combo.currentIndexChanged.connect(self._on_choice_changed)
@@ -180,6 +190,7 @@ class LoadPanel(QGroupBox):
         self.kv_policy_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.kv_budget_edit.textChanged.connect(self._on_choice_changed)
         self.weights_combo.currentIndexChanged.connect(self._on_choice_changed)
+        self.kv_dtype_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.load_button.clicked.connect(self.request_load)
         self.cancel_button.clicked.connect(self.cancel_requested)
         self.unload_button.clicked.connect(self.request_unload)
@@ -218,7 +229,7 @@ class LoadPanel(QGroupBox):
                            self.concurrency_spin.value(), self.spec_combo.currentData(),
                            self.prefix_check.isChecked(), policy,
                            self._kv_budget() if policy != "none" else None,
-                           self.weights_combo.currentData())
+                           self.weights_combo.currentData(), self.kv_dtype_combo.currentData())
 
     def request_load(self) -> None:
         """Ask for a load, unless the estimate shows the model cannot fit at all."""
@@ -288,6 +299,7 @@ class LoadPanel(QGroupBox):
         s.set("engine/kv_policy", self.kv_policy_combo.currentData())
         s.set("engine/kv_budget", self.kv_budget_edit.text().strip())
         s.set("engine/weights", self.weights_combo.currentData())
+        s.set("engine/kv_cache_dtype", self.kv_dtype_combo.currentData())
 
     def shutdown(self) -> None:
         """Stop the device probe (flag, quit, wait)."""
@@ -351,8 +363,10 @@ class LoadPanel(QGroupBox):
                           max_num_batched_tokens=request.max_num_batched_tokens(),
                           device="cpu" if target is None else target.kind)
             weights = self.weights_combo.currentData()
-            self._estimate = estimate_memory(self._model, weights=weights, **kwargs)
-            float_weights = estimate_memory(self._model, **kwargs).weight_bytes
+            kv_dtype = self.kv_dtype_combo.currentData()
+            self._estimate = estimate_memory(self._model, weights=weights,
+                                             kv_cache_dtype=kv_dtype, **kwargs)
+            plain = estimate_memory(self._model, **kwargs)
         except Exception as exc:  # an unreadable header is reported here and again on load
             self.estimate_label.setText(f"No estimate: {exc}")
             return
@@ -360,10 +374,14 @@ class LoadPanel(QGroupBox):
         e = self._estimate
         detail = (f"weights {format_bytes(e.weight_bytes)} + KV cache {format_bytes(e.kv_bytes)}"
                   f" + activations {format_bytes(e.activation_bytes)}")
-        saving = ""
-        if float_weights > e.weight_bytes:
-            saving = (f"\n{weights} weights save {format_bytes(float_weights - e.weight_bytes)} "
-                      "against float")
+        savings = []
+        if plain.weight_bytes > e.weight_bytes:
+            savings.append(f"{weights} weights save "
+                           f"{format_bytes(plain.weight_bytes - e.weight_bytes)} against float")
+        if plain.kv_bytes > e.kv_bytes:
+            savings.append(f"an {kv_dtype} KV cache saves "
+                           f"{format_bytes(plain.kv_bytes - e.kv_bytes)} against {kwargs['dtype']}")
+        saving = "".join(f"\n{line}" for line in savings)
         colour = {"ok": "", "warning": LEVEL_COLOURS[current_theme()]["warning"][1],
                   "error": LEVEL_COLOURS[current_theme()]["error"][1]}[level]
         self.estimate_label.setStyleSheet(f"color: {colour};" if colour else "")

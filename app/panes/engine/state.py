@@ -24,6 +24,7 @@ class LoadRequest:
     kv_policy: str = "none"
     kv_budget: int | float | None = None  # tokens, or a fraction of each request's length
     weights: str = "float"
+    kv_cache_dtype: str = "auto"  # or int8 / fp8, quantized per token and KV head
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -41,6 +42,7 @@ class LoadRequest:
             "speculative": None if self.speculative == "off" else self.speculative,
             "prefix_caching": self.prefix_caching,
             "weights": self.weights,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
         if self.kv_policy != "none":
             kwargs |= {"kv_policy": self.kv_policy, "kv_budget": self.kv_budget,
@@ -87,6 +89,7 @@ class EngineInfo:
     kv_policy: str = "none"
     kv_budget: int | float | None = None
     weights: str = "float"
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_llm(cls, llm: Any, load_s: float) -> EngineInfo:
@@ -95,11 +98,12 @@ class EngineInfo:
                    int(llm.num_kv_blocks), int(llm.block_size), int(llm.weight_bytes),
                    int(llm.kv_cache_bytes), load_s, llm.prefix_cache is not None,
                    llm.kv_policy or "none", llm.kv_budget,
-                   str(getattr(llm, "weights", "float")))
+                   str(getattr(llm, "weights", "float")),
+                   str(getattr(llm, "kv_cache_dtype", "auto")))
 
     def summary(self) -> str:
         """One line for the pane: memory actually used, the KV options and the load time."""
-        kv = []
+        kv = [] if self.kv_cache_dtype == "auto" else [f"{self.kv_cache_dtype} values"]
         if self.prefix_caching:
             kv.append("prefix caching")
         if self.kv_policy != "none":
