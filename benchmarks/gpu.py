@@ -103,7 +103,7 @@ def bandwidth_bound(llm: LLM, batch: int, new: int, bandwidth_gbs: float) -> flo
     """Tokens/s if each decode step only read the weights once and every sequence's keys and
     values once (the mean context of the run), at the measured bandwidth."""
     mean_context = PROMPT_TOKENS + new / 2
-    per_token = llm.kv_cache_bytes // (llm.num_kv_blocks * llm.block_size)  # int8/fp8: smaller
+    per_token = llm.kv_bytes_per_token  # int8/fp8: smaller
     kv_bytes = batch * mean_context * per_token
     return batch * bandwidth_gbs * 1e9 / (llm.weight_bytes + kv_bytes)
 

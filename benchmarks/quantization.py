@@ -107,7 +107,7 @@ def measure(model: str, fmt: str, text: str, max_text_tokens: int | None,
            "matrices_from_gguf_blocks": llm.model.weights_from_gguf_blocks,
            "linear_kernel": type(llm.model.layers[0].qkv).__name__,
            "kv_cache_dtype": llm.kv_cache_dtype,
-           "kv_bytes_per_token": llm.kv_cache_bytes // (llm.num_kv_blocks * llm.block_size)}
+           "kv_bytes_per_token": llm.kv_bytes_per_token}
     log(f"{fmt}: perplexity over {len(ids)} tokens")
     row.update(perplexity(llm, ids))
     log(f"{fmt}: greedy replies to {len(prompts)} prompts")

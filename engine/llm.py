@@ -177,6 +177,11 @@ class LLM:
         return self.runner.kv_cache_bytes
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one cached token takes in the pool (values and, quantized, their scales)."""
+        return self.kv_cache_bytes // (self.num_kv_blocks * self.block_size)
+
+    @property
     def kv_cache_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
