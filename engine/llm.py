@@ -179,7 +179,7 @@ class LLM:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one cached token takes in the pool (values and, quantized, their scales)."""
-        return self.kv_cache_bytes // (self.num_kv_blocks * self.block_size)
+        return self.kv_cache_bytes // self.kv_cache_tokens
 
     @property
     def kv_cache_tokens(self) -> int:

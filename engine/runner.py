@@ -45,7 +45,6 @@ class ModelRunner:
         self.model = model
         self.block_manager = block_manager
         self.device = model.device
-        self.kv_cache_dtype = kv_cache_dtype
         c = model.config
         slots = block_manager.num_blocks * block_manager.block_size
         # One extra slot, kept at zero, that padded attention rows point at: masked keys get
@@ -81,7 +80,8 @@ class ModelRunner:
         values = self.kv[:, :, : self.null_slot].numel() * self.kv.element_size()
         if self.kv_scale is None:
             return values
-        return values + self.kv_scale[:, :, : self.null_slot].numel() * 4
+        scales = self.kv_scale[:, :, : self.null_slot]
+        return values + scales.numel() * scales.element_size()
 
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False,
             want_mass: bool = False) -> torch.Tensor:
