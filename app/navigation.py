@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from PySide6.QtCore import QObject, QSize, Signal
@@ -9,11 +10,31 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QListWidget, QListWidgetItem, QStackedWidget, QWidget
 
 
-def make_action(parent: QObject, text: str, shortcut: object, slot: object) -> QAction:
-    """A menu action with its shortcut, triggering ``slot``."""
+def without_checked(slot: Callable[[], object]) -> Callable[..., None]:
+    """``slot`` as a receiver of ``clicked``/``triggered`` that drops the ``checked`` flag.
+
+    PySide hands that flag to the slot's first optional parameter (``add_server(entry=None)``
+    received False): every button and action reaches its slot through here, called with no
+    arguments, so an optional parameter is only ever data a caller passed on purpose."""
+
+    def receive(*_checked: object) -> None:
+        slot()
+
+    return receive
+
+
+def on_click(signal: object, slot: Callable[[], object]) -> None:
+    """Connect a ``clicked`` or ``triggered`` signal to ``slot``, which is called with no
+    arguments (see without_checked)."""
+    signal.connect(without_checked(slot))
+
+
+def make_action(parent: QObject, text: str, shortcut: object,
+                slot: Callable[[], object]) -> QAction:
+    """A menu action with its shortcut, calling ``slot()`` (no arguments) when triggered."""
     action = QAction(text, parent)
     action.setShortcut(QKeySequence(shortcut))
-    action.triggered.connect(slot)
+    on_click(action.triggered, slot)
     return action
 
 

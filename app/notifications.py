@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
 
+from app.navigation import on_click
 from app.theme import LEVEL_COLOURS, current_theme
 
 LEVELS = ("error", "warning", "info")
@@ -48,7 +49,7 @@ class _Banner(QFrame):
         label.setWordWrap(True)
         label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         close = QToolButton(text="✕", autoRaise=True, toolTip="Dismiss")
-        close.clicked.connect(lambda: self.dismissed.emit(self))
+        on_click(close.clicked, lambda: self.dismissed.emit(self))
         layout = QHBoxLayout(self)
         layout.setContentsMargins(10, 6, 6, 6)
         layout.addWidget(label, 1)

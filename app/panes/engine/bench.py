@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.engine_host import EngineHost
+from app.navigation import on_click
 
 CONCURRENCIES = ("1", "4", "16", "64")
 COLUMNS = ("When", "Model", "Device", "Prefill tok/s", "TTFT ms", "Decode tok/s",
@@ -66,8 +67,8 @@ class BenchPanel(QGroupBox):
         host.bench_finished.connect(self._on_finished)
         host.bench_failed.connect(self._on_failed)
         host.bench_cancelled.connect(self._on_cancelled)
-        self.run_button.clicked.connect(self.run)
-        self.cancel_button.clicked.connect(host.cancel_benchmark)
+        on_click(self.run_button.clicked, self.run)
+        on_click(self.cancel_button.clicked, host.cancel_benchmark)
         self.set_state(host.state)
 
     def _build(self) -> None:

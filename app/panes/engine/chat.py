@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.engine_host import EngineHost
+from app.navigation import on_click
 from app.panes.engine.sampling import SamplingControls
 from app.panes.engine.state import ChatSession, ChatTurn, ReplyFigures
 from app.settings import Settings
@@ -83,11 +84,11 @@ class ChatPanel(QWidget):
         self.splitter.restoreState(self._settings.get("chat/splitter"))
 
     def _connect(self) -> None:
-        self.send_button.clicked.connect(self.send)
-        self.stop_button.clicked.connect(self.stop)
-        self.regenerate_button.clicked.connect(self.regenerate)
-        self.clear_button.clicked.connect(self.clear)
-        self.copy_button.clicked.connect(self.copy_reply)
+        on_click(self.send_button.clicked, self.send)
+        on_click(self.stop_button.clicked, self.stop)
+        on_click(self.regenerate_button.clicked, self.regenerate)
+        on_click(self.clear_button.clicked, self.clear)
+        on_click(self.copy_button.clicked, self.copy_reply)
         self.system_prompt.textChanged.connect(
             lambda: self._settings.set("chat/system_prompt", self.system_prompt.toPlainText()))
         self.splitter.splitterMoved.connect(

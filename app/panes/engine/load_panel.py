@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.navigation import on_click
 from app.panes.engine.state import EngineInfo, LoadRequest, format_bytes, memory_verdict
 from app.settings import Settings
 from app.theme import LEVEL_COLOURS, current_theme
@@ -191,9 +192,9 @@ class LoadPanel(QGroupBox):
         self.kv_budget_edit.textChanged.connect(self._on_choice_changed)
         self.weights_combo.currentIndexChanged.connect(self._on_choice_changed)
         self.kv_dtype_combo.currentIndexChanged.connect(self._on_choice_changed)
-        self.load_button.clicked.connect(self.request_load)
-        self.cancel_button.clicked.connect(self.cancel_requested)
-        self.unload_button.clicked.connect(self.request_unload)
+        on_click(self.load_button.clicked, self.request_load)
+        on_click(self.cancel_button.clicked, self.cancel_requested.emit)
+        on_click(self.unload_button.clicked, self.request_unload)
         self._prober.succeeded.connect(self._on_devices)
         self._prober.failed.connect(lambda msg: self.notify.emit("warning",
                                     f"Could not list the devices ({msg}); the CPU is available."))

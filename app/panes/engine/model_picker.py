@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.navigation import on_click
 from app.panes.engine.state import format_bytes
 from app.workers import Progress, TaskRunner
 
@@ -115,10 +116,10 @@ class ModelPicker(QGroupBox):
 
     def _connect(self) -> None:
         self.combo.currentIndexChanged.connect(self._on_index_changed)
-        self.open_file_button.clicked.connect(self.open_file)
-        self.open_folder_button.clicked.connect(self.open_folder)
-        self.fetch_button.clicked.connect(self.fetch_demo)
-        self.fetch_cancel.clicked.connect(self._fetcher.cancel)
+        on_click(self.open_file_button.clicked, self.open_file)
+        on_click(self.open_folder_button.clicked, self.open_folder)
+        on_click(self.fetch_button.clicked, self.fetch_demo)
+        on_click(self.fetch_cancel.clicked, self._fetcher.cancel)
         self._lister.succeeded.connect(self._on_listed)
         self._lister.failed.connect(lambda message: self.notify.emit("error", message))
         self._fetcher.progressed.connect(self._on_fetch_progress)

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.navigation import on_click
 from app.panes.monitor.state import ChartSpec, decimate_peaks, series_csv, stable_y_range
 
 # Distinct hues that read on both the dark and the light theme.
@@ -127,7 +128,7 @@ class ChartView(QWidget):
         for fmt in ("png", "csv"):
             button = QToolButton(text=fmt.upper(), autoRaise=True,
                                  toolTip=f"Export this chart as {fmt.upper()}")
-            button.clicked.connect(lambda _=False, f=fmt: self.export_requested.emit(
+            on_click(button.clicked, lambda f=fmt: self.export_requested.emit(
                 self.spec.chart_id, f))
             header.addWidget(button)
         layout = QVBoxLayout(self)

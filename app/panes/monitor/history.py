@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.navigation import PageMixin, make_actions
+from app.navigation import PageMixin, make_actions, on_click
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import fmt, table_csv
 from app.workers import TaskRunner
@@ -100,7 +100,7 @@ class HistoryPane(PageMixin, QWidget):
         ))
         for action in actions:
             button = QPushButton(action.text().rstrip("…"))
-            button.clicked.connect(action.trigger)
+            on_click(button.clicked, action.trigger)
             bar.addWidget(button)
         bar.addStretch(1)
         bar.addWidget(self.status)

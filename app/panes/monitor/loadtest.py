@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.navigation import on_click
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import ServerEntry, fmt
 from app.workers import Progress, TaskRunner
@@ -71,8 +72,8 @@ class LoadTestDialog(QDialog):
         self.runner.progressed.connect(self._on_progress)
         self.runner.succeeded.connect(self._on_done)
         self.runner.failed.connect(self._on_failed)
-        self.start_button.clicked.connect(self.start)
-        self.close_button.clicked.connect(self.close)
+        on_click(self.start_button.clicked, self.start)
+        on_click(self.close_button.clicked, self.close)
 
     def _build(self) -> None:
         form = QFormLayout()

@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.navigation import PageMixin, make_actions
+from app.navigation import PageMixin, make_actions, on_click
 from app.panes.monitor.loadtest import LoadTestDialog
 from app.panes.monitor.service import MonitorService, test_connection
 from app.panes.monitor.state import API_METRICS, API_PROMETHEUS, ServerEntry, fmt
@@ -116,7 +116,7 @@ class ServersPane(PageMixin, QWidget):
         ))
         for action in actions:
             button = QPushButton(action.text().rstrip("…"))
-            button.clicked.connect(action.trigger)
+            on_click(button.clicked, action.trigger)
             buttons.addWidget(button)
         buttons.addStretch(1)
         layout = QVBoxLayout(self)

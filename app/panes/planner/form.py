@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.navigation import on_click
 from app.panes.planner.state import DAILY_PROFILES, FormState
 from app.panes.planner.tasks import USER_ERRORS, user_message
 from planner.catalog import Catalog, Model
@@ -140,7 +141,7 @@ class WorkloadForm(QWidget):
         return row
 
     def _connect(self) -> None:
-        self.import_button.clicked.connect(self.import_config)
+        on_click(self.import_button.clicked, self.import_config)
         self.model.currentTextChanged.connect(self.changed)
         for box in (self.rate, self.input_len, self.output_len, self.prefix_share, self.ttft,
                     self.tpot, self.budget, self.spot_share):

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.navigation import PageMixin, make_actions
+from app.navigation import PageMixin, make_actions, on_click
 from app.panes.planner.charts import ChartView
 from app.panes.planner.figures import ChartSpec, all_charts
 from app.panes.planner.form import WorkloadForm
@@ -177,12 +177,12 @@ class PlannerPane(PageMixin, QWidget):
             lambda: self._bench_ended("Benchmark cancelled; the calibration is unchanged."))
         self.detail_runner.succeeded.connect(self._on_detail)
         self.detail_runner.failed.connect(self._on_failed)
-        self.cancel_button.clicked.connect(self.cancel)
-        self.scenario_button.clicked.connect(self.keep_scenario)
-        self.save_scenarios_button.clicked.connect(lambda: self.save_scenarios())
-        self.calibrate_button.clicked.connect(lambda: self.calibrate())
-        self.workstation_button.clicked.connect(lambda: self.calibrate_workstation())
-        self.report_button.clicked.connect(lambda: self.export_report())
+        on_click(self.cancel_button.clicked, self.cancel)
+        on_click(self.scenario_button.clicked, self.keep_scenario)
+        on_click(self.save_scenarios_button.clicked, lambda: self.save_scenarios())
+        on_click(self.calibrate_button.clicked, lambda: self.calibrate())
+        on_click(self.workstation_button.clicked, lambda: self.calibrate_workstation())
+        on_click(self.report_button.clicked, lambda: self.export_report())
         self.present_button.toggled.connect(self.set_presentation)
         self.table.plan_selected.connect(self.choose)
         self.what_if.changed.connect(lambda _w: self._simulate_chosen())
