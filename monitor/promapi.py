@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from typing import Any
 
 import httpx
 
-from monitor.remote import BackoffSource, FetchError, ServerConfig, describe_error
+from monitor.remote import BackoffSource, FetchError, ServerConfig, classify_error
 from monitor.types import Poll, Sample
 
 # A Prometheus job name as the Servers pane accepts it (it goes into a label matcher).
@@ -106,7 +107,11 @@ class PromApiSource(BackoffSource):
     def poll(self, now: float) -> Poll:
         if now < self._next_try:
             return Poll()
-        poll = self._poll_now(now)
+        self._begin_scrape()
+        try:
+            poll = self._poll_now(now)
+        finally:
+            self._deadline = 0.0
         if not self.backfilled and self.status.state == "up":
             self.backfilled = True  # once: a failed backfill is reported, not retried
             poll.samples[:0] = self.backfill(now)
@@ -120,6 +125,7 @@ class PromApiSource(BackoffSource):
                   "step": f"{step:g}"}
         samples, failed = [], []
         items = list(self.queries.items())
+        self._deadline = time.monotonic() + self.config.timeout_s  # the backfill's own
         for i, (series, expr) in enumerate(items):
             try:
                 rows = self._answer(self._fetch({"query": expr, **params}, self.range_url),
@@ -134,6 +140,7 @@ class PromApiSource(BackoffSource):
                 break
             samples += [Sample(f"{self.name}/{series}{suffix}", ts, value)
                         for suffix, ts, value in sorted(rows, key=lambda r: r[1]) if ts < now]
+        self._deadline = 0.0
         self.status.message += f"; backfilled {len(samples)} points of the last " \
             f"{self.backfill_s:g} s" + (f" ({len(failed)} expressions failed)" if failed else "")
         return samples
@@ -152,15 +159,16 @@ class PromApiSource(BackoffSource):
                 continue
             except (FetchError, httpx.HTTPError, OSError) as exc:
                 # The server itself failed: the other expressions would only wait for it too.
-                self._fail(now, str(exc) if isinstance(exc, FetchError) else describe_error(
-                    exc, self.url, self.config.timeout_s))
+                reason, message = classify_error(exc, self.url, self.config.timeout_s)
+                self._fail(now, message, reason)
                 return Poll()
             samples += [Sample(f"{self.name}/{series}{suffix}", now, value)
                         for suffix, _ts, value in rows]
         if errors and len(errors) == len(self.queries):
-            self._fail(now, errors[0])
+            self._fail(now, errors[0], "error")
             return Poll()
-        self._ok(now, samples, errors)
+        self._ok(now, f"{len(samples)} series from {len(self.queries)} expressions"
+                 + (f", {len(errors)} failed" if errors else ""), errors[0] if errors else None)
         return Poll(samples)
 
     def query(self, expr: str, now: float) -> list[tuple[str, float, float]]:
@@ -180,23 +188,9 @@ class PromApiSource(BackoffSource):
         return parse(answer.get("data"))
 
     def _fetch(self, params: dict[str, str], url: str) -> bytes:
-        limit = self.config.max_bytes
-        with self.client.stream("GET", url, params=params) as response:
+        with self._stream(url, params=params) as response:
             # Prometheus answers a bad expression with 400 / 422 and a JSON error body.
             if response.status_code not in (200, 400, 422):
-                raise FetchError(f"{url} answered HTTP {response.status_code}")
-            chunks, size = [], 0
-            for chunk in response.iter_bytes():
-                size += len(chunk)
-                if size > limit:
-                    raise FetchError(f"{url} sent more than {limit / 2**20:g} MiB")
-                chunks.append(chunk)
-        return b"".join(chunks)
-
-    def _ok(self, now: float, samples: list[Sample], errors: list[str]) -> None:
-        self.failures, self._next_try = 0, 0.0
-        self.status.state, self.status.last_ok = "up", now
-        self.status.last_error = errors[0] if errors else None
-        self.status.message = (f"{len(samples)} series from {len(self.queries)} expressions"
-                               + (f", {len(errors)} failed" if errors else ""))
-
+                raise FetchError(f"{url} answered HTTP {response.status_code}",
+                                 response.status_code)
+            return self._read(response, url)

@@ -18,9 +18,12 @@ class MetricsError(ValueError):
 
 @dataclass
 class Scrape:
-    """Every sample of one scrape by sample name (counters keep `_total`, buckets keep `le`)."""
+    """Every sample of one scrape by sample name (counters keep `_total`, buckets keep `le`);
+    `non_finite` counts the NaN/±Inf samples left out (with `non_finite_names`, the first few)."""
 
     samples: dict[str, list[tuple[Labels, float]]] = field(default_factory=dict)
+    non_finite: int = 0
+    non_finite_names: list[str] = field(default_factory=list)
 
     def names(self) -> set[str]:
         return set(self.samples)
@@ -29,8 +32,8 @@ class Scrape:
         return self.samples.get(name, [])
 
 
-def _usable(value: float) -> bool:
-    return not math.isnan(value) and abs(value) < DCGM_BLANK_FLOOR
+def _is_dcgm_blank(value: float) -> bool:
+    return abs(value) >= DCGM_BLANK_FLOOR
 
 
 def parse_metrics(text: str) -> Scrape:
@@ -43,7 +46,13 @@ def parse_metrics(text: str) -> Scrape:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 value = float(s.value)
-                if not _usable(value):
+                if not math.isfinite(value):
+                    # Counted, not silently lost: a source sending only these is reported down.
+                    scrape.non_finite += 1
+                    if len(scrape.non_finite_names) < 3:
+                        scrape.non_finite_names.append(s.name)
+                    continue
+                if _is_dcgm_blank(value):
                     continue
                 labels = tuple(sorted(s.labels.items()))
                 scrape.samples.setdefault(s.name, []).append((labels, value))

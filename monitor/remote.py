@@ -16,14 +16,20 @@ from monitor.promtext import MetricsError, parse_metrics
 from monitor.types import Poll, Sample, SourceStatus
 
 MAX_BACKOFF_S = 60.0
+# The largest body a scrape reads: far above any real /metrics page (vLLM's is ~100 KiB), far
+# below what would hurt the recorder; over it the scrape stops reading and the source is down.
+DEFAULT_MAX_BYTES = 16 * 2**20
 
 
 class FetchError(Exception):
-    """A scrape that failed; the message is one sentence naming the URL."""
+    """A scrape that failed; the message is one sentence naming the URL, `reason` a key of
+    monitor.types.REASONS."""
 
-    def __init__(self, message: str, status_code: int | None = None) -> None:
+    def __init__(self, message: str, status_code: int | None = None,
+                 reason: str = "error") -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.reason = "http_status" if status_code is not None and reason == "error" else reason
 
 
 def resolve_token(ref: str | None) -> str | None:
@@ -54,7 +60,7 @@ class ServerConfig:
     kind: str | None = None
     interval_s: float = 1.0
     timeout_s: float = 5.0
-    max_bytes: int = 8 * 1024 * 1024
+    max_bytes: int = DEFAULT_MAX_BYTES
     dollars_per_hour: float | None = None
 
     def __post_init__(self) -> None:
@@ -74,23 +80,62 @@ def backoff_delay(interval_s: float, failures: int) -> float:
 
 def describe_error(exc: Exception, url: str, timeout_s: float) -> str:
     """One sentence for a failed HTTP request to `url`."""
-    return _describe(exc, url, timeout_s)
+    return classify_error(exc, url, timeout_s)[1]
 
 
-def _describe(exc: Exception, url: str, timeout_s: float) -> str:
+def classify_error(exc: Exception, url: str, timeout_s: float) -> tuple[str, str]:
+    """(reason, sentence) for a failed request to `url`; reason is a key of REASONS."""
+    if isinstance(exc, FetchError):
+        return exc.reason, str(exc)
     text = str(exc)
     if isinstance(exc, httpx.TimeoutException):
-        return f"{url} did not answer within {timeout_s:g} s"
+        return "timeout", f"{url} did not answer within {timeout_s:g} s"
     if "CERTIFICATE_VERIFY_FAILED" in text or "certificate" in text.lower():
-        return f"the TLS certificate of {url} could not be verified ({text})"
+        return "tls", f"the TLS certificate of {url} could not be verified ({text})"
     if isinstance(exc, httpx.ConnectError):
-        return f"cannot connect to {url} ({text})"
-    return f"{url} failed: {text or type(exc).__name__}"
+        reason = "refused" if "refused" in text.lower() else "connect"
+        return reason, f"cannot connect to {url} ({text})"
+    return "error", f"{url} failed: {text or type(exc).__name__}"
+
+
+def read_body(response: httpx.Response, url: str, limit: int, deadline: float,
+              timeout_s: float, what: str = "") -> bytes:
+    """The whole body of a streamed response, refusing one over `limit` bytes (announced or
+    sent) or still arriving at `deadline` (time.monotonic()).
+
+    httpx's timeout bounds each read, not the answer: a server sending one byte every 0.5 s
+    never trips it. Checking the deadline after every chunk does, at most one read late."""
+    announced = response.headers.get("content-length", "")
+    if announced.isdigit() and int(announced) > limit:
+        raise FetchError(f"{url} announced {int(announced) / 2**20:.1f} MiB{what}, more than "
+                         f"the {limit / 2**20:g} MiB cap", reason="too_large")
+    chunks, size = [], 0
+    for chunk in response.iter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise FetchError(f"{url} sent more than {limit / 2**20:g} MiB{what}",
+                             reason="too_large")
+        chunks.append(chunk)
+        if time.monotonic() > deadline:
+            raise FetchError(f"{url} did not finish its answer within {timeout_s:g} s "
+                             f"({size} bytes received)", reason="timeout")
+    return b"".join(chunks)
+
+
+def decode_text(body: bytes, url: str) -> str:
+    """The body as text; the exposition format is UTF-8, and replacing bad bytes would store
+    garbage names quietly, so invalid bytes fail the scrape instead."""
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FetchError(f"{url} sent bytes that are not UTF-8 (at byte {exc.start} of "
+                         f"{len(body)})", reason="invalid_utf8") from exc
 
 
 class BackoffSource(abc.ABC):
-    """What every polled HTTP source shares: an up/down status, exponential back-off after
-    failures, a "test connection" that ignores the back-off, and closing its client."""
+    """What every polled HTTP source shares: an up/down status with its reason, a deadline per
+    scrape, exponential back-off after failures, a "test connection" that ignores the back-off,
+    and closing its client."""
 
     def __init__(self, config: ServerConfig, kind: str) -> None:
         self.config = config
@@ -102,18 +147,56 @@ class BackoffSource(abc.ABC):
         self.client = httpx.Client(timeout=config.timeout_s, headers=headers, verify=True)
         self.failures = 0
         self._next_try = 0.0
+        self._deadline = 0.0
 
     @abc.abstractmethod
     def poll(self, now: float) -> Poll:
         """Read the source once; never raises (failures go to `status`)."""
 
-    def _fail(self, now: float, message: str) -> None:
+    def _begin_scrape(self) -> None:
+        """Start one attempt: it counts, and every request in it shares one deadline (reset to
+        0.0, "none", when the attempt ends)."""
+        self.status.scrapes += 1
+        self._deadline = time.monotonic() + self.config.timeout_s
+
+    def _current_deadline(self) -> float:
+        # A request made outside poll() (a backfill, a one-off query) gets a deadline of its own.
+        return self._deadline or time.monotonic() + self.config.timeout_s
+
+    def _stream(self, url: str, **kw):
+        # Each request may wait only for what is left of the scrape's deadline (the floor keeps
+        # a late request from a zero timeout, which httpx would read as "no timeout").
+        left = max(0.05, self._current_deadline() - time.monotonic())
+        return self.client.stream("GET", url, timeout=left, **kw)
+
+    def _read(self, response: httpx.Response, url: str, what: str = "") -> bytes:
+        return read_body(response, url, self.config.max_bytes, self._current_deadline(),
+                         self.config.timeout_s, what)
+
+    def _set_state(self, now: float, state: str) -> None:
+        if self.status.state != state:
+            self.status.since = now
+        self.status.state = state
+
+    def _fail(self, now: float, message: str, reason: str = "error", *,
+              backoff: bool = True) -> None:
+        self.status.failed_scrapes += 1
+        self._set_state(now, "down")
+        self.status.last_error, self.status.reason = message, reason
+        if not backoff:  # it answered: keep the schedule, there is no timeout to spare anyone
+            self.status.message = ""
+            return
         # Exponential back-off keeps a dead server from costing a timeout every interval.
         self.failures += 1
         delay = backoff_delay(self.interval_s, self.failures)
         self._next_try = now + delay
-        self.status.state, self.status.last_error = "down", message
         self.status.message = f"retrying in {delay:g} s"
+
+    def _ok(self, now: float, message: str, warning: str | None = None) -> None:
+        self.failures, self._next_try = 0, 0.0
+        self._set_state(now, "up")
+        self.status.last_ok, self.status.last_error, self.status.reason = now, warning, None
+        self.status.message = message
 
     def test_connection(self) -> SourceStatus:
         """Poll once now, ignoring back-off; the status says what happened."""
@@ -123,6 +206,10 @@ class BackoffSource(abc.ABC):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 class PrometheusSource(BackoffSource):
@@ -137,6 +224,7 @@ class PrometheusSource(BackoffSource):
     def poll(self, now: float) -> Poll:
         if now < self._next_try:
             return Poll()
+        self._begin_scrape()
         try:
             if self.status.kind == "ollama":
                 return self._up(now, self._read_ollama(), "")
@@ -144,28 +232,41 @@ class PrometheusSource(BackoffSource):
             if text is None:  # no /metrics, but Ollama's API answered: read that from now on
                 return self._up(now, self._read_ollama(), "")
             scrape = parse_metrics(text)
-        except (MetricsError, ollama.OllamaError) as exc:
-            where = "" if isinstance(exc, ollama.OllamaError) else f"{self.url} sent "
-            self._fail(now, f"{where}{exc}")
+        except MetricsError as exc:
+            self._fail(now, f"{self.url} sent {exc}", "not_prometheus")
+            return Poll()
+        except ollama.OllamaError as exc:
+            self._fail(now, str(exc), "not_prometheus")
             return Poll()
         except (FetchError, httpx.HTTPError, OSError) as exc:
-            message = str(exc) if isinstance(exc, FetchError) else _describe(
-                exc, self.url, self.config.timeout_s)
-            self._fail(now, message)
+            reason, message = classify_error(exc, self.url, self.config.timeout_s)
+            self._fail(now, message, reason)
+            return Poll()
+        finally:
+            self._deadline = 0.0
+        self.status.non_finite = scrape.non_finite
+        self.status.non_finite_total += scrape.non_finite
+        if scrape.non_finite and not scrape.samples:
+            # Every value was NaN/±Inf: nothing can be stored, so "up" would be a lie.
+            self._fail(now, f"{self.url} sent only NaN or ±Inf values "
+                            f"({_plural(scrape.non_finite, 'sample')}, e.g. "
+                            f"{', '.join(scrape.non_finite_names)}); nothing to store",
+                       "non_finite", backoff=False)
             return Poll()
         if self.config.kind is None and self.status.kind in ("unknown", "prometheus"):
             # Labelled metrics appear only once observed, so an idle server may look plain.
             self.status.kind = detect_kind(scrape.names())
         values = self.normalizer.update(scrape, now)
-        return self._up(now, values, f" from {len(scrape.names())} metrics")
+        skipped = (f", {_plural(scrape.non_finite, 'NaN/±Inf value')} skipped"
+                   if scrape.non_finite else "")
+        return self._up(now, values, f" from {len(scrape.names())} metrics{skipped}")
 
     def _up(self, now: float, values: list[tuple[str, float]], detail: str) -> Poll:
-        self.failures, self._next_try = 0, 0.0
-        self.status.state, self.status.last_ok, self.status.last_error = "up", now, None
-        self.status.message = f"{len(values)} series{detail}"
+        message = f"{len(values)} series{detail}"
         if self.status.kind == "ollama":
             version = f"Ollama {self.ollama_version}; " if self.ollama_version else ""
-            self.status.message += f" ({version}{ollama.NOT_PROVIDED})"
+            message += f" ({version}{ollama.NOT_PROVIDED})"
+        self._ok(now, message)
         return Poll([Sample(f"{self.name}/{series}", now, value) for series, value in values])
 
     def _fetch_metrics(self) -> str | None:
@@ -194,19 +295,12 @@ class PrometheusSource(BackoffSource):
         return ollama.ps_values(ollama.parse_ps(self.fetch(url), url))
 
     def fetch(self, url: str | None = None) -> str:
-        """The body of ``url`` (the metrics URL by default), refusing one over the size limit."""
+        """The body of ``url`` (the metrics URL by default) as UTF-8 text, refusing one over the
+        size limit or past the scrape's deadline."""
         url = url or self.url
-        limit = self.config.max_bytes
-        with self.client.stream("GET", url) as response:
+        with self._stream(url) as response:
             if response.status_code != 200:
                 raise FetchError(f"{url} answered HTTP {response.status_code}",
                                  response.status_code)
-            chunks, size = [], 0
-            for chunk in response.iter_bytes():
-                size += len(chunk)
-                if size > limit:
-                    what = " of metrics" if url == self.url else ""
-                    raise FetchError(f"{url} sent more than {limit / 2**20:g} MiB{what}")
-                chunks.append(chunk)
-        return b"".join(chunks).decode("utf-8", errors="replace")
-
+            body = self._read(response, url, " of metrics" if url == self.url else "")
+        return decode_text(body, url)

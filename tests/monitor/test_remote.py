@@ -119,14 +119,17 @@ def test_timeout_size_limit_and_refused_connection_are_one_sentence(text_server,
     text_server.body = "x 1\n" * 100_000
     big = PrometheusSource(ServerConfig("b", text_server.url, max_bytes=64 * 1024))
     big.poll(T)
+    # The server announces its length, so the body is refused before a byte of it is read.
     assert big.status.last_error == (
-        f"{text_server.url}/metrics sent more than 0.0625 MiB of metrics")
+        f"{text_server.url}/metrics announced 0.4 MiB of metrics, more than the 0.0625 MiB cap")
+    assert big.status.reason == "too_large"
     closed_port = serve_text()
     url = closed_port.url
     closed_port.close()
     gone = PrometheusSource(ServerConfig("g", url))
     gone.poll(T)
     assert gone.status.last_error.startswith(f"cannot connect to {url}/metrics")
+    assert (src.status.reason, gone.status.reason) == ("timeout", "refused")
 
 
 def test_json_instead_of_metrics_fails_soft(text_server):
