@@ -1,7 +1,8 @@
-"""The hub: polls sources on a background thread, keeps ring buffers, feeds the storage writer."""
+"""The hub: scrapes each source on its own thread, keeps ring buffers, feeds the storage writer."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -43,24 +44,78 @@ class RingBuffer:
         return ts, values
 
 
+def next_slot(previous: float, interval_s: float, now: float) -> float:
+    """The first slot of `previous` + k * `interval_s` after `now`: a scrape that overran its
+    interval skips the slots it missed instead of bunching up behind them (as Prometheus'
+    ticker does)."""
+    missed = max(0, int((now - previous) // interval_s))
+    return previous + (missed + 1) * interval_s
+
+
+def status_key(status: SourceStatus) -> tuple:
+    """What a status-change listener hears about: the state, why, and NaN/±Inf appearing."""
+    return status.state, status.reason, status.non_finite > 0
+
+
+class ScrapeLoop:
+    """One source's own thread and schedule, as Prometheus runs one scrape loop per target: a
+    slow or hanging source delays only itself. The loop closes its source when it ends, so a
+    scrape in flight never has its client closed under it."""
+
+    def __init__(self, hub: Hub, source: Source) -> None:
+        self.hub = hub
+        self.source = source
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"servescope-scrape-{source.name}",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        interval = max(self.source.interval_s, self.hub.tick_s)  # 0 would spin
+        try:
+            slot = time.monotonic()
+            while not self.stopping.is_set():
+                self.hub.scrape(self.source, time.time())
+                slot = next_slot(slot, interval, time.monotonic())
+                self.stopping.wait(max(0.0, slot - time.monotonic()))
+        finally:
+            self.source.close()
+
+
 class Hub:
-    """Polls each source when due; one failing source never stops the others."""
+    """Scrapes each source on its own thread and schedule; one failing, slow or hanging source
+    never stops or delays the others. A thread of its own runs `on_tick` every `tick_s`.
+
+    `tick()` polls every due source inline instead, for callers that drive a hub that was not
+    started (tests, scripts). `statuses()` gives a copy of every source's status (state, reason,
+    last_error, counters); `on_status(name, status)` is called, from the source's thread, when a
+    source's state or reason changes, or NaN/±Inf values start or stop arriving."""
 
     def __init__(self, sources: Iterable[Source] = (), writer: Writer | None = None, *,
                  capacity: int = 36_000, tick_s: float = 0.05,
-                 on_tick: Callable[[Hub, float], None] | None = None) -> None:
+                 on_tick: Callable[[Hub, float], None] | None = None,
+                 on_status: Callable[[str, SourceStatus], None] | None = None,
+                 stop_wait_s: float = 2.0) -> None:
         self.writer = writer
         self.capacity = capacity
         self.tick_s = tick_s
         self.on_tick = on_tick
+        self.on_status = on_status
+        self.stop_wait_s = stop_wait_s
         self.tick_error: str | None = None  # the last on_tick failure, for a status line
         self.requests: list[RequestRecord] = []
         self._sources: dict[str, Source] = {}
+        self._loops: dict[str, ScrapeLoop] = {}
         self._due: dict[str, float] = {}
+        self._reported: dict[str, tuple] = {}
         self._rings: dict[str, RingBuffer] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._started = False
+        self._closed = False  # after stop(): a scrape that ends late stores nothing
         for source in sources:
             self.add_source(source)
 
@@ -70,18 +125,27 @@ class Hub:
                 raise ValueError(f"a source named {source.name!r} is already attached")
             self._sources[source.name] = source
             self._due[source.name] = 0.0
+            loop = None
+            if self._started:
+                loop = self._loops[source.name] = ScrapeLoop(self, source)
+        if loop is not None:
+            loop.start()
 
     def remove_source(self, name: str) -> None:
         with self._lock:
             source = self._sources.pop(name, None)
             self._due.pop(name, None)
-        if source is not None:
+            self._reported.pop(name, None)
+            loop = self._loops.pop(name, None)
+        if loop is not None:
+            loop.stopping.set()  # the loop closes the source once its scrape in flight ends
+        elif source is not None:
             source.close()
 
     def statuses(self) -> dict[str, SourceStatus]:
+        """A copy of every source's status (sources update theirs on their own threads)."""
         with self._lock:
-            return {name: s.status for name, s in self._sources.items()}
-
+            return {name: dataclasses.replace(s.status) for name, s in self._sources.items()}
     def series_keys(self) -> list[str]:
         with self._lock:
             return sorted(self._rings)
@@ -97,18 +161,39 @@ class Hub:
         return float(values[-1]) if len(values) else None
 
     def tick(self, now: float | None = None) -> int:
-        """Poll every due source once; returns how many samples arrived."""
+        """Poll every due source once, inline (for a hub that was not started); returns how
+        many samples arrived."""
         now = time.time() if now is None else now
         with self._lock:
             due = [s for name, s in self._sources.items() if self._due[name] <= now]
             for s in due:
                 self._due[s.name] = now + s.interval_s
-        polls = [self._poll_guarded(s, now) for s in due]
-        samples = [x for p in polls for x in p.samples]
-        requests = [r for p in polls for r in p.requests]
-        self._store(samples, requests)
+        arrived = sum(self.scrape(s, now) for s in due)
         self._on_tick_guarded(now)
-        return len(samples)
+        return arrived
+
+    def scrape(self, source: Source, now: float) -> int:
+        """Poll one source, keep and store what it sent, tell listeners if its status changed;
+        returns how many samples arrived."""
+        poll = self._poll_guarded(source, now)
+        with self._lock:
+            if self._closed or self._sources.get(source.name) is not source:
+                return 0  # removed or stopped while it was being polled: not ours to keep
+        self._store(poll.samples, poll.requests)
+        self._report_status(source)
+        return len(poll.samples)
+
+    def _report_status(self, source: Source) -> None:
+        key = status_key(source.status)
+        with self._lock:
+            changed = self._reported.get(source.name) != key
+            self._reported[source.name] = key
+        if not changed or self.on_status is None:
+            return
+        try:
+            self.on_status(source.name, dataclasses.replace(source.status))
+        except Exception:  # a listener bug must not end the source's loop
+            log.exception("the hub's on_status callback failed")
 
     def _on_tick_guarded(self, now: float) -> None:
         if self.on_tick is None:
@@ -124,7 +209,9 @@ class Hub:
             poll = source.poll(now)
         except Exception as exc:  # a source bug must not stop the other sources
             log.exception("source %s failed", source.name)
-            source.status.state = "down"
+            if source.status.state != "down":
+                source.status.since = now
+            source.status.state, source.status.reason = "down", "error"
             source.status.last_error = f"{type(exc).__name__}: {exc}"
             return Poll()
         prefix = source.name + "/"
@@ -145,6 +232,12 @@ class Hub:
             self.writer.submit(samples, requests)
 
     def start(self) -> Hub:
+        with self._lock:
+            self._started = True
+            loops = [self._loops.setdefault(name, ScrapeLoop(self, source))
+                     for name, source in self._sources.items()]
+        for loop in loops:
+            loop.start()
         self._thread = threading.Thread(target=self._run, name="servescope-hub", daemon=True)
         self._thread.start()
         return self
@@ -152,14 +245,24 @@ class Hub:
     def _run(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
-            self.tick()
+            self._on_tick_guarded(time.time())
             self._stop.wait(max(0.0, self.tick_s - (time.monotonic() - started)))
 
     def stop(self) -> None:
+        """Stop every loop; wait at most `stop_wait_s` for scrapes in flight (a hanging source
+        must not hold up the exit), after which a late one stores nothing."""
         self._stop.set()
+        with self._lock:
+            loops = list(self._loops.values())
+            unstarted = [s for name, s in self._sources.items() if name not in self._loops]
+        for loop in loops:
+            loop.stopping.set()
         if self._thread is not None:
             self._thread.join(10)
+        deadline = time.monotonic() + self.stop_wait_s
+        for loop in loops:
+            loop.thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
-            sources = list(self._sources.values())
-        for source in sources:
+            self._closed = True
+        for source in unstarted:
             source.close()
