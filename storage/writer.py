@@ -16,6 +16,7 @@ from storage.models import Sample as SampleRow
 from storage.records import RequestRecord, Sample
 
 log = logging.getLogger(__name__)
+MAX_BATCHES_PER_ROUND = 40
 
 
 def _insert_ignoring_duplicates(db: Database, table: sa.Table) -> sa.Insert:
@@ -78,9 +79,16 @@ def request_row(record: RequestRecord, source_id: int) -> dict:
 
 
 class Writer:
-    """Owns all inserts: callers submit from any thread; one thread writes in batches."""
+    """Owns all inserts: callers submit from any thread; one thread writes in batches.
+
+    Nothing is lost without being counted: `dropped` counts the samples (and `dropped_requests`
+    the request records) discarded because the queue was full while the database could not be
+    written, or still unwritten when close() gave up; at every moment
+    `submitted_samples == written_samples + dropped + pending samples`. A failed batch is rolled
+    back whole, so what was stored before stays intact, and is retried on the next round."""
 
     def __init__(self, db: Database, *, interval_s: float = 0.5, max_pending: int = 2_000_000,
+                 batch_rows: int = 50_000,
                  on_flush: Callable[[float], None] | None = None,
                  on_error: Callable[[str], None] | None = None,
                  maintenance: Callable[[Database], None] | None = None,
@@ -88,20 +96,25 @@ class Writer:
         self.db = db
         self.interval_s = interval_s
         self.max_pending = max_pending
+        self.batch_rows = batch_rows
         self.on_flush = on_flush
         self.on_error = on_error
         self.maintenance = maintenance
         self.maintenance_every_s = maintenance_every_s
         self.last_error: str | None = None
+        self.submitted_samples = 0
         self.written_samples = 0
         self.written_requests = 0
         self.dropped = 0
+        self.dropped_requests = 0
         self._samples: deque[Sample] = deque()
         self._requests: deque[RequestRecord] = deque()
+        self._inflight = (0, 0)  # (samples, requests) taken by the batch being written
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._idle = threading.Condition(self._lock)
         self._stop = False
+        self._closed = False
         self._series = SeriesIds(db)
         self._thread: threading.Thread | None = None
         self._last_maintenance = time.monotonic()
@@ -114,25 +127,44 @@ class Writer:
     def submit(self, samples: Iterable[Sample] = (),
                requests: Iterable[RequestRecord] = ()) -> None:
         """Queue records for the next batch; never blocks on the database."""
+        samples, requests = list(samples), list(requests)
         with self._lock:
+            self.submitted_samples += len(samples)
+            if self._closed:  # nothing will write them any more: say so in the count
+                self.dropped += len(samples)
+                self.dropped_requests += len(requests)
+                return
             self._samples.extend(samples)
             self._requests.extend(requests)
             # Memory stays bounded while the database is unwritable; the oldest unsaved go first.
             while len(self._samples) > self.max_pending:
                 self._samples.popleft()
                 self.dropped += 1
+            while len(self._requests) > self.max_pending:
+                self._requests.popleft()
+                self.dropped_requests += 1
 
     @property
     def pending(self) -> int:
         with self._lock:
-            return len(self._samples) + len(self._requests)
+            return (len(self._samples) + len(self._requests)
+                    + self._inflight[0] + self._inflight[1])
+
+    def stats(self) -> dict[str, int | str | None]:
+        """Counts for a status line or a summary: written, dropped, pending, the last error."""
+        with self._lock:
+            pending = len(self._samples) + self._inflight[0]
+        return {"submitted": self.submitted_samples, "written": self.written_samples,
+                "written_requests": self.written_requests, "dropped": self.dropped,
+                "dropped_requests": self.dropped_requests, "pending": pending,
+                "last_error": self.last_error}
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything submitted so far is written; False if it could not be."""
         deadline = time.monotonic() + timeout
         self._wake.set()
         with self._lock:
-            while self._samples or self._requests:
+            while self._samples or self._requests or any(self._inflight):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._thread is None or not self._thread.is_alive():
                     return False
@@ -141,12 +173,21 @@ class Writer:
         return True
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Write what is pending and stop the thread; False if something stayed unwritten."""
+        """Write what is pending and stop the thread; False if something stayed unwritten,
+        which is then counted in `dropped` (the process is about to let it go)."""
         done = self.flush(timeout)
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        with self._lock:
+            self._closed = True
+            # A batch still being written when the join gave up is counted as dropped too; if
+            # it commits after all, write_pending takes it back out of the count.
+            self.dropped += len(self._samples) + self._inflight[0]
+            self.dropped_requests += len(self._requests) + self._inflight[1]
+            self._samples.clear()
+            self._requests.clear()
         return done
 
     def _run(self) -> None:
@@ -157,28 +198,51 @@ class Writer:
             self._maybe_maintain()
 
     def write_pending(self) -> None:
-        """Insert one batch of everything queued; on failure keep it queued and report."""
+        """Insert what is queued, in transactions of at most `batch_rows` rows (a full disk
+        then keeps what fitted); on a failure keep the rest queued and report. A round ends after
+        MAX_BATCHES_PER_ROUND batches so maintenance still runs under a steady backlog."""
+        for _ in range(MAX_BATCHES_PER_ROUND):
+            batch = self._take_batch()
+            if batch is None:
+                return
+            if not self._write_batch(*batch):
+                return
+
+    def _take_batch(self) -> tuple[list[Sample], list[RequestRecord]] | None:
         with self._lock:
-            samples, requests = list(self._samples), list(self._requests)
-        if not samples and not requests:
-            return
+            if self._closed or not (self._samples or self._requests):
+                return None
+            n = min(len(self._samples), self.batch_rows)
+            samples = [self._samples.popleft() for _ in range(n)]
+            m = min(len(self._requests), self.batch_rows)
+            requests = [self._requests.popleft() for _ in range(m)]
+            self._inflight = (n, m)
+        return samples, requests
+
+    def _write_batch(self, samples: list[Sample], requests: list[RequestRecord]) -> bool:
         try:
             self._insert(samples, requests)
         except Exception as exc:  # any driver error: keep the batch, say why once
+            with self._lock:
+                self._inflight = (0, 0)
+                if self._closed:  # close() counted it already
+                    return False
+                self._samples.extendleft(reversed(samples))
+                self._requests.extendleft(reversed(requests))
             self._report(describe_error(exc, self.db.engine.url))
-            return
+            return False
         with self._lock:
-            for _ in range(len(samples)):
-                self._samples.popleft()
-            for _ in range(len(requests)):
-                self._requests.popleft()
+            self._inflight = (0, 0)
+            if self._closed:  # close() gave up on it and counted it dropped; it made it after all
+                self.dropped -= len(samples)
+                self.dropped_requests -= len(requests)
+            self.written_samples += len(samples)
+            self.written_requests += len(requests)
             self._idle.notify_all()
-        self.written_samples += len(samples)
-        self.written_requests += len(requests)
         self.last_error = None
         if self.on_flush is not None and samples:
             self.on_flush(max(s.ts for s in samples))
-
+        return True
     def _insert(self, samples: list[Sample], requests: list[RequestRecord]) -> None:
         with self.db.engine.begin() as conn:
             if samples:
