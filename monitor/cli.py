@@ -39,7 +39,7 @@ def _server_configs(args: argparse.Namespace) -> list:
         name, _, url = spec.rpartition("=") if "=" in spec.split("://")[0] else ("", "", spec)
         try:
             configs.append(ServerConfig(name or f"server{i + 1}", url, token=_token(args),
-                                        interval_s=args.interval))
+                                        interval_s=args.interval, timeout_s=args.timeout))
         except ValueError as exc:
             raise UserError(f"--server {spec}: {exc}") from exc
     return configs
@@ -59,6 +59,8 @@ def cmd_record(args: argparse.Namespace) -> int:
             raise UserError("--duration must be positive")
         if args.slo_window <= 0:
             raise UserError("--slo-window must be positive")
+        if args.interval <= 0 or args.timeout <= 0:
+            raise UserError("--interval and --timeout must be positive")
         sources = [PrometheusSource(c) for c in _server_configs(args)] + _prom_api(args)
         if args.gpus:
             sources.append(NvmlSource(interval_s=args.interval))
@@ -70,10 +72,10 @@ def cmd_record(args: argparse.Namespace) -> int:
     for s in sources:
         if s.status.message:
             print(f"{s.name}: {s.status.message}", file=sys.stderr)
-    writer = Writer(db, on_error=lambda m: print(m, file=sys.stderr),
+    writer = Writer(db, on_error=lambda m: print(m, file=sys.stderr, flush=True),
                     on_flush=_flush_reporter(args), maintenance=Maintenance()).start()
     alerts = _alert_evaluator(args, db, [s.name for s in sources if not isinstance(s, NvmlSource)])
-    hub = Hub(sources, writer, on_tick=alerts.evaluate).start()
+    hub = Hub(sources, writer, on_tick=alerts.evaluate, on_status=_print_status_change).start()
     try:
         deadline = None if args.duration is None else time.monotonic() + args.duration
         while deadline is None or time.monotonic() < deadline:
@@ -81,17 +83,79 @@ def cmd_record(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     hub.stop()
-    stored = writer.close()
-    summary = {"db": db.url, "samples": writer.written_samples, "dropped": writer.dropped,
-               "alerts": [[e.rule, e.state] for e in alerts.events],
-               "sources": {n: s.state for n, s in hub.statuses().items()} or
-               {s.name: s.status.state for s in sources}}
+    writer.close()
+    statuses = hub.statuses() or {s.name: s.status for s in sources}
+    summary = _record_summary(db.url, writer, statuses, alerts)
     db.close()
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"recorded {writer.written_samples} samples into {summary['db']}", file=sys.stderr)
-    return 0 if stored else 1
+        print(_record_report(summary), file=sys.stderr)
+    return 0 if "error" not in summary else 1
+
+
+def _print_status_change(name: str, status) -> None:
+    """Live on stderr, from the source's own thread: a source came up, went down and why."""
+    if status.state == "up":
+        print(f"{name} is up: {status.message}", file=sys.stderr, flush=True)
+    else:
+        why = status.last_error or status.message or "no reason given"
+        print(f"{name} is {status.state}: {why}", file=sys.stderr, flush=True)
+
+
+def _record_summary(db_url: str, writer, statuses: dict, alerts) -> dict:
+    """The run in numbers; "error" is set, with one sentence, when the run lost data."""
+    summary = {
+        "db": db_url, "samples": writer.written_samples, "dropped": writer.dropped,
+        "requests": writer.written_requests, "alerts": [[e.rule, e.state] for e in alerts.events],
+        "sources": {n: s.state for n, s in statuses.items()},
+        "reasons": {n: s.last_error for n, s in statuses.items() if s.state != "up"},
+        "scrapes": {n: {"ok": s.scrapes - s.failed_scrapes, "failed": s.failed_scrapes,
+                        "non_finite": s.non_finite_total} for n, s in statuses.items()},
+    }
+    error = _record_error(writer, statuses)
+    if error:
+        summary["error"] = error
+    return summary
+
+
+def _record_error(writer, statuses: dict) -> str | None:
+    """One sentence when nothing was stored or something was lost, else None."""
+    if writer.written_samples + writer.written_requests == 0:
+        if writer.dropped and writer.last_error:
+            return f"Nothing was recorded: {writer.last_error}"
+        down = [f"{n}: {s.last_error or s.message or s.state}" for n, s in statuses.items()
+                if s.state != "up"]
+        if down and len(down) == len(statuses):
+            return f"Nothing was recorded: every source was down ({'; '.join(down)})."
+        return ("Nothing was recorded: the sources answered but sent no series servescope "
+                "reads" + (f" ({'; '.join(down)})." if down else "."))
+    if writer.dropped or writer.dropped_requests:
+        why = f": {writer.last_error}" if writer.last_error else ""
+        return (f"{writer.dropped} samples and {writer.dropped_requests} requests could not be "
+                f"stored{why.rstrip('.')}.")
+    return None
+
+
+def _record_report(summary: dict) -> str:
+    """The human summary: one line per source (with why it is down), then what was stored."""
+    lines = []
+    for name, state in summary["sources"].items():
+        counts = summary["scrapes"][name]
+        tried = counts["ok"] + counts["failed"]
+        line = f"  {name}: {state}"
+        if tried:
+            line += f", {counts['ok']} of {tried} scrapes ok"
+        if counts["non_finite"]:
+            line += f", {counts['non_finite']} NaN/±Inf values skipped"
+        if summary["reasons"].get(name):
+            line += f" ({summary['reasons'][name]})"
+        lines.append(line)
+    dropped = f", {summary['dropped']} dropped" if summary["dropped"] else ""
+    lines.append(f"recorded {summary['samples']} samples into {summary['db']}{dropped}")
+    if "error" in summary:
+        lines.append(summary["error"])
+    return "\n".join(lines)
 
 
 def _prom_api(args: argparse.Namespace) -> list:
@@ -102,7 +166,8 @@ def _prom_api(args: argparse.Namespace) -> list:
         return []
     try:
         return [PromApiSource(ServerConfig("prometheus", args.prom_url, token=_token(args),
-                                           interval_s=args.interval))]
+                                           interval_s=args.interval,
+                                           timeout_s=args.timeout))]
     except ValueError as exc:
         raise UserError(f"--prom-url {args.prom_url}: {exc}") from exc
 
@@ -228,6 +293,8 @@ def add_monitor_parsers(subparsers) -> None:
                      help="seconds of a server's p99 the SLO alerts judge")
     rec.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl+C)")
     rec.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
+    rec.add_argument("--timeout", type=float, default=5.0,
+                     help="seconds a server's whole scrape may take, body included (default 5)")
     rec.add_argument("--json", action="store_true", help="print one JSON summary at the end")
     rec.add_argument("--report-flushes", action="store_true", help=argparse.SUPPRESS)
     rec.set_defaults(func=cmd_record)
