@@ -160,7 +160,8 @@ def press(qtbot, window, sequence: str) -> None:
     from PySide6.QtGui import QKeySequence
 
     combo = QKeySequence(sequence)[0]
-    window.activateWindow()
+    window.activateWindow()  # a closed dialog may leave no window active; shortcuts need one
+    qtbot.waitUntil(window.isActiveWindow, timeout=2000)
     qtbot.keyClick(QApplication.focusWidget() or window, combo.key(), combo.keyboardModifiers())
 
 
