@@ -271,20 +271,36 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $SERVESCOPE_API_KEY)")
+    p.add_argument("--allow-unauthenticated-remote", action="store_true",
+                   help="serve a non-loopback --host without an API key (anyone who reaches "
+                        "the port can use the engine)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-tokens", type=int, default=None)
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="open connections before new ones get 503 (default 512)")
     p.set_defaults(func=_serve)
 
 
 def _serve(args) -> int:
     import os
 
-    from engine.server import Server
+    from engine.server import Server, ServerLimits, is_loopback
 
-    llm = _load(args, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens)
     api_key = args.api_key or os.environ.get("SERVESCOPE_API_KEY") or None
+    if not is_loopback(args.host) and api_key is None:
+        if not args.allow_unauthenticated_remote:
+            raise ValueError(f"--host {args.host} serves beyond this machine without an API key: "
+                             "set --api-key (or $SERVESCOPE_API_KEY), or pass "
+                             "--allow-unauthenticated-remote to serve anyone who reaches the "
+                             "port.")
+        print(f"servescope: WARNING: serving {args.host} without an API key: anyone who "
+              "reaches the port can use the engine.", file=sys.stderr, flush=True)
+    if args.max_connections < 1:
+        raise ValueError("--max-connections must be at least 1.")
+    llm = _load(args, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens)
+    limits = ServerLimits(max_connections=args.max_connections)
     try:
-        server = Server(llm, args.host, args.port, api_key)
+        server = Server(llm, args.host, args.port, api_key, limits)
     except OSError as exc:
         raise OSError(f"Cannot listen on {args.host}:{args.port} ({exc.strerror}): pick another "
                       "--port or stop what uses it.") from None
@@ -293,8 +309,7 @@ def _serve(args) -> int:
     try:
         server.serve_forever()
     finally:
-        server.loop.stop()
-        server.server_close()
+        server.close()
     return 0
 
 

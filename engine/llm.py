@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from engine.prefix_cache import PrefixCache
 from engine.quantize import parse_weights
 from engine.runner import ModelRunner
 from engine.sampler import sample
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import (
     RequestError,
     RequestOutput,
@@ -223,8 +224,15 @@ class LLM:
         return [_delta(seq) for seq in updated], stats
 
     def _step(self) -> tuple[list[Sequence], StepStats]:
+        try:
+            return self._run_step()
+        except Exception as exc:  # one request's failure must not end the others
+            return self._isolate(exc)
+
+    def _run_step(self, apply_aborts: bool = True) -> tuple[list[Sequence], StepStats]:
         start = time.perf_counter()
-        updated = self._apply_aborts()
+        # A step run alone (see _isolate) leaves aborts for later: the queues are set aside.
+        updated = self._apply_aborts() if apply_aborts else []
         self._propose_drafts()
         plan = self.scheduler.schedule()
         sampling = [s for s in plan.scheduled if s.samples]
@@ -260,6 +268,60 @@ class LLM:
         for observe in self.step_observers:
             observe(self.last_stats)
         return updated, self.last_stats
+
+    # ---- isolation: a failed step fails only the requests that fail alone ----
+    def _isolate(self, exc: Exception) -> tuple[list[Sequence], StepStats]:
+        """After a failed step, recompute each sequence of the batch alone: those that fail
+        alone end with finish_reason "error"; the others go on. Costs a recompute of the batch,
+        only when a step fails."""
+        start = time.perf_counter()
+        suspects = list(self.scheduler.running)
+        # Sequences the failed step finished before it broke still owe their last delta.
+        updated = [seq for seq in self._seqs.values() if seq.is_finished]
+        if not suspects and not updated:
+            raise exc
+        for seq in suspects:
+            self.scheduler.preempt(seq)  # frees its blocks and resets it to be recomputed
+            self.scheduler.waiting.remove(seq)
+        stats = None
+        for seq in suspects:
+            alone, stats = self._run_alone(seq)
+            updated.extend(alone)
+        updated = list(dict.fromkeys(updated))
+        for seq in updated:
+            if seq.is_finished:
+                self._seqs.pop(seq.request_id, None)
+        if stats is None:
+            stats = self._stats(SchedulerOutput(), updated, start, 0, 0)
+        return updated, stats
+
+    def _run_alone(self, seq: Sequence) -> tuple[list[Sequence], StepStats | None]:
+        """Step one sequence with the others set aside until it samples a token, finishes or
+        fails; then put the queues back together."""
+        sched = self.scheduler
+        saved_running, saved_waiting = sched.running, sched.waiting
+        sched.running, sched.waiting = [], deque([seq])
+        updated, stats, before = [], None, len(seq.output_token_ids)
+        chunk = seq.max_chunk_tokens or self.max_num_batched_tokens
+        try:
+            for _ in range(-(-seq.num_tokens // chunk) + 1):
+                alone, stats = self._run_step(apply_aborts=False)
+                updated.extend(alone)
+                if seq.is_finished or len(seq.output_token_ids) > before:
+                    break
+        except Exception as exc:
+            self._fail(seq, exc)
+            updated.append(seq)
+        finally:
+            saved_running.extend(sched.running)
+            saved_waiting.extendleft(reversed(sched.waiting))
+            sched.running, sched.waiting = saved_running, saved_waiting
+        return updated, stats
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        seq.error = (f"The engine failed on this request ({type(exc).__name__}: {exc}); other "
+                     "requests were not affected.")
+        self._finish(seq, "error", time.perf_counter())
 
     def _evict(self, scheduled: list, masses: list | None) -> int:
         """After acceptance: fold in attention statistics, compact sequences over budget."""

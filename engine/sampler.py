@@ -58,7 +58,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab).unsqueeze(0)
-    k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+    # A top_k beyond the vocabulary keeps every token (and must not overflow the tensor).
+    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k]).unsqueeze(1)
     remove = ranks >= k
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass before

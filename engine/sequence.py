@@ -11,6 +11,10 @@ class RequestError(ValueError):
     """A request the engine cannot run (too long for the context or the KV pool, bad params)."""
 
 
+# torch.Generator.manual_seed's inclusive range: a seed outside it fails inside the sampler.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop; temperature 0 means greedy, top_k 0 means off."""
@@ -36,6 +40,10 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+             f"seed must be within [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
+            (all(isinstance(s, str) and s for s in self.stop),
+             "stop must be a list of non-empty strings"),
         ]
         for ok, message in checks:
             if not ok:
@@ -120,6 +128,8 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     metrics: RequestMetrics
+    # Why the engine failed this request alone (finish_reason "error"), in one sentence.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -179,6 +189,7 @@ class Sequence:
         self.forced_logprobs: list[float] = []
         self.forced_top1: list[int] = []
         self.spec_hidden = None  # the target's last hidden state, for a hidden-state draft
+        self.error: str | None = None  # why the engine failed this request alone (llm.py)
 
     @property
     def num_tokens(self) -> int:
@@ -209,4 +220,5 @@ class Sequence:
             token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
             metrics=self.metrics,
+            error=self.error,
         )

@@ -1,40 +1,57 @@
-"""The engine loop behind the server: one thread owns the LLM and steps every request in flight."""
+"""The engine loop behind the server: one thread owns the LLM and steps every request in flight.
+
+The loop is supervised: an error outside the engine's own isolation (engine/llm.py runs a failed
+step's requests one by one, failing only those that fail alone) ends the requests in flight with
+an error, is logged with its traceback, and the loop goes on. If the engine cannot step at all,
+the loop says so (`health()`), the server answers 503 and refuses new work, and nothing waits
+forever on a thread that has stopped.
+"""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.sequence import RequestError, SamplingParams, StreamDelta
 
+log = logging.getLogger("servescope.serve")
+
+
+class Admitted:
+    """Sent first to a request the engine accepted (before any token): the server can answer
+    200 and open a stream, knowing the request will run."""
+
 
 @dataclass
 class Submission:
-    """A request handed to the loop, and the queue its deltas (or an error) come back on."""
+    """A request handed to the loop, and how its replies go back (called on the loop thread
+    with Admitted, then StreamDelta objects, the last with `output` set, or a RequestError)."""
 
     prompt: str | list[int]
     params: SamplingParams
-    replies: queue.Queue
+    deliver: Callable[[object], None]
     request_id: str = ""
 
 
 class EngineLoop:
     """Continuous batching across HTTP requests: handlers submit, the loop thread steps.
 
-    The LLM is not thread-safe, so only this thread touches it; handler threads talk to it
-    through queues. A request's reply queue receives StreamDelta objects and finally either a
-    delta with `output` set or a RequestError.
+    The LLM is not thread-safe, so only this thread touches it; handlers talk to it through
+    the inbox and their own deliver callbacks.
     """
 
     def __init__(self, llm, metrics=None) -> None:
         self.llm = llm
         self.metrics = metrics
-        self._inbox: queue.Queue[Submission] = queue.Queue()
-        self._replies: dict[str, queue.Queue] = {}
+        self._inbox: queue.Queue[Submission | None] = queue.Queue()
+        self._live: dict[str, Submission] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._broken: str | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -47,22 +64,52 @@ class EngineLoop:
         self._inbox.put(None)  # wake the loop if it sleeps
         self._thread.join(timeout=30)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> Submission:
-        sub = Submission(prompt, params, queue.Queue(), f"srv-{next(self._ids)}")
-        self._inbox.put(sub)
+    def health(self) -> str | None:
+        """None while the loop can serve, else why not (one sentence)."""
+        if self._broken is not None:
+            return self._broken
+        if not self._thread.is_alive():
+            return "The engine loop has stopped: restart the server."
+        return None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               deliver: Callable[[object], None]) -> Submission:
+        sub = Submission(prompt, params, deliver, f"srv-{next(self._ids)}")
+        reason = self.health()
+        if reason is not None:
+            _safe_deliver(sub, RequestError(reason))
+        else:
+            self._inbox.put(sub)
         return sub
 
     def abort(self, request_id: str) -> None:
         """Stop a request whose client went away (LLM.abort is thread-safe)."""
         self.llm.abort(request_id)
 
+    # ---- the loop thread ----
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._admit(block=not self.llm.has_unfinished())
-            if self.llm.has_unfinished():
-                self._step()
-        for replies in self._replies.values():
-            replies.put(RequestError("The server is shutting down: retry on another server."))
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._iteration()
+                except Exception as exc:  # noqa: BLE001 - supervised: log, fail, go on
+                    log.exception("The engine loop failed; the requests in flight were ended")
+                    self._recover(exc)
+        finally:
+            self._fail_live("The server is shutting down: retry on another server.")
+            self._drain_inbox("The server is shutting down: retry on another server.")
+
+    def _iteration(self) -> None:
+        self._admit(block=not self.llm.has_unfinished())
+        if self._broken is not None:
+            self._drain_inbox(self._broken)
+            return
+        if self.llm.has_unfinished():
+            self._step()
 
     def _admit(self, block: bool) -> None:
         try:
@@ -80,35 +127,73 @@ class EngineLoop:
         try:
             self.llm.add_request(sub.prompt, sub.params, request_id=sub.request_id)
         except RequestError as exc:
-            sub.replies.put(exc)
+            _safe_deliver(sub, exc)
             return
-        self._replies[sub.request_id] = sub.replies
+        except Exception as exc:  # noqa: BLE001 - a prompt the engine chokes on fails alone
+            log.exception("Admitting request %s failed", sub.request_id)
+            _safe_deliver(sub, RequestError(f"The engine could not take this request "
+                                            f"({type(exc).__name__}: {exc})."))
+            return
+        self._live[sub.request_id] = sub
+        _safe_deliver(sub, Admitted())
 
     def _step(self) -> None:
-        try:
-            deltas, stats = self.llm.step_deltas()
-        except Exception as exc:  # a failed step ends its requests, not the server
-            self._fail_all(exc)
-            return
+        deltas, stats = self.llm.step_deltas()
         if self.metrics is not None:
             self.metrics.observe_step(stats)
         for delta in deltas:
             self._deliver(delta)
 
     def _deliver(self, delta: StreamDelta) -> None:
-        replies = self._replies.get(delta.request_id)
-        if replies is None:
+        sub = self._live.get(delta.request_id)
+        if sub is None:
             return
-        replies.put(delta)
         if delta.output is not None:
-            del self._replies[delta.request_id]
+            del self._live[delta.request_id]
             if self.metrics is not None:
                 self.metrics.observe_finished(delta.output)
+            if delta.output.error is not None:
+                _safe_deliver(sub, RequestError(delta.output.error))
+                return
+        _safe_deliver(sub, delta)
 
-    def _fail_all(self, exc: Exception) -> None:
-        for rid, replies in list(self._replies.items()):
+    def _recover(self, exc: Exception) -> None:
+        """End every request in flight and check the engine can still step; if it cannot,
+        the loop is broken and says why."""
+        rids = list(self._live)
+        self._fail_live(f"The engine failed ({type(exc).__name__}: {exc}); the request was "
+                        "dropped: retry it.")
+        for rid in rids:
             self.llm.abort(rid)
-            replies.put(RequestError(f"The engine failed ({type(exc).__name__}: {exc}); "
-                                     "the request was dropped."))
-        self._replies.clear()
-        self.llm.step()  # applies the aborts so the blocks are freed
+        try:
+            for _ in range(3):  # applies the aborts so the blocks are freed
+                if not self.llm.has_unfinished():
+                    break
+                self.llm.step()
+        except Exception as again:  # noqa: BLE001
+            self._broken = (f"The engine cannot step any more ({type(again).__name__}: "
+                            f"{again}): restart the server.")
+            log.error("%s", self._broken)
+
+    def _fail_live(self, message: str) -> None:
+        live, self._live = self._live, {}
+        for sub in live.values():
+            _safe_deliver(sub, RequestError(message))
+
+    def _drain_inbox(self, message: str) -> None:
+        while True:
+            try:
+                sub = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if sub is not None:
+                _safe_deliver(sub, RequestError(message))
+
+
+def _safe_deliver(sub: Submission, item: object) -> None:
+    """A reply for a client that has gone (its event loop closed) is dropped, not raised on the
+    engine thread."""
+    try:
+        sub.deliver(item)
+    except Exception:  # noqa: BLE001
+        log.debug("Dropped a reply for %s", sub.request_id, exc_info=True)

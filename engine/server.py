@@ -1,332 +1,463 @@
-"""`servescope serve`: the embedded engine behind an OpenAI-compatible HTTP API with /metrics."""
+"""`servescope serve`: the embedded engine behind an OpenAI-compatible HTTP API with /metrics.
+
+An ASGI application (FastAPI) under uvicorn. A request is checked at the door: the body by
+engine/http_guard.py (size, time, API key), its fields by the pydantic models of
+engine/api_schema.py, its prompt tokenized and measured against the context on a worker thread.
+Only then does it reach the engine loop (engine/serve_loop.py), the one thread that steps the
+engine. Errors follow vLLM's: 400 naming the field, 401, 404, 408, 413; 503 only while the
+engine cannot serve (documented in the OpenAPI schema). A client that disconnects aborts its
+request, streaming or not.
+"""
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import contextlib
+import ipaddress
 import json
-import queue
-import time
-import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import logging
+import threading
+from dataclasses import dataclass
 
-from engine.kv_options import parse_kv_budget
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from engine.api_reply import Reply, error_body
+from engine.api_schema import ChatCompletionRequest, CompletionRequest, field_path
+from engine.http_guard import BodyGuard, GuardedH11Protocol
+from engine.kv_eviction import parse_policy
 from engine.sequence import RequestError, SamplingParams, StreamDelta
-from engine.serve_loop import EngineLoop
+from engine.serve_loop import Admitted, EngineLoop
 from engine.serve_metrics import ServerMetrics
 
+log = logging.getLogger("servescope.serve")
+
 MAX_BODY_BYTES = 4 << 20
-REPLY_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Connection limits and deadlines; each bounds what one client can hold."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = 30.0  # the whole request body
+    header_timeout_s: float = 10.0  # the request head, from connect or the previous response
+    keep_alive_s: float = 5.0  # an idle keep-alive connection
+    max_connections: int = 512  # beyond this, uvicorn answers 503 at once
+    backlog: int = 2048  # connections the kernel queues before accept
+    stall_timeout_s: float = 600.0  # no word from the engine on a request for this long
 
 
 class ApiError(Exception):
-    """An error the client caused, sent back as OpenAI's error object."""
+    """An error the client caused (or a 503), sent back as OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.param = status, kind, param
 
 
-class Server(ThreadingHTTPServer):
-    """The HTTP server: one handler thread per connection, one engine loop for all of them."""
+ERROR_RESPONSES = {
+    400: {"description": "A field is invalid (the message names it)"},
+    401: {"description": "Missing or wrong API key"},
+    408: {"description": "The request body did not arrive in time"},
+    413: {"description": "The request body is over the limit"},
+    503: {"description": "The engine cannot serve now (shutting down, or it failed): retry"},
+}
 
-    daemon_threads = True
+
+# ---- the application ----
+def create_app(llm, loop: EngineLoop, metrics: ServerMetrics,
+               limits: ServerLimits = ServerLimits(), api_key: str | None = None):
+    """The ASGI application: routes, error handlers and the body guard around them."""
+    app = FastAPI(title="servescope", version="0.1.0",
+                  description="OpenAI-compatible API of the servescope engine.")
+    service = _Service(llm, loop, metrics, limits)
+    _add_error_handlers(app)
+
+    @app.get("/health", responses={503: ERROR_RESPONSES[503]})
+    async def health() -> Response:
+        reason = loop.health()
+        if reason is not None:
+            return _error_response(ApiError(503, reason, "server_error"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": llm.model_name, "object": "model", "created": 0, "owned_by": "servescope",
+             "max_model_len": llm.max_model_len}]}
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await service.generate(request, body, chat=False)
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await service.generate(request, body, chat=True)
+
+    return BodyGuard(app, limits.max_body_bytes, limits.body_timeout_s, api_key), app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = (f"No route {request.method} {request.url.path}: see /v1/models, "
+                       "/v1/completions, /v1/chat/completions, /health, /metrics.")
+        elif exc.status_code == 400:
+            message = "The request body is not valid JSON: send one JSON object."
+        return _error_response(ApiError(exc.status_code, message, kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("Unexpected error on %s %s", request.method, request.url.path)
+        return _error_response(ApiError(500, f"The server failed on this request "
+                                             f"({type(exc).__name__}); it was logged.",
+                                        "server_error"))
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    """A 400 naming the first bad field, as vLLM answers (not FastAPI's 422 list)."""
+    errors = exc.errors()
+    if not errors:
+        return ApiError(400, "The request body is invalid.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return ApiError(400, "The request body is not valid JSON: send one JSON object.")
+    field = field_path(tuple(first.get("loc", ())))
+    same = [e for e in errors if field_path(tuple(e.get("loc", ()))) == field]
+    reasons = list(dict.fromkeys(str(e.get("msg", "invalid")).removeprefix("Value error, ")
+                                 for e in same))[:3]
+    if field == "body":
+        return ApiError(400, "The request body must be a JSON object: " + "; ".join(reasons))
+    return ApiError(400, f"'{field}': " + "; or ".join(reasons), param=field)
+
+
+def _error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(exc.status, str(exc), exc.kind, exc.param),
+                        status_code=exc.status)
+
+
+# ---- one request, from fields to engine and back ----
+class _Service:
+    """What the routes share: the engine, its loop, the metrics and the limits."""
+
+    def __init__(self, llm, loop: EngineLoop, metrics: ServerMetrics,
+                 limits: ServerLimits) -> None:
+        self.llm, self.loop, self.metrics, self.limits = llm, loop, metrics, limits
+
+    async def generate(self, request: Request, body, chat: bool) -> Response:
+        reason = self.loop.health()
+        if reason is not None:
+            raise ApiError(503, reason, "server_error")
+        # Tokenizing a 4 MiB prompt takes seconds: on a worker thread, not the event loop and
+        # not the engine thread.
+        prompt_ids = await run_in_threadpool(self._prompt_ids, body, chat)
+        params = self._sampling(body, len(prompt_ids), chat)
+        stream = _EngineStream(self.loop, self.limits.stall_timeout_s)
+        stream.submit(prompt_ids, params)
+        first = await stream.next()
+        if isinstance(first, RequestError):
+            raise ApiError(*_request_error(stream, first))
+        reply = Reply(body.model or self.llm.model_name, chat)
+        if body.stream:
+            return _SseResponse(stream, reply, body.include_usage)
+        deltas = await _collect_unless_disconnected(stream, request)
+        if deltas is None:
+            return Response(status_code=499)  # nobody is there to read it
+        return JSONResponse(reply.whole(deltas))
+
+    def _prompt_ids(self, body, chat: bool) -> list[int]:
+        if chat:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                ids = self.llm.chat_prompt(messages)
+            except Exception as exc:  # a template error names the problem, not a traceback
+                raise ApiError(400, f"The chat template failed on these messages: {exc}",
+                               param="messages") from exc
+        else:
+            prompt = body.prompt_value()
+            ids = self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise ApiError(400, "The prompt is empty: give at least one token.", param="prompt")
+        vocab = self.llm.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"Token id {bad} is outside the vocabulary (0..{vocab - 1}).",
+                           param="prompt")
+        return list(ids)
+
+    def _sampling(self, body, prompt_len: int, chat: bool) -> SamplingParams:
+        room = self.llm.max_model_len - prompt_len
+        asked = body.requested_max_tokens() if chat else body.max_tokens
+        bounded = not self._repositions(body)  # StreamingLLM may run past the context
+        if bounded and room < 1:
+            raise ApiError(400, f"This model's maximum context length is "
+                                f"{self.llm.max_model_len} tokens and the prompt has "
+                                f"{prompt_len}: shorten the prompt.", param="prompt")
+        if asked is not None and bounded and asked > room:
+            raise ApiError(400, f"'max_tokens' is too large: {asked}. This model's maximum "
+                                f"context length is {self.llm.max_model_len} tokens and the "
+                                f"prompt has {prompt_len} ({asked} > {room}).",
+                           param="max_tokens")
+        if asked is None:
+            # As vLLM: a chat reply may use the rest of the context, a completion 16 tokens.
+            pool = min(self.llm.max_model_len, self.llm.kv_cache_tokens) - prompt_len
+            asked = max(1, pool) if chat else max(1, min(16, room))
+        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        try:
+            return SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=top_k, max_tokens=asked, seed=body.seed, stop=body.stop_strings(),
+                ignore_eos=body.ignore_eos,
+                kv_policy=body.kv_policy, kv_budget=body.kv_budget)
+        except RequestError as exc:
+            raise ApiError(400, f"Bad sampling parameters: {exc}") from exc
+
+    def _repositions(self, body) -> bool:
+        name = body.kv_policy if body.kv_policy is not None else self.llm.kv_policy
+        try:
+            policy = parse_policy(name)
+        except Exception:  # noqa: BLE001 - the engine names a bad policy on admission
+            return False
+        return policy is not None and policy.repositions
+
+
+def _request_error(stream: _EngineStream, error: RequestError) -> tuple:
+    if stream.unavailable:
+        return 503, str(error), "server_error"
+    return 400, str(error), "invalid_request_error"
+
+
+class _EngineStream:
+    """One request's replies from the engine thread, as an asyncio queue on the server's loop."""
+
+    def __init__(self, loop: EngineLoop, stall_timeout_s: float) -> None:
+        self.loop = loop
+        self.stall_timeout_s = stall_timeout_s
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_id: str | None = None
+        self.finished = False
+        self.unavailable = False  # the error came from the engine not serving, not the request
+        self._event_loop = asyncio.get_running_loop()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        sub = self.loop.submit(prompt_ids, params, self._deliver_threadsafe)
+        self.request_id = sub.request_id
+
+    def _deliver_threadsafe(self, item) -> None:
+        self._event_loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def next(self) -> Admitted | StreamDelta | RequestError:
+        """The next reply; a RequestError if the engine stalls or stops."""
+        waited = 0.0
+        while True:
+            try:
+                item = await asyncio.wait_for(self.queue.get(), 1.0)
+                break
+            except TimeoutError:
+                waited += 1.0
+                reason = self.loop.health()
+                if reason is not None or waited >= self.stall_timeout_s:
+                    self.abort()
+                    self.unavailable = True
+                    return RequestError(reason or "The engine did not answer in time: retry "
+                                                  "later.")
+        if isinstance(item, RequestError) or (isinstance(item, StreamDelta) and
+                                              item.output is not None):
+            self.finished = True
+            self.unavailable = self.loop.health() is not None
+        return item
+
+    def abort(self) -> None:
+        if self.request_id is not None and not self.finished:
+            self.loop.abort(self.request_id)
+
+
+async def _collect(stream: _EngineStream) -> list[StreamDelta]:
+    deltas: list[StreamDelta] = []
+    while not deltas or deltas[-1].output is None:
+        item = await stream.next()
+        if isinstance(item, RequestError):  # 500: the engine failed on this request alone
+            raise ApiError(503 if stream.unavailable else 500, str(item), "server_error")
+        deltas.append(item)
+    return deltas
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect_unless_disconnected(stream: _EngineStream,
+                                       request: Request) -> list[StreamDelta] | None:
+    """All of the request's deltas, or None (and the request aborted) if the client leaves."""
+    collect = asyncio.ensure_future(_collect(stream))
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if collect in done:
+        return collect.result()
+    stream.abort()
+    collect.cancel()
+    with contextlib.suppress(asyncio.CancelledError, ApiError):
+        await collect
+    return None
+
+
+class _SseResponse(StreamingResponse):
+    """Server-sent events of one request; a client that leaves aborts the request at once."""
+
+    def __init__(self, stream: _EngineStream, reply: Reply, include_usage: bool) -> None:
+        self.stream = stream
+        super().__init__(_events(stream, reply, include_usage), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        watcher = asyncio.ensure_future(self._abort_on_disconnect(receive))
+        try:
+            await super().__call__(scope, watcher_receive(watcher, receive), send)
+        finally:
+            watcher.cancel()
+            self.stream.abort()  # no-op once finished; frees the KV blocks otherwise
+
+    async def _abort_on_disconnect(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.stream.abort()
+
+
+def watcher_receive(watcher: asyncio.Future, receive):
+    """Starlette may listen for the disconnect too; it then waits on the same watcher."""
+
+    async def wait_for_disconnect():
+        await asyncio.shield(watcher)
+        return {"type": "http.disconnect"}
+
+    return wait_for_disconnect
+
+
+async def _events(stream: _EngineStream, reply: Reply, include_usage: bool):
+    for chunk in reply.opening():
+        yield _sse(chunk)
+    while True:
+        item = await stream.next()
+        if isinstance(item, RequestError):
+            yield _sse(error_body(503 if stream.unavailable else 500, str(item),
+                                  "server_error"))
+            break
+        yield _sse(reply.chunk(item))
+        if item.output is not None:
+            if include_usage:
+                yield _sse(reply.usage_chunk(item.output))
+            break
+    yield b"data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+# ---- running it ----
+class Server:
+    """uvicorn serving the application, the engine loop beside it; `.close()` stops both."""
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | None = None) -> None:
-        super().__init__((host, port), Handler)
+                 api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> None:
+        import socket
+
+        import uvicorn
+
         self.llm = llm
         self.api_key = api_key
+        self.limits = limits
         spec = getattr(llm, "spec", None)
         self.metrics = ServerMetrics(llm.model_name, None if spec is None else spec.counters)
-        self.loop = EngineLoop(llm, self.metrics).start()
+        self.loop = EngineLoop(llm, self.metrics)
+        asgi, self.app = create_app(llm, self.loop, self.metrics, limits, api_key)
+        protocol = type("Protocol", (GuardedH11Protocol,),
+                        {"header_timeout_s": limits.header_timeout_s})
+        self.config = uvicorn.Config(
+            asgi, host=host, port=port, http=protocol, lifespan="off", log_level="warning",
+            access_log=False, backlog=limits.backlog, limit_concurrency=limits.max_connections,
+            timeout_keep_alive=int(max(1, limits.keep_alive_s)), timeout_graceful_shutdown=5)
+        self.uvicorn = uvicorn.Server(self.config)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+        except OSError:
+            self.socket.close()
+            raise
+        self.socket.listen(limits.backlog)
+        self.loop.start()
 
-    def handle_error(self, request, client_address) -> None:
-        """A client that hangs up mid-stream is normal for a server; anything else is logged."""
-        import sys
-
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
+    @property
+    def server_address(self) -> tuple:
+        return self.socket.getsockname()[:2]
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        host, port = self.server_address
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def serve_forever(self) -> None:
+        """Serve on this thread until Ctrl+C (uvicorn handles the signal) or close()."""
+        self.uvicorn.run(sockets=[self.socket])
+
+    def start(self) -> Server:
+        """Serve on a background thread; returns once the socket accepts."""
+        self._thread = threading.Thread(target=self.serve_forever, name="http", daemon=True)
+        self._thread.start()
+        for _ in range(500):
+            if self.uvicorn.started or not self._thread.is_alive():
+                break
+            threading.Event().wait(0.01)
+        return self
 
     def close(self) -> None:
         """Stop accepting requests, end the engine loop and release the socket."""
-        self.shutdown()
+        self.uvicorn.should_exit = True
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join(timeout=10)
         self.loop.stop()
-        self.server_close()
+        self.socket.close()
 
 
-class Handler(BaseHTTPRequestHandler):
-    """Routes /v1/models, /v1/completions, /v1/chat/completions, /health and /metrics."""
-
-    protocol_version = "HTTP/1.1"
-    server: Server
-
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base signature
-        pass  # access logs would drown the progress on stderr
-
-    def do_GET(self) -> None:
-        self._dispatch({"/health": self._health, "/metrics": self._metrics,
-                        "/v1/models": self._models})
-
-    def do_POST(self) -> None:
-        self._dispatch({"/v1/completions": self._completions,
-                        "/v1/chat/completions": self._chat})
-
-    def _dispatch(self, routes: dict) -> None:
-        route = routes.get(self.path.split("?", 1)[0])
-        try:
-            if route is None:
-                raise ApiError(404, f"No route {self.command} {self.path}: see /v1/models, "
-                                    "/v1/completions, /v1/chat/completions, /health, /metrics.",
-                               "not_found_error")
-            if route not in (self._health, self._metrics):
-                self._authorize()
-            route()
-        except ApiError as exc:
-            self._send_json(exc.status, {"error": {"message": str(exc), "type": exc.kind,
-                                                   "code": exc.status}})
-
-    def _authorize(self) -> None:
-        key = self.server.api_key
-        if key is None:
-            return
-        given = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), key.encode()):
-            raise ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.",
-                           "authentication_error")
-
-    # ---- simple routes ----
-    def _health(self) -> None:
-        self._send(200, b"", "text/plain")
-
-    def _metrics(self) -> None:
-        self._send(200, self.server.metrics.exposition(), "text/plain; version=0.0.4")
-
-    def _models(self) -> None:
-        name = self.server.llm.model_name
-        self._send_json(200, {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "servescope",
-             "max_model_len": self.server.llm.max_model_len}]})
-
-    # ---- generation ----
-    def _completions(self) -> None:
-        body = self._body()
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-            prompt = prompt[0]
-        if not (isinstance(prompt, str) or _is_token_list(prompt)):
-            raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list "
-                                "holding one string.")
-        self._generate(body, prompt, chat=False)
-
-    def _chat(self) -> None:
-        body = self._body()
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and "role" in m for m in messages):
-            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects.")
-        messages = [{"role": m["role"], "content": _content_text(m.get("content"))}
-                    for m in messages]
-        try:
-            prompt = self.server.llm.chat_prompt(messages)
-        except Exception as exc:  # a template error names the problem, not a traceback
-            raise ApiError(400, f"The chat template failed on these messages: {exc}") from exc
-        llm = self.server.llm
-        # As vLLM: without max_tokens a chat reply may use the rest of the context.
-        room = min(llm.max_model_len, llm.kv_cache_tokens) - len(prompt)
-        self._generate(body, prompt, chat=True, default_max_tokens=max(1, room))
-
-    def _generate(self, body: dict, prompt, chat: bool, default_max_tokens: int = 16) -> None:
-        params = _sampling(body, default_max_tokens)
-        sub = self.server.loop.submit(prompt, params)
-        reply = _Reply(body.get("model") or self.server.llm.model_name, chat)
-        first = self._next(sub)
-        if isinstance(first, RequestError):
-            raise ApiError(400, str(first))
-        if body.get("stream"):
-            self._stream(sub, first, reply, bool((body.get("stream_options") or {})
-                                                 .get("include_usage")))
-        else:
-            self._send_json(200, reply.whole(self._collect(sub, first)))
-
-    def _next(self, sub) -> StreamDelta | RequestError:
-        try:
-            return sub.replies.get(timeout=REPLY_TIMEOUT_S)
-        except queue.Empty:
-            self.server.loop.abort(sub.request_id)
-            return RequestError("The engine did not answer in time: retry later.")
-
-    def _collect(self, sub, first) -> list[StreamDelta]:
-        deltas = [first]
-        while deltas[-1].output is None:
-            item = self._next(sub)
-            if isinstance(item, RequestError):
-                raise ApiError(503, str(item), "server_error")
-            deltas.append(item)
-        return deltas
-
-    def _stream(self, sub, delta, reply: _Reply, include_usage: bool) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        try:
-            for chunk in reply.opening():
-                self._event(chunk)
-            while True:
-                if isinstance(delta, RequestError):
-                    self._event({"error": {"message": str(delta), "type": "server_error"}})
-                    break
-                self._event(reply.chunk(delta))
-                if delta.output is not None:
-                    if include_usage:
-                        self._event(reply.usage_chunk(delta.output))
-                    break
-                delta = self._next(sub)
-            self._write_chunk(b"data: [DONE]\n\n")
-            self._write_chunk(b"")
-        except (BrokenPipeError, ConnectionResetError):
-            self.server.loop.abort(sub.request_id)  # the client left: free its KV blocks
-
-    # ---- wire helpers ----
-    def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
-            raise ApiError(413, f"The request body is over {MAX_BODY_BYTES} bytes.")
-        try:
-            body = json.loads(self.rfile.read(length) or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"The request body is not valid JSON ({exc}).") from exc
-        if not isinstance(body, dict):
-            raise ApiError(400, "The request body must be a JSON object.")
-        return body
-
-    def _event(self, payload: dict) -> None:
-        self._write_chunk(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-    def _write_chunk(self, data: bytes) -> None:
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        self.wfile.flush()
-
-    def _send_json(self, status: int, payload: dict) -> None:
-        self._send(status, json.dumps(payload).encode(), "application/json")
-
-    def _send(self, status: int, data: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-class _Reply:
-    """OpenAI response objects for one request (completion or chat, whole or chunked)."""
-
-    def __init__(self, model: str, chat: bool) -> None:
-        self.model, self.chat = model, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-
-    def _envelope(self, kind: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def opening(self) -> list[dict]:
-        if not self.chat:
-            return []
-        return [self._envelope("chat.completion.chunk", [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])]
-
-    def chunk(self, delta: StreamDelta) -> dict:
-        if self.chat:
-            return self._envelope("chat.completion.chunk", [
-                {"index": 0, "delta": {"content": delta.text}, "finish_reason":
-                 delta.finish_reason}])
-        return self._envelope("text_completion", [
-            {"index": 0, "text": delta.text, "logprobs": None,
-             "finish_reason": delta.finish_reason}])
-
-    def usage_chunk(self, output) -> dict:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(kind, []) | {"usage": _usage(output)}
-
-    def whole(self, deltas: list[StreamDelta]) -> dict:
-        output = deltas[-1].output
-        text = "".join(d.text for d in deltas)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": output.finish_reason}
-            return self._envelope("chat.completion", [choice]) | {"usage": _usage(output)}
-        choice = {"index": 0, "text": text, "logprobs": None,
-                  "finish_reason": output.finish_reason}
-        return self._envelope("text_completion", [choice]) | {"usage": _usage(output)}
-
-
-def _usage(output) -> dict:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-
-def _is_token_list(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
-
-
-def _content_text(content) -> str:
-    """Message content as text: a string, or OpenAI's list of {type: text, text} parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    if content is None:
-        return ""
-    raise ApiError(400, "Message 'content' must be a string or a list of text parts.")
-
-
-def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
-    """SamplingParams from OpenAI's fields (plus vLLM's top_k and ignore_eos)."""
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "Only n=1 is supported: send one request per completion.")
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
-    stop = body.get("stop") or ()
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine."""
+    if host in ("localhost", ""):
+        return host == "localhost"
     try:
-        return SamplingParams(
-            temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)),
-            top_k=max(0, int(body.get("top_k", 0) or 0)),
-            max_tokens=int(max_tokens),
-            seed=None if body.get("seed") is None else int(body["seed"]),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            ignore_eos=bool(body.get("ignore_eos", False)),
-            **_kv_fields(body),
-        )
-    except (RequestError, TypeError, ValueError) as exc:
-        raise ApiError(400, f"Bad sampling parameters: {exc}") from exc
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
-def _kv_fields(body: dict) -> dict:
-    """servescope's extra fields (as vLLM takes extra sampling params in the body): the KV
-    eviction policy and budget of this request; the engine checks the values on admission."""
-    policy = body.get("kv_policy")
-    if policy is not None and not isinstance(policy, str):
-        raise ApiError(400, "'kv_policy' must be a string: none, streaming, h2o, scissorhands "
-                            "or snapkv.")
-    try:
-        budget = parse_kv_budget(body.get("kv_budget"))
-    except RequestError as exc:
-        raise ApiError(400, str(exc)) from exc
-    return {"kv_policy": policy, "kv_budget": budget}
-
-
-def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> Server:
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          limits: ServerLimits = ServerLimits()) -> Server:
     """Start serving in background threads; call `.close()` on the result to stop."""
-    import threading
-
-    server = Server(llm, host, port, api_key)
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    return server
+    return Server(llm, host, port, api_key, limits).start()

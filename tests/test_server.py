@@ -76,7 +76,7 @@ def test_streaming_deltas_add_up(client):
             "stream_options": {"include_usage": True}}
     pieces, usage = [], None
     with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.headers["content-type"] == "text/event-stream"
+        assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -117,9 +117,9 @@ def test_concurrent_requests_batch_and_metrics_count_them(client, direct):
 
 
 @pytest.mark.parametrize("body,status,needle", [
-    ({"prompt": "x" * 40000, "max_tokens": 4}, 400, "context holds"),
-    ({"prompt": 5}, 400, "'prompt' must be"),
-    ({"messages": "hi"}, 400, "'messages' must be"),
+    ({"prompt": "x" * 40000, "max_tokens": 4}, 400, "maximum context length"),
+    ({"prompt": 5}, 400, "'prompt': Input should be a valid string"),
+    ({"messages": "hi"}, 400, "'messages': Input should be a valid list"),
     ({"prompt": "hi", "temperature": -2}, 400, "temperature"),
 ])
 def test_bad_requests_get_openai_errors(client, body, status, needle):
@@ -203,7 +203,7 @@ def test_per_request_kv_policy_evicts_and_metrics_count_it(client, llm):
     ({"kv_policy": "h2o"}, "needs kv_budget"),
     ({"kv_policy": "h2o", "kv_budget": "lots"}, "kv_budget must be a number"),
     ({"kv_policy": "h2o", "kv_budget": 1.5}, "fraction must be in (0, 1]"),
-    ({"kv_policy": 3, "kv_budget": 32}, "'kv_policy' must be a string"),
+    ({"kv_policy": 3, "kv_budget": 32}, "'kv_policy': Input should be a valid string"),
 ])
 def test_bad_kv_fields_get_a_400(client, extra, needle):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, **extra})
