@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 from storage.db import StorageError
@@ -94,19 +95,24 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0 if "error" not in summary else 1
 
 
+_print_lock = threading.Lock()
+
+
 def _print_status_change(name: str, status) -> None:
     """Live on stderr, from the source's own thread: a source came up, went down and why."""
     if status.state == "up":
-        print(f"{name} is up: {status.message}", file=sys.stderr, flush=True)
+        line = f"{name} is up: {status.message}"
     else:
-        why = status.last_error or status.message or "no reason given"
-        print(f"{name} is {status.state}: {why}", file=sys.stderr, flush=True)
+        line = f"{name} is {status.state}: {status.last_error or status.message or 'no reason'}"
+    with _print_lock:  # sources report from their own threads: one whole line at a time
+        print(line, file=sys.stderr, flush=True)
 
 
 def _record_summary(db_url: str, writer, statuses: dict, alerts) -> dict:
     """The run in numbers; "error" is set, with one sentence, when the run lost data."""
     summary = {
         "db": db_url, "samples": writer.written_samples, "dropped": writer.dropped,
+        "submitted": writer.submitted_samples,
         "requests": writer.written_requests, "alerts": [[e.rule, e.state] for e in alerts.events],
         "sources": {n: s.state for n, s in statuses.items()},
         "reasons": {n: s.last_error for n, s in statuses.items() if s.state != "up"},

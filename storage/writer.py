@@ -110,6 +110,10 @@ class Writer:
         self._samples: deque[Sample] = deque()
         self._requests: deque[RequestRecord] = deque()
         self._inflight = (0, 0)  # (samples, requests) taken by the batch being written
+        # Write attempts so far, and the number of the last that failed: close() stops waiting
+        # once an attempt begun after it was called has failed.
+        self._attempts = 0
+        self._last_failed = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._idle = threading.Condition(self._lock)
@@ -159,14 +163,18 @@ class Writer:
                 "dropped_requests": self.dropped_requests, "pending": pending,
                 "last_error": self.last_error}
 
-    def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything submitted so far is written; False if it could not be."""
+    def flush(self, timeout: float = 10.0, *, until_failure: bool = False) -> bool:
+        """Wait until everything submitted so far is written; False if it could not be (in
+        `timeout`, or with `until_failure` as soon as a write fails)."""
         deadline = time.monotonic() + timeout
         self._wake.set()
         with self._lock:
+            begun = self._attempts  # attempts under way do not count: they may predate a fix
             while self._samples or self._requests or any(self._inflight):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._thread is None or not self._thread.is_alive():
+                    return False
+                if until_failure and self._last_failed > begun:
                     return False
                 self._idle.wait(min(left, 0.05))
                 self._wake.set()
@@ -174,8 +182,10 @@ class Writer:
 
     def close(self, timeout: float = 10.0) -> bool:
         """Write what is pending and stop the thread; False if something stayed unwritten,
-        which is then counted in `dropped` (the process is about to let it go)."""
-        done = self.flush(timeout)
+        which is then counted in `dropped` (the process is about to let it go). One failed
+        attempt ends the wait: a full disk does not empty itself in the seconds left, and a
+        locked database has had its busy timeout inside that attempt."""
+        done = self.flush(timeout, until_failure=True)
         self._stop = True
         self._wake.set()
         if self._thread is not None:
@@ -208,7 +218,7 @@ class Writer:
             if not self._write_batch(*batch):
                 return
 
-    def _take_batch(self) -> tuple[list[Sample], list[RequestRecord]] | None:
+    def _take_batch(self) -> tuple[list[Sample], list[RequestRecord], int] | None:
         with self._lock:
             if self._closed or not (self._samples or self._requests):
                 return None
@@ -217,14 +227,18 @@ class Writer:
             m = min(len(self._requests), self.batch_rows)
             requests = [self._requests.popleft() for _ in range(m)]
             self._inflight = (n, m)
-        return samples, requests
+            self._attempts += 1
+            attempt = self._attempts
+        return samples, requests, attempt
 
-    def _write_batch(self, samples: list[Sample], requests: list[RequestRecord]) -> bool:
+    def _write_batch(self, samples: list[Sample], requests: list[RequestRecord],
+                     attempt: int) -> bool:
         try:
             self._insert(samples, requests)
         except Exception as exc:  # any driver error: keep the batch, say why once
             with self._lock:
                 self._inflight = (0, 0)
+                self._last_failed = attempt
                 if self._closed:  # close() counted it already
                     return False
                 self._samples.extendleft(reversed(samples))
