@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import sqlalchemy as sa
@@ -110,3 +112,104 @@ def test_sigkilled_writer_leaves_an_intact_database_with_every_flushed_sample(tm
         assert values.tolist() == [float(i) for i in range(len(values))]
         assert abs(ts[-1] - flushed[-1]) < 0.002
     db.close()
+
+
+def test_a_database_locked_to_the_end_counts_every_unwritten_sample_as_dropped(tmp_path):
+    path = tmp_path / "locked.db"
+    db = open_database(f"sqlite:///{path}", busy_timeout_ms=100)
+    w = Writer(db, interval_s=0.05, on_error=lambda m: None).start()
+    w.submit([Sample("g/v", T0 + i, float(i)) for i in range(100)])
+    assert w.flush()
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another program holds the database to the end
+    w.submit([Sample("g/v", T0 + 100 + i, float(i)) for i in range(400)])
+    assert not w.close(timeout=0.5)
+    w.submit([Sample("g/v", T0 + 500, 0.0)])  # after close: nothing will write it
+    other.execute("ROLLBACK")
+    other.close()
+    assert (w.written_samples, w.dropped, w.submitted_samples) == (100, 401, 501)
+    assert "locked" in w.last_error and w.pending == 0
+    assert _count(path) == 100 and _integrity(path) == "ok"
+    db.close()
+
+
+FULL_DISK_RECORDER = textwrap.dedent("""
+    import sys
+    import sqlalchemy as sa
+    from monitor.cli import main
+
+    @sa.event.listens_for(sa.engine.Engine, "connect")
+    def cap(dbapi_conn, _record):  # the disk fills up a few pages past the migrated schema
+        dbapi_conn.execute("PRAGMA max_page_count=" + sys.argv[1])
+
+    sys.exit(main(["record", *sys.argv[2:]]))
+""")
+
+
+def test_record_on_a_full_disk_reports_every_dropped_sample_and_keeps_the_stored(tmp_path):
+    from tests.monitor.hostile import HostileServer
+
+    path = tmp_path / "full.db"
+    open_database(f"sqlite:///{path}").close()  # migrated, so only samples fill what is left
+    with sqlite3.connect(path) as conn:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    server = HostileServer()
+    try:
+        # The same `record` a user runs, its database capped (SQLite's max_page_count stands in
+        # for a full disk: no root mount of a tiny filesystem needed, and the error is the same
+        # SQLITE_FULL).
+        servers = [f"--server=g{i}={server.url_for('good')}" for i in range(6)]
+        proc = subprocess.run(
+            [sys.executable, "-c", FULL_DISK_RECORDER, str(pages + 2), "--db",
+             f"sqlite:///{path}", *servers, "--interval", "0.05", "--duration", "2", "--json"],
+            capture_output=True, text=True, timeout=60, env=os.environ.copy())
+    finally:
+        server.close()
+    summary = json.loads(proc.stdout)
+    assert proc.returncode == 1
+    assert "is full (disk space or size limit)" in proc.stderr  # said live, once
+    assert summary["dropped"] > 0 and "could not be stored" in summary["error"]
+    assert summary["samples"] + summary["dropped"] == summary["submitted"]
+    assert _count(path) == summary["samples"] > 0 and _integrity(path) == "ok"
+
+
+def test_sigkilled_record_under_load_loses_at_most_1_5_s_and_stays_intact(tmp_path):
+    from tests.monitor.hostile import HostileServer, start_record
+
+    path = tmp_path / "killed.db"
+    server = HostileServer()
+    args = ["--db", f"sqlite:///{path}", "--interval", "0.05", "--timeout", "1",
+            "--report-flushes"]
+    for i in range(6):  # six vLLM servers scraped 20 times a second, and two hostile ones
+        args += ["--server", f"g{i}={server.url_for('good')}"]
+    args += ["--server", f"slow={server.url_for('slow')}", "--server",
+             f"hang={server.url_for('hang')}"]
+    proc = start_record(args)
+    flushes = threading.Semaphore(0)
+
+    def drain() -> None:  # keep the pipe empty; count the writer's flushes
+        for line in proc.stderr:
+            if line.startswith("flushed "):
+                flushes.release()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        for _ in range(4):
+            assert flushes.acquire(timeout=30), "the recorder never flushed"
+        time.sleep(0.77)  # somewhere between two flushes, not right after one
+        killed_at = time.time()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    finally:
+        server.close()
+    assert _integrity(path) == "ok"
+    with sqlite3.connect(path) as conn:
+        last = conn.execute("SELECT max(ts_ms) FROM samples").fetchone()[0] / 1000
+        stamps = [r[0] for r in conn.execute(
+            "SELECT DISTINCT s.ts_ms FROM samples s JOIN series x ON x.id = s.series_id "
+            "WHERE x.key = 'g0/requests_running' ORDER BY s.ts_ms")]
+    lost_s = killed_at - last
+    print(f"SIGKILL lost the last {lost_s:.2f} s of samples")
+    assert lost_s <= 1.5
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    assert max(gaps) < 500  # no hole in what was stored
