@@ -159,11 +159,9 @@ class EngineLoop:
 
     def _recover(self, exc: Exception) -> None:
         """End every request in flight and check the engine can still step; if it cannot,
-        the loop is broken and says why."""
-        rids = list(self._live)
-        self._fail_live(f"The engine failed ({type(exc).__name__}: {exc}); the request was "
-                        "dropped: retry it.")
-        for rid in rids:
+        the loop is broken and says why (before the requests hear of it, so their answer can
+        say whether to retry here)."""
+        for rid in self._live:
             self.llm.abort(rid)
         try:
             for _ in range(3):  # applies the aborts so the blocks are freed
@@ -174,6 +172,8 @@ class EngineLoop:
             self._broken = (f"The engine cannot step any more ({type(again).__name__}: "
                             f"{again}): restart the server.")
             log.error("%s", self._broken)
+        self._fail_live(self._broken or f"The engine failed ({type(exc).__name__}: {exc}); "
+                                         "the request was dropped: retry it.")
 
     def _fail_live(self, message: str) -> None:
         live, self._live = self._live, {}
