@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from types import SimpleNamespace
 
@@ -176,3 +177,60 @@ def test_engine_source_reads_step_stats_and_finished_requests():
     assert record.e2e_s == pytest.approx(0.5) and record.output_tokens == 3
     assert record.itl_s == pytest.approx([0.1, 0.2])
     assert source.poll(101.0).samples == []  # the same step is not reported twice
+
+
+class Hanging(Ramp):
+    """A source whose poll blocks until released, like a scrape of a server that never answers."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, interval_s=0.02)
+        self.release = threading.Event()
+        self.closed = False
+
+    def poll(self, now: float) -> Poll:
+        self.release.wait(5)
+        self.status.state, self.status.reason = "down", "timeout"
+        self.status.last_error = "it never answered"
+        return Poll()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_hanging_source_delays_only_itself_and_changes_are_heard():
+    heard = []
+    fast, stuck = Ramp("fast", interval_s=0.02), Hanging("stuck")
+    hub = Hub([fast, stuck], tick_s=0.01, stop_wait_s=0.2,
+              on_status=lambda name, s: heard.append((name, s.state, s.reason))).start()
+    time.sleep(0.4)
+    assert fast.n >= 10  # polled on its own thread all along, the hanging one beside it
+    stuck.release.set()
+    time.sleep(0.1)
+    assert ("stuck", "down", "timeout") in heard and ("fast", "up", None) in heard
+    assert heard.count(("fast", "up", None)) == 1  # heard once, not every poll
+    status = hub.statuses()["stuck"]
+    status.state = "changed by a reader"  # a copy: the source's own status is untouched
+    assert stuck.status.state == "down"
+    stuck.release.clear()  # hangs again: stop() must not wait for it
+    time.sleep(0.05)
+    started = time.monotonic()
+    hub.stop()
+    assert time.monotonic() - started < 2.0
+    assert not stuck.closed  # still polling: it closes itself when its poll returns
+    stuck.release.set()
+    hub._loops["stuck"].thread.join(2)
+    assert stuck.closed
+
+
+def test_a_removed_source_is_closed_by_its_loop_and_stores_nothing_more():
+    source = Ramp("r", interval_s=0.02)
+    source.closed = False
+    source.close = lambda: setattr(source, "closed", True)
+    hub = Hub([source], tick_s=0.01).start()
+    time.sleep(0.1)
+    hub.remove_source("r")
+    time.sleep(0.1)
+    polls = source.n
+    time.sleep(0.1)
+    assert source.closed and source.n == polls and "r" not in hub.statuses()
+    hub.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,57 @@ def test_dcgm_text_is_split_per_gpu_and_blank_values_skipped():
 def test_malformed_text_raises_metrics_error():
     with pytest.raises(MetricsError):
         parse_metrics("metric{unclosed=\"1 2\n")
+
+
+@pytest.fixture
+def hostile():
+    from tests.monitor.hostile import HostileServer
+
+    server = HostileServer()
+    yield server
+    server.close()
+
+
+def test_a_trickling_body_is_cut_at_the_scrape_deadline(hostile):
+    source = PrometheusSource(ServerConfig("s", hostile.url_for("slow"), timeout_s=0.6))
+    started = time.monotonic()
+    source.poll(T)
+    took = time.monotonic() - started
+    # httpx's own timeout bounds each read (0.5 s apart here), never the whole answer.
+    assert source.status.reason == "timeout" and 0.5 < took < 1.5
+    assert "did not finish its answer within 0.6 s" in source.status.last_error
+    source.close()
+
+
+def test_a_50_mb_body_without_a_length_stops_at_the_cap(hostile):
+    source = PrometheusSource(ServerConfig("b", hostile.url_for("big"), max_bytes=2**20))
+    source.poll(T)
+    assert source.status.last_error == f"{hostile.url_for('big')} sent more than 1 MiB of metrics"
+    assert source.status.reason == "too_large"
+    source.close()
+
+
+def test_invalid_utf8_and_random_bytes_fail_instead_of_storing_replacement_characters(hostile):
+    for name in ("utf8", "random"):
+        source = PrometheusSource(ServerConfig(name, hostile.url_for(name)))
+        assert source.poll(T).samples == [] and source.status.reason == "invalid_utf8"
+        assert "sent bytes that are not UTF-8 (at byte" in source.status.last_error
+        source.close()
+
+
+def test_non_finite_values_are_counted_and_only_them_is_down_without_back_off(serve_text):
+    server = serve_text("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running NaN\n"
+                        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting +Inf\n")
+    source = PrometheusSource(ServerConfig("n", server.url))
+    assert source.poll(T).samples == []
+    assert (source.status.state, source.status.reason, source.status.non_finite) == (
+        "down", "non_finite", 2)
+    assert "sent only NaN or ±Inf values (2 samples" in source.status.last_error
+    server.body += "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.5\n"
+    poll = source.poll(T + 1)  # no back-off: it answered, only its values were unusable
+    assert _values(poll) == {"kv_cache_usage": 0.5} and source.status.state == "up"
+    assert source.status.message.endswith("2 NaN/±Inf values skipped")
+    assert (source.status.non_finite_total, source.status.scrapes,
+            source.status.failed_scrapes) == (4, 2, 1)
+    assert source.status.since == T + 1 and source.status.reason is None
+    source.close()
