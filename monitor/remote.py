@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 import httpx
@@ -173,30 +173,28 @@ class BackoffSource(abc.ABC):
         return read_body(response, url, self.config.max_bytes, self._current_deadline(),
                          self.config.timeout_s, what)
 
-    def _set_state(self, now: float, state: str) -> None:
-        if self.status.state != state:
-            self.status.since = now
-        self.status.state = state
+    def _publish(self, now: float, state: str, **fields) -> None:
+        since = now if self.status.state != state else self.status.since
+        # One new object, assigned at once: a reader on another thread (the Servers pane, the
+        # hub's statuses()) never sees the new state beside the previous reason.
+        self.status = replace(self.status, state=state, since=since, **fields)
 
     def _fail(self, now: float, message: str, reason: str = "error", *,
               backoff: bool = True) -> None:
-        self.status.failed_scrapes += 1
-        self._set_state(now, "down")
-        self.status.last_error, self.status.reason = message, reason
-        if not backoff:  # it answered: keep the schedule, there is no timeout to spare anyone
-            self.status.message = ""
-            return
-        # Exponential back-off keeps a dead server from costing a timeout every interval.
-        self.failures += 1
-        delay = backoff_delay(self.interval_s, self.failures)
-        self._next_try = now + delay
-        self.status.message = f"retrying in {delay:g} s"
+        retry = ""
+        if backoff:
+            # Exponential back-off keeps a dead server from costing a timeout every interval;
+            # one that answered (with unusable values) keeps its schedule.
+            self.failures += 1
+            delay = backoff_delay(self.interval_s, self.failures)
+            self._next_try = now + delay
+            retry = f"retrying in {delay:g} s"
+        self._publish(now, "down", last_error=message, reason=reason, message=retry,
+                      failed_scrapes=self.status.failed_scrapes + 1)
 
     def _ok(self, now: float, message: str, warning: str | None = None) -> None:
         self.failures, self._next_try = 0, 0.0
-        self._set_state(now, "up")
-        self.status.last_ok, self.status.last_error, self.status.reason = now, warning, None
-        self.status.message = message
+        self._publish(now, "up", last_ok=now, last_error=warning, reason=None, message=message)
 
     def test_connection(self) -> SourceStatus:
         """Poll once now, ignoring back-off; the status says what happened."""
