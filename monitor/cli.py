@@ -155,7 +155,7 @@ def _record_report(summary: dict) -> str:
         if counts["non_finite"]:
             line += f", {counts['non_finite']} NaN/±Inf values skipped"
         if summary["reasons"].get(name):
-            line += f" ({summary['reasons'][name]})"
+            line += f": {summary['reasons'][name]}"
         lines.append(line)
     dropped = f", {summary['dropped']} dropped" if summary["dropped"] else ""
     lines.append(f"recorded {summary['samples']} samples into {summary['db']}{dropped}")
