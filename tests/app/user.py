@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
     QDialog,
     QFileDialog,
     QLabel,
+    QLineEdit,
     QMenu,
     QRadioButton,
     QWidget,
@@ -77,6 +78,7 @@ class DialogAnswerer(QObject):
         super().__init__()
         self.answer = answer
         self.seen: list[str] = []
+        self._answering: QWidget | None = None
         self._timer = QTimer(self, interval=30)
         self._timer.timeout.connect(self._poll)
         self._timer.start()
@@ -85,10 +87,13 @@ class DialogAnswerer(QObject):
         modal = QApplication.activeModalWidget()
         if modal is None or not modal.isVisible():
             return
-        self.seen.append(modal.windowTitle())
-        answer, self.answer = self.answer, None  # one answer, for the first dialog only
-        if answer is not None:
-            answer(modal)
+        if modal is not self._answering:
+            self.seen.append(modal.windowTitle())
+        if self.answer is not None and self._answering in (None, modal):
+            # One answer, for the first dialog; repeated while that dialog stays open (a file
+            # dialog still listing its folder may ignore the first accept).
+            self._answering = modal
+            self.answer(modal)
         elif isinstance(modal, QDialog):
             modal.reject()
         else:
@@ -104,6 +109,9 @@ def answer_file_dialog(path: str) -> Callable[[QWidget], None]:
     def answer(dialog: QWidget) -> None:
         assert isinstance(dialog, QFileDialog), type(dialog)
         dialog.selectFile(path)
+        name = dialog.findChild(QLineEdit, "fileNameEdit")
+        if name is not None:
+            name.setText(path)
         dialog.accept()
 
     return answer

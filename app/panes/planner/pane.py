@@ -7,6 +7,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QFont
 from PySide6.QtWidgets import (
+    QApplication,
     QFileDialog,
     QGridLayout,
     QHBoxLayout,
@@ -28,7 +29,15 @@ from app.panes.planner.figures import ChartSpec, all_charts
 from app.panes.planner.form import WorkloadForm
 from app.panes.planner.report_writer import write_report
 from app.panes.planner.results import PlanTable, ScenarioTable, WhatIfPanel
-from app.panes.planner.state import Outcome, Scenarios, WhatIf, load_form, plan_label, save_form
+from app.panes.planner.state import (
+    Outcome,
+    Scenarios,
+    WhatIf,
+    load_form,
+    plan_costs,
+    plan_label,
+    save_form,
+)
 from app.panes.planner.store import PlannerStore
 from app.panes.planner.tasks import (
     USER_ERRORS,
@@ -94,7 +103,9 @@ class PlannerPane(PageMixin, QWidget):
     # ---- construction
     def _build(self) -> None:
         self.status = QLabel("Fill in the workload; the ranking follows every change.")
-        self.progress = QProgressBar(maximum=1000, textVisible=False, maximumWidth=180)
+        # Shown only while work runs: a finished bar was a blank blue strip that said nothing.
+        self.progress = QProgressBar(maximum=1000, textVisible=False, maximumWidth=180,
+                                     visible=False)
         self.cancel_button = QPushButton("Cancel", enabled=False)
         self.scenario_button = QPushButton("Keep as scenario")
         self.save_scenarios_button = QPushButton("Save scenarios")
@@ -117,6 +128,15 @@ class PlannerPane(PageMixin, QWidget):
         actions.addStretch(1)
         bar.addLayout(top)
         bar.addLayout(actions)
+        # Why the last search found no plan (the constraint that binds); hidden after a success.
+        self.plan_banner = QLabel("")
+        self.plan_banner.setObjectName("planner-no-plan")
+        self.plan_banner.setStyleSheet("QLabel#planner-no-plan { background: #5c1f1f; "
+                                       "color: white; padding: 6px; "
+                                       "border-left: 4px solid #e15759; }")
+        self.plan_banner.setWordWrap(True)
+        self.plan_banner.setVisible(False)
+        self.plan_banner.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.recommendation = QLabel("")
         self.recommendation.setObjectName("planner-recommendation")
         self.recommendation.setWordWrap(True)
@@ -136,15 +156,17 @@ class PlannerPane(PageMixin, QWidget):
         self.scenario_table = ScenarioTable()
         self.deploy = QPlainTextEdit(readOnly=True)
         self.deploy.setFont(QFont("monospace"))
+        self.deploy_page = self._deploy_page()
         self.tabs = QTabWidget()
         self.tabs.addTab(self.table, "Ranking")
         self.tabs.addTab(chart_page, "Charts")
         self.tabs.addTab(self.scenario_table, "Scenarios")
-        self.tabs.addTab(self.deploy, "Deploy")
+        self.tabs.addTab(self.deploy_page, "Deploy")
         right = QWidget()
         column = QVBoxLayout(right)
         column.setContentsMargins(0, 0, 0, 0)
         column.addLayout(bar)
+        column.addWidget(self.plan_banner)
         column.addWidget(self.recommendation)
         column.addWidget(self.tabs, 1)
         self.form_scroll = QScrollArea(widgetResizable=True)
@@ -159,6 +181,25 @@ class PlannerPane(PageMixin, QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 8, 8, 8)
         layout.addWidget(self.splitter)
+
+    def _deploy_page(self) -> QWidget:
+        self.copy_deploy_button = QPushButton("Copy", enabled=False)
+        self.copy_deploy_button.setToolTip("Copy the commands and manifests to the clipboard")
+        self.save_deploy_button = QPushButton("Save…", enabled=False)
+        self.save_deploy_button.setToolTip("Save the commands as a shell script and the "
+                                           "Kubernetes manifests beside it as YAML")
+        on_click(self.copy_deploy_button.clicked, self.copy_deploy)
+        on_click(self.save_deploy_button.clicked, lambda: self.save_deploy())
+        row = QHBoxLayout()
+        row.addWidget(self.copy_deploy_button)
+        row.addWidget(self.save_deploy_button)
+        row.addStretch(1)
+        page = QWidget()
+        column = QVBoxLayout(page)
+        column.setContentsMargins(0, 4, 0, 0)
+        column.addLayout(row)
+        column.addWidget(self.deploy, 1)
+        return page
 
     def _connect(self) -> None:
         self.form.notify.connect(self.notify)
@@ -238,6 +279,7 @@ class PlannerPane(PageMixin, QWidget):
         self._pending = False
         self.status.setText("Searching…")
         self.progress.setValue(0)
+        self.progress.setVisible(True)
         self.cancel_button.setEnabled(True)
         self.runner.start(search_task(self.form.state(), dict(self.form.imported),
                                       self.calibration))
@@ -254,7 +296,39 @@ class PlannerPane(PageMixin, QWidget):
         self.deploy.setPlainText("\n\n".join([
             "# vLLM, one replica", vllm_command(plan), "# SGLang, one replica",
             sglang_command(plan), "# Kubernetes", kubernetes_yaml(plan)]))
+        self.copy_deploy_button.setEnabled(True)
+        self.save_deploy_button.setEnabled(True)
         self._simulate_chosen()
+
+    def copy_deploy(self) -> None:
+        """Put the chosen plan's commands and manifests on the clipboard."""
+        if self.chosen is None:
+            return
+        QApplication.clipboard().setText(self.deploy.toPlainText())
+        self.notify.emit("info", f"Copied the commands for {plan_label(self.chosen)}.")
+
+    def save_deploy(self, path: str | Path = "") -> list[Path]:
+        """Write the chosen plan's commands as a shell script and its Kubernetes manifests as
+        YAML beside it; asks for the script's name when none is given."""
+        plan = self.chosen
+        if plan is None:
+            self.notify.emit("warning", "Choose a plan before saving its commands.")
+            return []
+        if not path:
+            path, _ = QFileDialog.getSaveFileName(self, "Save the deploy commands",
+                                                  "servescope-deploy.sh", "Shell script (*.sh)")
+            if not path:
+                return []
+        script, manifests = Path(path), Path(path).with_suffix(".yaml")
+        try:
+            script.write_text(deploy_script(plan), encoding="utf-8")
+            manifests.write_text(kubernetes_yaml(plan), encoding="utf-8")
+        except OSError as exc:
+            self.notify.emit("error", f"The commands could not be saved to {path}: "
+                                      f"{exc.strerror or exc}")
+            return []
+        self.notify.emit("info", f"Saved {script} and {manifests.name}.")
+        return [script, manifests]
 
     def keep_scenario(self) -> None:
         """Keep the current outcome for the side-by-side comparison (three at most)."""
@@ -268,20 +342,27 @@ class PlannerPane(PageMixin, QWidget):
             return
         self.scenario_table.show_scenarios(self.scenarios)
         self.tabs.setCurrentWidget(self.scenario_table)
-        self.notify.emit("info", f"Kept scenario {label}.")
+        # Kept means kept: they are stored at once, so a restart shows them again.
+        saved = self._store_scenarios()
+        self.notify.emit("info", f"Kept scenario {label}." if saved
+                         else f"Kept scenario {label} for this session (not saved).")
 
     def save_scenarios(self) -> int | None:
         """Keep the scenarios in the database; returns the saved row's id."""
         if not self.scenarios.items:
             self.notify.emit("warning", "Keep a scenario before saving scenarios.")
             return None
+        row_id = self._store_scenarios()
+        if row_id is not None:
+            self.notify.emit("info", f"Saved {len(self.scenarios.items)} scenario(s).")
+        return row_id
+
+    def _store_scenarios(self) -> int | None:
         try:
-            row_id = self.store.save_scenarios(self.scenarios.as_json())
+            return self.store.save_scenarios(self.scenarios.as_json())
         except Exception as exc:  # noqa: BLE001 - any database failure; the pane goes on
             self._database_failed(exc)
             return None
-        self.notify.emit("info", f"Saved {len(self.scenarios.items)} scenario(s).")
-        return row_id
 
     def restore_scenarios(self) -> int:
         """Show the scenarios saved last time; a broken database leaves the table empty."""
@@ -303,6 +384,7 @@ class PlannerPane(PageMixin, QWidget):
             return False
         self.status.setText("Benchmarking this workstation…")
         self.progress.setValue(0)
+        self.progress.setVisible(True)
         self.cancel_button.setEnabled(True)
         self.workstation_button.setEnabled(False)
         self.bench_runner.start(workstation_task(quick))
@@ -376,6 +458,7 @@ class PlannerPane(PageMixin, QWidget):
     def _bench_ended(self, message: str) -> None:
         self.workstation_button.setEnabled(True)
         self.cancel_button.setEnabled(self.runner.is_running())
+        self.progress.setVisible(self.runner.is_running())
         self.status.setText(message)
         if "failed" in message:
             self.notify.emit("error", message)
@@ -387,19 +470,21 @@ class PlannerPane(PageMixin, QWidget):
         done = (f"Benchmarked {r.get('model')} on {r.get('device')} (tok/s at concurrency "
                 f"{rates})")
         self._bench_ended(done + "; calibrating…")
-        self.progress.setValue(1000)
         if self.calibrate(bench.model) is None:
             self.status.setText(done + "; no calibration: see the message.")
 
     def _on_search_done(self, result: Outcome | Failure | None) -> None:
         if isinstance(result, Failure):
-            self.status.setText("No plan: see the message above.")
-            self.notify.emit("error", result.message)
+            self._clear_plan()
+            self.status.setText("No plan for this workload: see the reason above.")
+            self.plan_banner.setText(f"No plan: {result.message}")
+            self.plan_banner.setVisible(True)
             return
         if result is None:
             return
+        self.plan_banner.setVisible(False)
+        self.plan_banner.setText("")
         self.outcome, self.detail = result, result.detail
-        self.progress.setValue(1000)
         r = result.result
         folded = f"; {r.folded} batch-limit variants folded" if r.folded else ""
         self.status.setText(f"{len(r.candidates)} plans meet every constraint "
@@ -411,10 +496,24 @@ class PlannerPane(PageMixin, QWidget):
         self.table.selectRow(0)
         self.outcome_ready.emit(result)
 
+    def _clear_plan(self) -> None:
+        """Nothing of the previous plan stays on screen once the workload has none: ranking,
+        recommendation, charts, what-ifs, Deploy text; the report has nothing to export."""
+        self.outcome, self.chosen, self.detail = None, None, None
+        self.table.set_plans([])
+        self.recommendation.setText("")
+        self.deploy.setPlainText("")
+        self.copy_deploy_button.setEnabled(False)
+        self.save_deploy_button.setEnabled(False)
+        self.what_if.reset()
+        self.what_if.verdict.setText("No plan to try changes on.")
+        for chart in self.charts.values():
+            chart.set_spec(ChartSpec(""))
+
     def _show_recommendation(self, o: Outcome) -> None:
         best = o.best
         self.recommendation.setText(
-            f"<b>Recommended:</b> {plan_label(best)} — ${best.cost_per_hour:.2f}/hour, "
+            f"<b>Recommended:</b> {plan_label(best)} — {plan_costs(best, o.form).text()}, "
             f"${best.cost_per_1m_tokens:.3f} per 1M tokens, p99 TTFT {best.ttft_p99_ms:.0f} ms "
             f"(≤ {o.form.ttft_p99_ms:g}), p99 TPOT {best.tpot_p99_ms:.1f} ms "
             f"(≤ {o.form.tpot_p99_ms:g}). {calibration_text(o.calibration)}")
@@ -428,7 +527,8 @@ class PlannerPane(PageMixin, QWidget):
             self.status.setText("Search cancelled; the ranking shown is from the last search.")
 
     def _on_finished(self) -> None:
-        self.cancel_button.setEnabled(False)
+        self.cancel_button.setEnabled(self.bench_runner.is_running())
+        self.progress.setVisible(self.bench_runner.is_running())
         if self._pending:
             self.recompute()
 
@@ -455,9 +555,13 @@ class PlannerPane(PageMixin, QWidget):
         form = self.outcome.form
         ttft, tpot = detail.result.summary("ttft")["p99"], detail.result.summary("tpot")["p99"]
         verdict = "meets" if ttft <= form.ttft_p99_ms and tpot <= form.tpot_p99_ms else "misses"
+        # The simulated fleet is the peak hour's; the day average lets autoscaling trim it.
+        average = plan_costs(self.chosen, form, what_if.spot_share, what_if.rate_scale,
+                             what_if.replicas_delta).average_per_hour
         return (f"{detail.replicas} replica(s) at {form.rate * what_if.rate_scale:g} req/s: "
                 f"p99 TTFT {ttft:.0f} ms, TPOT {tpot:.1f} ms, "
-                f"${detail.cost_per_hour:.2f}/hour at peak — {verdict} the SLOs.")
+                f"${detail.cost_per_hour:.2f}/hour at peak, ${average:.2f}/hour averaged over "
+                f"the day — {verdict} the SLOs.")
 
     def _refresh_charts(self, detail: Evaluation | None) -> None:
         o, w = self.outcome, self.what_if.what_if()
@@ -465,6 +569,13 @@ class PlannerPane(PageMixin, QWidget):
                            w.replicas_delta)
         for key, spec in specs.items():
             self.charts[key].set_spec(spec)
+
+
+def deploy_script(plan: Plan) -> str:
+    """A shell script starting one replica with vLLM, SGLang's equivalent commented out."""
+    sglang = "\n".join(f"# {line}" for line in sglang_command(plan).splitlines())
+    return (f"#!/bin/sh\n# {plan_label(plan)}, one replica (servescope).\n\n"
+            f"# vLLM\n{vllm_command(plan)}\n\n# Or SGLang:\n{sglang}\n")
 
 
 def calibration_text(calibration: Calibration) -> str:

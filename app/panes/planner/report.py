@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from string import Template
 
-from app.panes.planner.state import Outcome, day_cost, plan_label
+from app.panes.planner.state import Outcome, plan_costs, plan_label
 from planner.cost import CostOptions
 from planner.export import kubernetes_yaml, sglang_command, vllm_command
 from planner.memory import MEMORY_UTILIZATION, RUNTIME_RESERVE_GB
@@ -33,19 +33,19 @@ def _plan_row(plan: Plan) -> list[str]:
             f"{plan.ttft_p99_ms:.0f}", f"{plan.tpot_p99_ms:.1f}"]
 
 
-PLAN_HEADER = ["Plan", "GPUs", "$/hour", "$ per 1M tokens", "p99 TTFT ms", "p99 TPOT ms"]
+PLAN_HEADER = ["Plan", "GPUs", "$/hour, day average", "$ per 1M tokens", "p99 TTFT ms",
+               "p99 TPOT ms"]
 
 
 def _summary(o: Outcome, best: Plan) -> str:
     f = o.form
-    daily = sum(day_cost(best, f))
     rows = [
         ["Model", f"{o.model.name} ({o.model.params_b:.1f} B parameters)"],
         ["Layout per replica", f"{best.deployment.gpus}x {best.deployment.gpu.name}, TP "
                                f"{best.deployment.tp}, PP {best.deployment.pp}, "
                                f"{best.deployment.weights} weights, {best.deployment.kv} KV"],
         ["Replicas at peak", str(best.replicas)],
-        ["Cost", f"${best.cost_per_hour:.2f}/hour at peak, ${daily:,.0f}/day, "
+        ["Cost", f"{plan_costs(best, f).text()}, "
                  f"${best.cost_per_1m_tokens:.3f} per 1M output tokens"],
         ["p99 TTFT", f"{best.ttft_p99_ms:.0f} ms (target {f.ttft_p99_ms:g} ms)"],
         ["p99 TPOT", f"{best.tpot_p99_ms:.1f} ms (target {f.tpot_p99_ms:g} ms)"],
@@ -111,7 +111,7 @@ def report_html(o: Outcome, images: dict[str, str]) -> str:
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
         title=html.escape(f"Serving plan: {o.model.name} at {o.form.rate:g} requests/s"),
         generated=time.strftime("%Y-%m-%d %H:%M"),
-        recommendation=html.escape(f"{plan_label(best)}: ${best.cost_per_hour:.2f}/hour, "
+        recommendation=html.escape(f"{plan_label(best)}: {plan_costs(best, o.form).text()}, "
                                    f"p99 TTFT {best.ttft_p99_ms:.0f} ms, "
                                    f"p99 TPOT {best.tpot_p99_ms:.1f} ms"),
         summary=_summary(o, best),

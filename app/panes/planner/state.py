@@ -137,7 +137,7 @@ def plan_label(plan: Plan) -> str:
     return f"{plan.replicas}x {layout} {d.gpu.name} {d.weights}/{d.kv}{spec}"
 
 
-TABLE_COLUMNS = ("Plan", "GPUs", "$/hour", "$/1M tok", "TTFT p99 ms", "TPOT p99 ms",
+TABLE_COLUMNS = ("Plan", "GPUs", "$/hour day avg", "$/1M tok", "TTFT p99 ms", "TPOT p99 ms",
                  "E2E p99 ms", "tok/s", "GB/GPU", "max seqs")
 
 
@@ -177,6 +177,28 @@ def day_cost(plan: Plan, form: FormState, spot_share: float | None = None,
     return [cost_per_hour(d.gpu, d.gpus, max(1, r + extra_replicas), opts) for r in hours]
 
 
+@dataclass(frozen=True)
+class PlanCosts:
+    """What a plan costs: $/hour at the peak hour, $/hour averaged over the day, $ per day."""
+
+    peak_per_hour: float
+    average_per_hour: float
+    per_day: float
+
+    def text(self) -> str:
+        """The sentence every view uses, so the pane, the What-if panel and the report agree."""
+        return (f"${self.peak_per_hour:.2f}/hour at peak, ${self.average_per_hour:.2f}/hour "
+                f"averaged over the day (${self.per_day:,.0f}/day)")
+
+
+def plan_costs(plan: Plan, form: FormState, spot_share: float | None = None,
+               rate_scale: float = 1.0, extra_replicas: int = 0) -> PlanCosts:
+    """Peak and day-average cost from the hourly costs (the peak hour runs the searched
+    replicas; autoscaling trims the others)."""
+    hours = day_cost(plan, form, spot_share, rate_scale, extra_replicas)
+    return PlanCosts(max(hours), sum(hours) / len(hours), sum(hours))
+
+
 def latency_histogram(values_s: np.ndarray, bins: int = 30) -> tuple[list[float], list[int]]:
     """(bin left edges in ms, counts) of a latency sample, for the distribution chart."""
     ms = np.asarray(values_s, dtype=float) * 1e3
@@ -202,7 +224,8 @@ SCENARIO_FIELDS: list[tuple[str, Any]] = [
     ("Lengths in/out", lambda o: f"{o.form.input_len} / {o.form.output_len}"),
     ("SLO p99 TTFT / TPOT", lambda o: f"{o.form.ttft_p99_ms:g} / {o.form.tpot_p99_ms:g} ms"),
     ("Recommended", lambda o: plan_label(o.best)),
-    ("$/hour", lambda o: f"{o.best.cost_per_hour:.2f}"),
+    ("$/hour at peak", lambda o: f"{plan_costs(o.best, o.form).peak_per_hour:.2f}"),
+    ("$/hour, day average", lambda o: f"{plan_costs(o.best, o.form).average_per_hour:.2f}"),
     ("$ per 1M tokens", lambda o: f"{o.best.cost_per_1m_tokens:.3f}"),
     ("$/day", lambda o: f"{sum(day_cost(o.best, o.form)):.0f}"),
     ("TTFT p99", lambda o: f"{o.best.ttft_p99_ms:.0f} ms"),
