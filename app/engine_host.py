@@ -19,6 +19,7 @@ from app.panes.engine.state import (
     StepHistory,
     StreamBuffer,
 )
+from app.workers import unexpected_message
 from engine.config import ModelError
 from engine.sequence import RequestError
 
@@ -165,7 +166,8 @@ class _EngineWorker(QObject):
             params = SamplingParams(**sampling.as_kwargs())
             output = self._stream(messages, params, epoch)
         except Exception as exc:  # a generation error ends the reply, not the app
-            self._emit("reply_failed", f"Generation failed: {type(exc).__name__}: {exc}")
+            log.exception("generation failed")
+            self._emit("reply_failed", f"Generation failed. {unexpected_message(exc)}")
             return
         self._emit("reply_finished", None if output is None else ReplyFigures.from_output(output))
 
@@ -196,7 +198,8 @@ class _EngineWorker(QObject):
         try:
             result = self._run_benchmark(quick, epoch)
         except Exception as exc:  # reported in the pane; the model stays loaded
-            self._emit("bench_failed", f"Benchmark failed: {type(exc).__name__}: {exc}")
+            log.exception("benchmark failed")
+            self._emit("bench_failed", f"Benchmark failed. {unexpected_message(exc)}")
             return
         if result is None:
             self._emit("bench_cancelled")
@@ -249,7 +252,7 @@ def describe_load_error(request: LoadRequest, exc: BaseException) -> str:
                 "context or concurrency, pick a smaller dtype, or choose another device.")
     if isinstance(exc, FileNotFoundError):
         return f"Model not found: {request.model}. Choose an existing GGUF file or model folder."
-    return f"Loading {request.model} failed ({type(exc).__name__}: {exc})."
+    return f"Loading {request.model} failed. {unexpected_message(exc)}"
 
 
 _TERMINAL_EVENTS = frozenset({"loaded", "load_failed", "load_cancelled", "reply_finished",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -18,6 +19,20 @@ class Progress:
 
     fraction: float | None
     message: str
+
+
+log = logging.getLogger(__name__)
+
+
+def unexpected_message(exc: BaseException) -> str:
+    """The sentence a user reads for a failure nobody foresaw: what happened, without Python's
+    type name or a traceback (those go to the log)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        detail = exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    else:
+        detail = str(exc).strip() or "no details were given"
+    return (f"Something went wrong: {detail.rstrip('.')}. The details are in the log; please "
+            "report this.")
 
 
 # A task receives a cancel flag and yields Progress; its return value is the result.
@@ -42,7 +57,8 @@ class _TaskThread(QThread):
             self.failed.emit(str(exc))
             return
         except Exception as exc:  # a task's failure becomes a notification, never a crash
-            self.failed.emit(f"{type(exc).__name__}: {exc}")
+            log.exception("background task failed")
+            self.failed.emit(unexpected_message(exc))
             return
         if self._cancel.is_set():
             self.cancelled.emit()

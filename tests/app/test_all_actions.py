@@ -77,3 +77,21 @@ def test_every_action_and_button_raises_nothing_and_shows_no_raw_error(
         print(f"\nall-actions: {fired_actions} actions and {fired_buttons} buttons exercised; "
               f"dialogs dismissed: {len(answerer.seen)}")
     assert fired_actions >= 38 and fired_buttons >= 20
+
+
+def test_a_task_that_fails_unexpectedly_reports_a_sentence(qtbot):
+    """A bug in a background task reaches the user as a sentence, never `TypeError: ...`."""
+    from app.workers import TaskRunner
+
+    def task(_cancel):
+        yield from ()
+        flag = bool(_cancel.is_set())
+        return flag[0]  # 'bool' object is not subscriptable, the bug issue 14 met
+
+    runner = TaskRunner()
+    with qtbot.waitSignal(runner.failed, timeout=5000) as blocker:
+        runner.start(task)
+    runner.stop()
+    message = blocker.args[0]
+    assert message.startswith("Something went wrong: ") and message.endswith("report this.")
+    assert "TypeError" not in message and "Traceback" not in message

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
@@ -156,3 +157,19 @@ def test_journey_deploy_report_scenarios_and_restart(make_window, qtbot, tmp_pat
     assert [table2.horizontalHeaderItem(c).text() for c in range(table2.columnCount())] == names
     assert raw_errors(window2) == []
     assert pane2.form.state().rate == 8.0 and pane2.form.state().model == SMALL.model
+
+
+def test_calibrate_here_is_disabled_with_its_reason_without_a_gpu(make_window, qtbot):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: Calibrate here runs")
+    left_last_time(SMALL)
+    window, pane = planner_window(make_window, qtbot)
+    qtbot.waitUntil(lambda: not pane.workstation_button.isEnabled(), timeout=30_000)
+    assert "needs a CUDA GPU" in pane.workstation_button.toolTip()
+    # Its shortcut's action says why instead of benchmarking for 40 s to no use.
+    menu_action(window, "Planner", "Calibrate from this workstation").trigger()
+    assert not pane.bench_runner.is_running()
+    messages = [n.message for n in window.notifications.notifications()]
+    assert sum("needs a CUDA GPU" in m for m in messages) == 1

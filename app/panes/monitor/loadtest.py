@@ -166,14 +166,14 @@ def _load_task(spec, name: str, db):
             try:
                 box["result"] = run_load(spec, lambda done, total: events.put((done, total)))
             except Exception as exc:  # reported by the task below, never lost in a thread
-                box["error"] = f"{type(exc).__name__}: {exc}"
+                box["error"] = exc
             events.put(None)
 
         threading.Thread(target=work, name="servescope-loadtest", daemon=True).start()
         while (item := events.get()) is not None:
             yield Progress(item[0] / item[1], f"{item[0]} / {item[1]} requests")
         if "error" in box:
-            raise RuntimeError(box["error"])
+            raise box["error"]  # the runner turns it into a sentence
         result, run_id, store_error = box["result"], None, None
         if db is not None:
             try:

@@ -95,6 +95,8 @@ class PlannerPane(PageMixin, QWidget):
         self.runner = TaskRunner(self)
         self.detail_runner = TaskRunner(self)
         self.bench_runner = TaskRunner(self)
+        self.device_runner = TaskRunner(self)
+        self.no_gpu_reason = ""  # set once the device probe finds no CUDA GPU
         self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._build()
         self._connect()
@@ -216,6 +218,7 @@ class PlannerPane(PageMixin, QWidget):
             lambda message: self._bench_ended(f"The calibration benchmark failed: {message}"))
         self.bench_runner.cancelled.connect(
             lambda: self._bench_ended("Benchmark cancelled; the calibration is unchanged."))
+        self.device_runner.succeeded.connect(self._on_devices)
         self.detail_runner.succeeded.connect(self._on_detail)
         self.detail_runner.failed.connect(self._on_failed)
         on_click(self.cancel_button.clicked, self.cancel)
@@ -250,6 +253,7 @@ class PlannerPane(PageMixin, QWidget):
             self.notify.emit("error", self._catalog_error)
         self.restore_scenarios()
         self.recompute()
+        self.device_runner.start(gpu_probe_task)
 
     def save(self) -> None:
         """Persist the form beside the user's catalogs."""
@@ -265,6 +269,7 @@ class PlannerPane(PageMixin, QWidget):
         self.runner.stop()
         self.detail_runner.stop()
         self.bench_runner.stop()
+        self.device_runner.stop()
         self.store.close()
 
     # ---- public API
@@ -382,6 +387,9 @@ class PlannerPane(PageMixin, QWidget):
         if self.bench_runner.is_running():
             self.notify.emit("warning", "The calibration benchmark is already running.")
             return False
+        if quick is None and self.no_gpu_reason:
+            self.notify.emit("warning", self.no_gpu_reason)
+            return False
         self.status.setText("Benchmarking this workstation…")
         self.progress.setValue(0)
         self.progress.setVisible(True)
@@ -450,13 +458,23 @@ class PlannerPane(PageMixin, QWidget):
             self._db_reported = True
             self.notify.emit("error", f"Planner scenarios and load tests are unavailable: {exc}")
 
+    def _on_devices(self, gpus: list) -> None:
+        if gpus:
+            return
+        # A CPU result cannot calibrate a catalog GPU: say so before the user waits for one.
+        self.no_gpu_reason = ("Calibrate here needs a CUDA GPU, and this machine's engine has "
+                              "none: a CPU benchmark cannot calibrate the catalog's GPUs. Use "
+                              "Calibrate… with load tests of your servers instead.")
+        self.workstation_button.setEnabled(False)
+        self.workstation_button.setToolTip(self.no_gpu_reason)
+
     def _on_progress(self, progress: Progress) -> None:
         if progress.fraction is not None:
             self.progress.setValue(int(progress.fraction * 1000))
         self.status.setText(progress.message.capitalize() + "…")
 
     def _bench_ended(self, message: str) -> None:
-        self.workstation_button.setEnabled(True)
+        self.workstation_button.setEnabled(not self.no_gpu_reason)
         self.cancel_button.setEnabled(self.runner.is_running())
         self.progress.setVisible(self.runner.is_running())
         self.status.setText(message)
@@ -569,6 +587,14 @@ class PlannerPane(PageMixin, QWidget):
                            w.replicas_delta)
         for key, spec in specs.items():
             self.charts[key].set_spec(spec)
+
+
+def gpu_probe_task(_cancel) -> object:
+    """The engine's CUDA GPUs (imports torch, so on a worker thread)."""
+    from engine.memory import device_memory
+
+    yield Progress(None, "looking for GPUs")
+    return [d for d in device_memory() if d.kind == "cuda"]
 
 
 def deploy_script(plan: Plan) -> str:
