@@ -115,7 +115,8 @@ def _record_summary(db_url: str, writer, statuses: dict, alerts) -> dict:
         "submitted": writer.submitted_samples,
         "requests": writer.written_requests, "alerts": [[e.rule, e.state] for e in alerts.events],
         "sources": {n: s.state for n, s in statuses.items()},
-        "reasons": {n: s.last_error for n, s in statuses.items() if s.state != "up"},
+        "reasons": {n: s.last_error or s.message or None for n, s in statuses.items()
+                    if s.state != "up"},
         "scrapes": {n: {"ok": s.scrapes - s.failed_scrapes, "failed": s.failed_scrapes,
                         "non_finite": s.non_finite_total} for n, s in statuses.items()},
     }
@@ -133,7 +134,9 @@ def _record_error(writer, statuses: dict) -> str | None:
         down = [f"{n}: {s.last_error or s.message or s.state}" for n, s in statuses.items()
                 if s.state != "up"]
         if down and len(down) == len(statuses):
-            return f"Nothing was recorded: every source was down ({'; '.join(down)})."
+            every = ("every source was down" if all(s.state == "down" for s in statuses.values())
+                     else "no source was up")  # e.g. --gpus on a machine without a driver
+            return f"Nothing was recorded: {every} ({'; '.join(down)})."
         return ("Nothing was recorded: the sources answered but sent no series servescope "
                 "reads" + (f" ({'; '.join(down)})." if down else "."))
     if writer.dropped or writer.dropped_requests:
@@ -286,7 +289,13 @@ def _table(s: dict) -> str:
 
 def add_monitor_parsers(subparsers) -> None:
     """Add `record` and `loadtest` to servescope's sub-command parsers."""
-    rec = subparsers.add_parser("record", help="sample GPUs and servers into the database")
+    rec = subparsers.add_parser(
+        "record", help="sample GPUs and servers into the database",
+        description="Sample GPUs and servers into the database. Each source is scraped on its "
+                    "own schedule; a source going down or coming back is said on stderr with "
+                    "the reason. Exit status: 0 when everything sampled was stored, 1 when "
+                    "nothing was stored or samples were lost (one sentence says why), 2 for a "
+                    "mistake in the command line.")
     rec.add_argument("--db", help="SQLAlchemy URL (default: SQLite in the user's data folder)")
     rec.add_argument("--gpus", action="store_true", help="sample local NVIDIA GPUs")
     rec.add_argument("--server", action="append", metavar="[NAME=]URL",
