@@ -73,8 +73,9 @@ def cmd_record(args: argparse.Namespace) -> int:
     for s in sources:
         if s.status.message:
             print(f"{s.name}: {s.status.message}", file=sys.stderr)
-    writer = Writer(db, on_error=lambda m: print(m, file=sys.stderr, flush=True),
-                    on_flush=_flush_reporter(args), maintenance=Maintenance()).start()
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    writer = Writer(db, on_error=say, on_recover=say, on_flush=_flush_reporter(args),
+                    maintenance=Maintenance()).start()
     alerts = _alert_evaluator(args, db, [s.name for s in sources if not isinstance(s, NvmlSource)])
     hub = Hub(sources, writer, on_tick=alerts.evaluate, on_status=_print_status_change).start()
     try:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 import sqlalchemy as sa
 
-from storage.db import Database, describe_error
+from storage.db import Database, describe_error, display_url
 from storage.models import RequestRow, Series, Source
 from storage.models import Sample as SampleRow
 from storage.records import RequestRecord, Sample
@@ -91,6 +91,7 @@ class Writer:
                  batch_rows: int = 50_000,
                  on_flush: Callable[[float], None] | None = None,
                  on_error: Callable[[str], None] | None = None,
+                 on_recover: Callable[[str], None] | None = None,
                  maintenance: Callable[[Database], None] | None = None,
                  maintenance_every_s: float = 60.0) -> None:
         self.db = db
@@ -99,6 +100,7 @@ class Writer:
         self.batch_rows = batch_rows
         self.on_flush = on_flush
         self.on_error = on_error
+        self.on_recover = on_recover  # told, once, when writes succeed again after an error
         self.maintenance = maintenance
         self.maintenance_every_s = maintenance_every_s
         self.last_error: str | None = None
@@ -114,6 +116,7 @@ class Writer:
         # once an attempt begun after it was called has failed.
         self._attempts = 0
         self._last_failed = 0
+        self._closing_after: int | None = None  # the attempt count when close() was called
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._idle = threading.Condition(self._lock)
@@ -185,6 +188,8 @@ class Writer:
         which is then counted in `dropped` (the process is about to let it go). One failed
         attempt ends the wait: a full disk does not empty itself in the seconds left, and a
         locked database has had its busy timeout inside that attempt."""
+        with self._lock:
+            self._closing_after = self._attempts
         done = self.flush(timeout, until_failure=True)
         self._stop = True
         self._wake.set()
@@ -222,6 +227,8 @@ class Writer:
         with self._lock:
             if self._closed or not (self._samples or self._requests):
                 return None
+            if self._closing_after is not None and self._last_failed > self._closing_after:
+                return None  # closing, and the last try failed: another would only wait again
             n = min(len(self._samples), self.batch_rows)
             samples = [self._samples.popleft() for _ in range(n)]
             m = min(len(self._requests), self.batch_rows)
@@ -253,6 +260,9 @@ class Writer:
             self.written_samples += len(samples)
             self.written_requests += len(requests)
             self._idle.notify_all()
+        if self.last_error is not None and self.on_recover is not None:
+            self.on_recover(f"The database {display_url(self.db.engine.url)} accepts writes "
+                            "again; the samples held meanwhile are being stored.")
         self.last_error = None
         if self.on_flush is not None and samples:
             self.on_flush(max(s.ts for s in samples))

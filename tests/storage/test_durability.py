@@ -36,7 +36,7 @@ def test_locked_database_reports_once_and_writes_after_release(tmp_path):
     path = tmp_path / "locked.db"
     db = open_database(f"sqlite:///{path}", busy_timeout_ms=100)
     errors: list[str] = []
-    w = Writer(db, interval_s=0.05, on_error=errors.append).start()
+    w = Writer(db, interval_s=0.05, on_error=errors.append, on_recover=errors.append).start()
     w.submit([Sample("g/v", T0, 1.0)])
     assert w.flush()
     other = sqlite3.connect(path, isolation_level=None)
@@ -50,6 +50,8 @@ def test_locked_database_reports_once_and_writes_after_release(tmp_path):
     other.close()
     assert w.close()
     assert w.last_error is None
+    assert errors[1:] == [f"The database sqlite:///{path} accepts writes again; the samples "
+                          "held meanwhile are being stored."]
     assert _count(path) == 500 and _integrity(path) == "ok"
     db.close()
 
