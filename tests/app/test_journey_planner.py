@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,46 @@ def test_calibrate_here_is_disabled_with_its_reason_without_a_gpu(make_window, q
     assert not pane.bench_runner.is_running()
     messages = [n.message for n in window.notifications.notifications()]
     assert sum("needs a CUDA GPU" in m for m in messages) == 1
+
+
+def test_the_pdf_report_fits_its_pages_and_wraps_commands_between_flags(qtbot, tmp_path):
+    from app.panes.planner.figures import all_charts
+    from app.panes.planner.pane import PlannerPane
+    from app.panes.planner.report_writer import pdf_document
+
+    pane = PlannerPane(form_folder=tmp_path)
+    qtbot.addWidget(pane)
+    pane.form.set_state(replace(SMALL, speculative=True))  # the longest vLLM command
+    with qtbot.waitSignal(pane.outcome_ready, timeout=SEARCH_MS):
+        pane.recompute()
+    o = pane.outcome
+    document = pdf_document(o, all_charts(o.result, o.best, o.detail, o.form))
+    width = document.pageSize().width()
+    assert document.idealWidth() <= width  # charts, tables and commands within the margins
+    block, commands = document.begin(), 0
+    while block.isValid():
+        layout, text = block.layout(), block.text()
+        if "--" in text:  # a command or manifest: wrapped lines end at a space, never in a flag
+            commands += 1
+            for i in range(layout.lineCount() - 1):  # every line but a paragraph's last
+                end = layout.lineAt(i).textStart() + layout.lineAt(i).textLength()
+                assert text[end - 1].isspace(), text[max(0, end - 20):end + 20]
+        block = block.next()
+    assert commands >= 3
+    plain = document.toPlainText()
+    assert "--speculative-config" in plain and "--max-num-batched-tokens" in plain
+    # The rewrapped manifests and commands mean what the one-line ones meant.
+    import shlex
+
+    import yaml
+
+    from app.panes.planner.report import command_lines, manifest_lines
+    from planner.export import kubernetes_yaml, vllm_command
+
+    raw = kubernetes_yaml(o.best)
+    assert list(yaml.safe_load_all(manifest_lines(raw))) == list(yaml.safe_load_all(raw))
+    assert manifest_lines(raw) != raw
+    wrapped = command_lines(vllm_command(o.best))
+    assert shlex.split(wrapped.replace("\\\n", "")) == shlex.split(vllm_command(o.best))
+    written = pane.export_report(tmp_path / "plan.html")
+    assert written[1].read_bytes().startswith(b"%PDF")

@@ -27,6 +27,7 @@ from app.navigation import PageMixin, make_actions, on_click
 from app.panes.planner.charts import ChartView
 from app.panes.planner.figures import ChartSpec, all_charts
 from app.panes.planner.form import WorkloadForm
+from app.panes.planner.report import command_lines, manifest_lines
 from app.panes.planner.report_writer import write_report
 from app.panes.planner.results import PlanTable, ScenarioTable, WhatIfPanel
 from app.panes.planner.state import (
@@ -299,8 +300,9 @@ class PlannerPane(PageMixin, QWidget):
         """Make ``plan`` the one the charts, what-ifs and deploy commands describe."""
         self.chosen = plan
         self.deploy.setPlainText("\n\n".join([
-            "# vLLM, one replica", vllm_command(plan), "# SGLang, one replica",
-            sglang_command(plan), "# Kubernetes", kubernetes_yaml(plan)]))
+            "# vLLM, one replica", command_lines(vllm_command(plan)), "# SGLang, one replica",
+            command_lines(sglang_command(plan)), "# Kubernetes",
+            manifest_lines(kubernetes_yaml(plan))]))
         self.copy_deploy_button.setEnabled(True)
         self.save_deploy_button.setEnabled(True)
         self._simulate_chosen()
@@ -327,7 +329,7 @@ class PlannerPane(PageMixin, QWidget):
         script, manifests = Path(path), Path(path).with_suffix(".yaml")
         try:
             script.write_text(deploy_script(plan), encoding="utf-8")
-            manifests.write_text(kubernetes_yaml(plan), encoding="utf-8")
+            manifests.write_text(manifest_lines(kubernetes_yaml(plan)), encoding="utf-8")
         except OSError as exc:
             self.notify.emit("error", f"The commands could not be saved to {path}: "
                                       f"{exc.strerror or exc}")
@@ -599,9 +601,9 @@ def gpu_probe_task(_cancel) -> object:
 
 def deploy_script(plan: Plan) -> str:
     """A shell script starting one replica with vLLM, SGLang's equivalent commented out."""
-    sglang = "\n".join(f"# {line}" for line in sglang_command(plan).splitlines())
+    sglang = "\n".join(f"# {line}" for line in command_lines(sglang_command(plan)).splitlines())
     return (f"#!/bin/sh\n# {plan_label(plan)}, one replica (servescope).\n\n"
-            f"# vLLM\n{vllm_command(plan)}\n\n# Or SGLang:\n{sglang}\n")
+            f"# vLLM\n{command_lines(vllm_command(plan))}\n\n# Or SGLang:\n{sglang}\n")
 
 
 def calibration_text(calibration: Calibration) -> str:

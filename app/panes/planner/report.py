@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import html
+import json
+import re
+import shlex
 import time
 from pathlib import Path
 from string import Template
@@ -92,20 +95,77 @@ def _sources(o: Outcome) -> str:
     return _table(["Figure", "Source", "Date"], rows) + f"<p>Catalog files:</p><ul>{files}</ul>"
 
 
+def _flag_groups(words: list[str]) -> list[list[str]]:
+    """Words grouped as the program and its positional arguments, then each --flag with its
+    values."""
+    groups: list[list[str]] = [[]]
+    for word in words:
+        if word.startswith("--") and groups[-1]:
+            groups.append([])
+        groups[-1].append(word)
+    return groups
+
+
+def command_lines(command: str, indent: str = "    ") -> str:
+    """A one-line shell command as one flag (with its value) per line, joined by backslash
+    continuations: still one runnable command, and no page or pane wraps inside a flag."""
+    return (" \\\n" + indent).join(shlex.join(g) for g in _flag_groups(shlex.split(command)))
+
+
+_FLOW_LIST = re.compile(r"^(\s*)([\w-]+): (\[.*\])$")
+
+
+def manifest_lines(yaml_text: str, width: int = 72) -> str:
+    """Kubernetes YAML with each long flow list (a container's args) split one flag per line;
+    the same YAML to a parser, and nothing wraps inside a flag."""
+    out = []
+    for line in yaml_text.splitlines():
+        match = _FLOW_LIST.match(line)
+        try:
+            items = json.loads(match.group(3)) if match and len(line) > width else None
+        except ValueError:
+            items = None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            out.append(line)
+            continue
+        lead = f"{match.group(1)}{match.group(2)}: ["
+        rows = []
+        for group in _flag_groups(items):
+            row = ", ".join(json.dumps(w) for w in group)
+            # A flag whose value is long (the speculative config) puts the value on its own row.
+            fits = len(lead) + len(row) <= width
+            rows += [row] if fits else [json.dumps(w) for w in group]
+        out.append(lead + (",\n" + " " * len(lead)).join(rows) + "]")
+    return "\n".join(out) + ("\n" if yaml_text.endswith("\n") else "")
+
+
+def code_block(text: str) -> str:
+    """Monospace lines that wrap only at spaces (Qt's PDF printing ignores <pre>'s pre-wrap and
+    would run long lines off the page); leading spaces kept for YAML's indentation."""
+    lines = []
+    for line in text.splitlines():
+        body = line.lstrip(" ")
+        lines.append("&nbsp;" * (len(line) - len(body)) + html.escape(body))
+    return ('<p style="font-family: monospace; font-size: 9pt; background-color: #f3f4f6;">'
+            + "<br>".join(lines) + "</p>")
+
+
 def _deploy(best: Plan) -> str:
-    blocks = [("vLLM, one replica", vllm_command(best)),
-              ("SGLang, one replica", sglang_command(best)),
-              ("Kubernetes Deployment and HorizontalPodAutoscaler", kubernetes_yaml(best))]
-    return "".join(f"<h3>{html.escape(t)}</h3><pre>{html.escape(b)}</pre>" for t, b in blocks)
+    blocks = [("vLLM, one replica", command_lines(vllm_command(best))),
+              ("SGLang, one replica", command_lines(sglang_command(best))),
+              ("Kubernetes Deployment and HorizontalPodAutoscaler",
+               manifest_lines(kubernetes_yaml(best)))]
+    return "".join(f"<h3>{html.escape(t)}</h3>{code_block(b)}" for t, b in blocks)
 
 
-def report_html(o: Outcome, images: dict[str, str]) -> str:
-    """The whole report; ``images`` maps chart keys to <img> sources (data URIs or names)."""
+def report_html(o: Outcome, images: dict[str, str], image_width: int = 640) -> str:
+    """The whole report; ``images`` maps chart keys to <img> sources (data URIs or names),
+    drawn ``image_width`` pixels wide."""
     best = o.best
     if best is None:
         raise ValueError("there is no recommended plan to report")
     charts = "".join(f"<h3>{html.escape(CHART_TITLES.get(k, k))}</h3>"
-                     f'<p><img src="{html.escape(src)}" width="640"></p>'
+                     f'<p><img src="{html.escape(src)}" width="{image_width}"></p>'
                      for k, src in images.items())
     alternatives = [_plan_row(p) for p in o.result.candidates[1:1 + ALTERNATIVES]]
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(

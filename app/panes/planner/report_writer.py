@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QMarginsF, QUrl
+from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QMarginsF, QSizeF, QUrl
 from PySide6.QtGui import QImage, QPageLayout, QPageSize, QPdfWriter, QTextDocument
 
 from app.panes.planner.charts import render_png
@@ -32,8 +32,18 @@ def write_html(outcome: Outcome, charts: dict[str, ChartSpec], path: Path) -> Pa
     return path
 
 
-def write_pdf(outcome: Outcome, charts: dict[str, ChartSpec], path: Path) -> Path:
-    """An A4 PDF of the same report through QTextDocument and QPdfWriter."""
+PDF_IMAGE_FRACTION = 0.8  # of the printable width
+
+
+def pdf_layout() -> QPageLayout:
+    """A4 portrait with 15 mm margins, the PDF's pages."""
+    return QPageLayout(QPageSize(QPageSize.PageSizeId.A4), QPageLayout.Orientation.Portrait,
+                       QMarginsF(15, 15, 15, 15), QPageLayout.Unit.Millimeter)
+
+
+def pdf_document(outcome: Outcome, charts: dict[str, ChartSpec],
+                 layout: QPageLayout | None = None) -> QTextDocument:
+    """The report laid out page by page at the printable width of ``layout``."""
     document = QTextDocument()
     # QTextDocument does not decode data URIs, so the PDF names each chart as a resource.
     names = {}
@@ -42,10 +52,21 @@ def write_pdf(outcome: Outcome, charts: dict[str, ChartSpec], path: Path) -> Pat
         document.addResource(QTextDocument.ResourceType.ImageResource, QUrl(name),
                              render_png(spec))
         names[key] = name
-    document.setHtml(report_html(outcome, names))
+    # Laid out at the paper's printable width in the document's own unit (96 dpi pixels), so
+    # printing scales whole pages onto the paper; left to print_, charts ran past the margin.
+    page = QSizeF((layout or pdf_layout()).paintRectPixels(96).size())
+    # The body's margins take the rest of the width (the report test checks the fit).
+    document.setHtml(report_html(outcome, names, int(page.width() * PDF_IMAGE_FRACTION)))
+    document.setPageSize(page)
+    return document
+
+
+def write_pdf(outcome: Outcome, charts: dict[str, ChartSpec], path: Path) -> Path:
+    """An A4 PDF of the same report through QTextDocument and QPdfWriter."""
+    layout = pdf_layout()
+    document = pdf_document(outcome, charts, layout)
     writer = QPdfWriter(str(path))
-    writer.setPageSize(QPageSize(QPageSize.PageSizeId.A4))
-    writer.setPageMargins(QMarginsF(15, 15, 15, 15), QPageLayout.Unit.Millimeter)
+    writer.setPageLayout(layout)
     writer.setTitle(f"Serving plan: {outcome.model.name}")
     writer.setCreator("servescope")
     document.print_(writer)
