@@ -4,6 +4,8 @@ against a real `servescope serve` on 127.0.0.1."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication, QDialogButtonBox
@@ -173,3 +175,32 @@ def test_journey_servers_to_history(make_window, engine_server, qtbot, tmp_path)
     assert "Completed,4,4,0" in compared
 
     assert raw_errors(window) == []
+
+
+def test_recorded_minutes_show_in_the_short_windows(make_window, qtbot):
+    """Samples another process recorded (`servescope record`) a minute ago show in the 1, 5
+    and 15-minute windows, not only in the hour-long ones."""
+    from storage.db import open_database
+    from storage.records import Sample
+    from storage.writer import Writer
+
+    db = open_database(None)  # the database the window opens (the test's data folder)
+    now = time.time()
+    writer = Writer(db).start()
+    writer.submit([Sample("recorder/kv_cache_usage", now - 100 + i, 0.25) for i in range(90)])
+    assert writer.flush()
+    writer.close()
+    db.close()
+
+    window = make_window()
+    monitor = window.pane("monitor")
+    assert monitor.service.wait_for_database(30)
+    go_to(qtbot, window, "Monitor")
+    chart = monitor.charts["kv"]
+    for label, oldest in (("1 min", now - 61), ("5 min", now - 101), ("15 min", now - 101)):
+        monitor.window_combo.setCurrentIndex(monitor.window_combo.findText(label))
+        qtbot.waitUntil(lambda: len(chart.data.get("recorder/kv_cache_usage", ((), ()))[0]) > 0,
+                        timeout=10_000)
+        ts, values = chart.data["recorder/kv_cache_usage"]
+        assert ts.min() >= oldest and set(values) == {25.0}  # the chart's unit is %
+    assert monitor.source_combo.findText("recorder") >= 0

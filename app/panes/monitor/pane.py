@@ -24,12 +24,12 @@ from PySide6.QtWidgets import (
 from app.navigation import PageMixin, make_actions
 from app.panes.monitor.charts import ChartView
 from app.panes.monitor.service import MonitorService
-from app.panes.monitor.state import CHARTS, LIVE_ONLY_S, WINDOWS, chart_series, merge_history
+from app.panes.monitor.state import CHARTS, WINDOWS, chart_series, merge_history
 from app.settings import Settings
 from app.workers import Progress, TaskRunner
 
 REFRESH_MS = 500  # 2 Hz: well under pyqtgraph's 10 Hz budget, smooth enough for 1 s polling
-HISTORY_REFRESH_S = 15.0
+HISTORY_REFRESH_S = 15.0  # at most; a 1-minute window re-reads the database every 5 s
 ALL_SOURCES = "All sources"
 
 
@@ -174,23 +174,22 @@ class MonitorPane(PageMixin, QWidget):
         self._update_status()
         if hub is None:
             return
-        self._update_sources(hub.series_keys())
+        self._update_sources(list(set(hub.series_keys()) | set(self._history)))
         self._update_alerts()
         if self.pause_button.isChecked():
             return
         now = time.time()
         since = now - self.window_s()
-        long_window = self.window_s() > LIVE_ONLY_S
-        if long_window and now - self._history_at > HISTORY_REFRESH_S:
+        # Every window reads the database too: samples another process records (`servescope
+        # record`, an earlier session) are in no ring buffer of this hub.
+        if now - self._history_at > min(HISTORY_REFRESH_S, self.window_s() / 12):
             self._fetch_history(since, now)
-        keys = hub.series_keys()
-        if long_window:
-            keys = sorted(set(keys) | set(self._history))  # series from earlier sessions too
+        keys = sorted(set(hub.series_keys()) | set(self._history))
         for spec in CHARTS:
             data = {}
             for key in chart_series(spec, keys, self.source_filter()):
                 ts, values = hub.series(key, since=since)
-                if long_window and key in self._history:
+                if key in self._history:
                     ts, values = merge_history(*self._history[key], ts, values)
                 data[key] = (ts, values)
             self.charts[spec.chart_id].update_series(data, (since, now))
