@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -20,7 +21,7 @@ from PySide6.QtWidgets import (
 from app.engine_host import EngineHost
 from app.navigation import on_click
 from app.panes.engine.sampling import SamplingControls
-from app.panes.engine.state import ChatSession, ChatTurn, ReplyFigures
+from app.panes.engine.state import ChatSession, ChatTurn, ReplyFigures, speculation_text
 from app.settings import Settings
 
 # ~30 Hz: streamed text is painted once per frame, never once per token.
@@ -35,6 +36,7 @@ class ChatPanel(QWidget):
 
     def __init__(self, host: EngineHost, settings: Settings, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        self._spec_before: dict | None = None
         self._host = host
         self._settings = settings
         self.session = ChatSession()
@@ -142,6 +144,7 @@ class ChatPanel(QWidget):
 
     # ---- streaming
     def _start(self) -> None:
+        self._spec_before = self._host.spec_summary()  # this reply's drafting is the difference
         # The open reply is still empty, so request_messages leaves it out of the prompt.
         messages = self.session.request_messages(self.system_prompt.toPlainText())
         self._render()
@@ -160,6 +163,9 @@ class ChatPanel(QWidget):
         self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
 
     def _on_reply_finished(self, figures: ReplyFigures | None) -> None:
+        if figures is not None:
+            spec = speculation_text(self._spec_before, self._host.spec_summary())
+            figures = dataclasses.replace(figures, speculative=spec)
         self._end(figures, None)
 
     def _on_reply_failed(self, message: str) -> None:

@@ -25,7 +25,13 @@ from PySide6.QtWidgets import (
 )
 
 from app.navigation import on_click
-from app.panes.engine.state import EngineInfo, LoadRequest, format_bytes, memory_verdict
+from app.panes.engine.state import (
+    EngineInfo,
+    LoadRequest,
+    changed_options,
+    format_bytes,
+    memory_verdict,
+)
 from app.settings import Settings
 from app.theme import LEVEL_COLOURS, current_theme
 from app.workers import Progress, TaskRunner
@@ -87,6 +93,11 @@ class LoadPanel(QGroupBox):
         self.progress = QProgressBar()
         self.status_label = QLabel(wordWrap=True)
         self.fallback_label = QLabel(wordWrap=True)
+        # Options changed after loading apply on the next load: say so, never silently.
+        self.reload_label = QLabel(wordWrap=True, objectName="engine-needs-reload")
+        self.reload_label.setVisible(False)
+        self._requested: LoadRequest | None = None
+        self._loaded: LoadRequest | None = None
         self._prober = TaskRunner(self)
         self._build()
         self._restore()
@@ -161,6 +172,7 @@ class LoadPanel(QGroupBox):
         layout.addLayout(form)
         layout.addLayout(buttons)
         layout.addWidget(self.status_label)
+        layout.addWidget(self.reload_label)
         layout.addWidget(self.fallback_label)
         self.fallback_label.setVisible(False)
 
@@ -209,6 +221,7 @@ class LoadPanel(QGroupBox):
         self._model = model
         self._update_estimate()
         self.load_button.setEnabled(bool(model) and self._idle)
+        self._show_pending_changes()
 
     def set_draft_file(self, path: str) -> None:
         """Offer `path` (a draft model sharing the target's tokenizer) and select it."""
@@ -250,6 +263,7 @@ class LoadPanel(QGroupBox):
         except ValueError as exc:  # a KV budget that is not a number
             self.notify.emit("error", str(exc))
             return
+        self._requested = request
         self.load_requested.emit(request)
 
     def request_unload(self) -> None:
@@ -268,6 +282,8 @@ class LoadPanel(QGroupBox):
         if state == "no model":
             self.status_label.setText("No model loaded.")
             self.fallback_label.setVisible(False)
+            self._loaded = None
+            self._show_pending_changes()
         elif state == "cancelling":
             self.status_label.setText("Cancelling the load…")
 
@@ -280,6 +296,8 @@ class LoadPanel(QGroupBox):
     def show_loaded(self, info: EngineInfo) -> None:
         """Show what was loaded, and why it is not where it was asked for, if it is not."""
         self.status_label.setText(info.summary())
+        self._loaded = self._requested
+        self._show_pending_changes()
         self.fallback_label.setVisible(bool(info.fallback_reason))
         if info.fallback_reason:
             background, border = LEVEL_COLOURS[current_theme()]["warning"]
@@ -335,6 +353,27 @@ class LoadPanel(QGroupBox):
         self._enable_budget()
         self.save()
         self._update_estimate()
+        self._show_pending_changes()
+
+    def pending_changes(self) -> list[str]:
+        """The options set differently from the loaded model's; empty when none is loaded."""
+        try:
+            wanted = self.current_request()
+        except ValueError:
+            wanted = None
+        return changed_options(self._loaded, wanted)
+
+    def _show_pending_changes(self) -> None:
+        changed = self.pending_changes()
+        self.load_button.setText("Reload" if changed else "Load")
+        self.reload_label.setVisible(bool(changed))
+        if changed:
+            background, border = LEVEL_COLOURS[current_theme()]["warning"]
+            self.reload_label.setStyleSheet(f"background: {background}; padding: 4px;"
+                                            f" border-left: 3px solid {border};")
+            self.reload_label.setText(
+                f"Changed since loading: {', '.join(changed)}. Press Reload to apply; replies "
+                "use the loaded settings until then.")
 
     def _enable_budget(self) -> None:
         self.kv_budget_edit.setEnabled(self.kv_policy_combo.currentData() != "none")

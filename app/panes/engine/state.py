@@ -141,6 +141,7 @@ class ReplyFigures:
     prompt_tokens: int
     generated_tokens: int
     finish_reason: str
+    speculative: str = ""  # "ngram: 9 of 12 draft tokens accepted" when decoding drafted
 
     @classmethod
     def from_output(cls, output: Any) -> ReplyFigures:
@@ -155,10 +156,42 @@ class ReplyFigures:
         parts = [f"TTFT {ttft}", f"prefill {_rate(self.prefill_tokens_per_s)}",
                  f"decode {_rate(self.decode_tokens_per_s)}",
                  f"{self.prompt_tokens} prompt + {self.generated_tokens} generated tokens"]
+        if self.speculative:
+            parts.append(self.speculative)
         if self.finish_reason != "stop":
             parts.append({"length": "hit max tokens", "abort": "stopped"}.get(
                 self.finish_reason, self.finish_reason))
         return " · ".join(parts)
+
+
+def speculation_text(before: dict | None, after: dict | None) -> str:
+    """One reply's drafting, from the engine's speculative counters before and after it:
+    "ngram: 9 of 12 draft tokens accepted"; "" when speculative decoding is off."""
+    if after is None:
+        return ""
+    if before is None or before.get("draft_tokens", 0) > after["draft_tokens"]:
+        before = {}  # a reload in between started the counters again
+    drafted = after["draft_tokens"] - before.get("draft_tokens", 0)
+    accepted = after["accepted_tokens"] - before.get("accepted_tokens", 0)
+    if drafted <= 0:
+        return f"{after['method']}: no draft tokens"
+    return f"{after['method']}: {accepted} of {drafted} draft tokens accepted"
+
+
+# The names a user knows the load options by, for "changed since loading".
+OPTION_NAMES = {"model": "model", "device": "device", "dtype": "dtype",
+                "context_tokens": "context", "concurrency": "concurrency",
+                "speculative": "speculative decoding", "prefix_caching": "prefix caching",
+                "kv_policy": "KV eviction", "kv_budget": "KV budget", "weights": "weights",
+                "kv_cache_dtype": "KV cache dtype"}
+
+
+def changed_options(loaded: LoadRequest | None, wanted: LoadRequest | None) -> list[str]:
+    """The options set differently from the loaded model's (they apply on the next load)."""
+    if loaded is None or wanted is None:
+        return []
+    return [name for key, name in OPTION_NAMES.items()
+            if getattr(loaded, key) != getattr(wanted, key)]
 
 
 @dataclass

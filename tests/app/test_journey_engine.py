@@ -1,0 +1,88 @@
+"""Journey 1, driven as a user: first start → fetch the demo model → load → chat → the reply's
+line → change an option → the pane says it needs a reload → reload → the next reply uses it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+
+from tests.app.conftest import LOAD_TIMEOUT_MS
+from tests.app.user import button, raw_errors
+
+REPLY_TIMEOUT_MS = 120_000
+
+
+def type_number(qtbot, spin, text: str) -> None:
+    spin.setFocus()
+    spin.lineEdit().selectAll()
+    qtbot.keyClicks(spin, text)
+    qtbot.keyClick(spin, Qt.Key.Key_Return)
+
+
+def choose(combo, data: str) -> None:
+    """Pick the entry whose data is ``data``, as a user picking it from the list."""
+    index = combo.findData(data)
+    assert index >= 0, data
+    combo.setCurrentIndex(index)
+
+
+def ask(qtbot, window, pane, text: str) -> str:
+    """Type ``text`` in the message box, press Ctrl+Enter, wait; returns the reply's line."""
+    chat = pane.chat
+    chat.input.setFocus()
+    qtbot.keyClicks(chat.input, text)
+    window.activateWindow()
+    qtbot.waitUntil(window.isActiveWindow, timeout=2000)
+    with qtbot.waitSignal(chat.reply_done, timeout=REPLY_TIMEOUT_MS):
+        qtbot.keyClick(chat.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    turn = chat.session.turns[-1]
+    assert turn.role == "assistant" and turn.content.strip() and turn.figures is not None
+    line = turn.figures.summary()
+    assert line in chat.transcript.toPlainText()
+    return line
+
+
+def test_journey_fetch_load_chat_change_option_reload(make_window, qtbot, demo_gguf: Path):
+    window = make_window()
+    pane = window.pane("engine")
+    panel, picker = pane.load_panel, pane.picker
+    assert window.rail.current_id() == "engine"  # a first start opens on the Engine pane
+    qtbot.waitUntil(lambda: not picker.is_busy())
+    qtbot.mouseClick(button(pane, "Fetch demo model"), Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: picker.current_model() == str(demo_gguf), timeout=60_000)
+
+    choose(panel.device_combo, "cpu")
+    type_number(qtbot, panel.context_spin, "512")
+    type_number(qtbot, panel.concurrency_spin, "1")
+    with qtbot.waitSignal(pane.host.loaded, timeout=LOAD_TIMEOUT_MS):
+        qtbot.mouseClick(panel.load_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: pane.host.state == "ready")
+    assert not panel.reload_label.isVisible() and panel.load_button.text() == "Load"
+
+    type_number(qtbot, pane.chat.sampling.max_tokens, "16")
+    type_number(qtbot, pane.chat.sampling.temperature, "0")
+    line = ask(qtbot, window, pane, "Count: one two three four five six seven")
+    assert line.startswith("TTFT ") and "decode " in line and "tok/s" in line
+    assert "draft" not in line  # speculative decoding is off
+
+    # An option changed after loading: the pane says it applies on a reload.
+    choose(panel.spec_combo, "ngram:k=5")
+    assert panel.reload_label.isVisible()
+    assert "speculative decoding" in panel.reload_label.text()
+    assert panel.load_button.text() == "Reload"
+    choose(panel.spec_combo, "off")  # set back: nothing to reload
+    assert not panel.reload_label.isVisible() and panel.load_button.text() == "Load"
+    choose(panel.spec_combo, "ngram:k=5")
+
+    with qtbot.waitSignal(pane.host.loaded, timeout=LOAD_TIMEOUT_MS):
+        qtbot.mouseClick(panel.load_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: pane.host.state == "ready")
+    assert not panel.reload_label.isVisible() and panel.load_button.text() == "Load"
+
+    # The next reply drafts with prompt lookup, and its line says how many drafts it accepted.
+    type_number(qtbot, pane.chat.sampling.max_tokens, "24")
+    line = ask(qtbot, window, pane, "Repeat exactly: one two three four five six seven eight "
+                                    "nine ten one two three four five six seven eight nine ten")
+    assert "ngram: " in line and "draft tokens accepted" in line
+    assert raw_errors(window) == []
