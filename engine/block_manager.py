@@ -32,8 +32,9 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(reversed(range(num_blocks)))  # taken from the right
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, LRU first
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -100,15 +101,18 @@ class BlockManager:
                 self.evictable[block_id] = None
 
     # ---- the prefix cache's index ----
-    def cached_block(self, block_hash: int) -> int | None:
+    def cached_block(self, block_hash: bytes) -> int | None:
         """The block holding the prefix with this hash, if it is still cached."""
         return self.hash_to_block.get(block_hash)
 
-    def register(self, block_id: int, block_hash: int) -> None:
-        """Record that a full, computed block holds the prefix with this hash."""
+    def register(self, block_id: int, block_hash: bytes,
+                 tokens: tuple[int, ...] | None = None) -> None:
+        """Record that a full, computed block holds the prefix with this hash (and these
+        tokens, which a hit is checked against)."""
         if block_hash in self.hash_to_block or self.block_hash[block_id] is not None:
             return  # an identical block is cached already, or this one is indexed
         self.block_hash[block_id] = block_hash
+        self.block_tokens[block_id] = tokens
         self.hash_to_block[block_hash] = block_id
 
     def slot(self, seq: Sequence, position: int) -> int:
@@ -123,5 +127,6 @@ class BlockManager:
             block_id, _ = self.evictable.popitem(last=False)
             del self.hash_to_block[self.block_hash[block_id]]
             self.block_hash[block_id] = None
+            self.block_tokens[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

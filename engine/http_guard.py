@@ -13,6 +13,7 @@ times out idle keep-alive connections but not one that sends its headers a byte 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 
@@ -41,15 +42,16 @@ class BodyGuard:
                           "<key>'.", "authentication_error")
             return
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            await _answer(send, 413, f"The request body is {declared} bytes, over the "
-                          f"{self.max_body_bytes}-byte limit.", "invalid_request_error")
-            return
         try:
+            if declared is not None and declared > self.max_body_bytes:
+                raise _BodyTooLarge
             body = await self._read_body(receive)
         except _BodyTooLarge:
+            # Read on (and drop) what the client is still sending, within bounds, so that it
+            # gets to read the 413 instead of a connection reset mid-upload.
+            await self._discard(receive)
             await _answer(send, 413, f"The request body is over the {self.max_body_bytes}-byte "
-                          "limit.", "invalid_request_error")
+                          "limit: send a smaller prompt.", "invalid_request_error")
             return
         except TimeoutError:
             await _answer(send, 408, f"The request body did not arrive within "
@@ -85,6 +87,20 @@ class BodyGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+    async def _discard(self, receive) -> None:
+        """Drop the rest of an oversized body: at most 16 times the limit, within the body
+        deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
+        budget = 16 * self.max_body_bytes
+        with contextlib.suppress(TimeoutError):
+            while budget > 0 and (remaining := deadline - loop.time()) > 0:
+                message = await asyncio.wait_for(receive(), remaining)
+                budget -= len(message.get("body", b""))
+                if message["type"] == "http.disconnect" or not message.get("more_body"):
+                    return
 
 
 class _BodyTooLarge(Exception):

@@ -124,7 +124,9 @@ class LLM:
                                                      self.kv_cache_dtype)
         self.num_kv_blocks = max(1, tokens // block_size)
         self.block_manager = BlockManager(self.num_kv_blocks, block_size)
-        self.prefix_cache = PrefixCache(self.block_manager) if prefix_caching else None
+        # What makes cached KV differ beyond the tokens: a block is shared only within it.
+        identity = f"{self.model_path}|{self._dtype}|{weight_format}|{self.kv_cache_dtype}"
+        self.prefix_cache = PrefixCache(self.block_manager, identity) if prefix_caching else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs,
                                    max(max_num_batched_tokens, block_size), self.prefix_cache)
         self.runner = ModelRunner(self.model, self.block_manager, self.kv_cache_dtype)

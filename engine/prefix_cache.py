@@ -7,10 +7,19 @@ tokens) finds the longest cached prefix in one dictionary look-up per block. The
 the hash stand for the whole prefix, so a block is reused only after the very same tokens.
 The cost: a shared prefix is matched only in whole blocks (up to block_size - 1 tokens of it
 are recomputed).
+
+A block's identity is SHA-256 over its parent's digest and its tokens, chained from a root
+digest of everything else that makes the cached keys and values differ (the model file, its
+dtype, weight format and KV-cache dtype). Python's builtin `hash()` was used before: it is
+deterministic and easy to invert for integers, so a client could build a prompt whose blocks
+collide with another's and be served (or poison) their KV entries; vLLM fixed the same class
+(GHSA-rm76-4mrf-v9r8). A hit is also checked against the tokens the block was filled with.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -32,9 +41,10 @@ class PrefixCacheCounters:
 class PrefixCache:
     """Matches new sequences against cached blocks and indexes blocks as they fill."""
 
-    def __init__(self, block_manager: BlockManager) -> None:
+    def __init__(self, block_manager: BlockManager, identity: str = "") -> None:
         self.bm = block_manager
         self.counters = PrefixCacheCounters()
+        self.root = hashlib.sha256(b"servescope-prefix-v1\0" + identity.encode()).digest()
 
     def match(self, seq: Sequence) -> int:
         """Share the longest cached prefix with a sequence that holds no blocks; tokens reused.
@@ -44,12 +54,13 @@ class PrefixCache:
         bs = self.bm.block_size
         tokens = seq.all_token_ids
         limit = (len(tokens) - 1) // bs
-        hashes = block_hashes(tokens, bs, limit)
+        hashes = block_hashes(tokens, bs, limit, self.root)
         matched = []
-        for h in hashes:
+        for i, h in enumerate(hashes):
             block_id = self.bm.cached_block(h)
-            if block_id is None:
-                break
+            if block_id is None or self.bm.block_tokens[block_id] != tuple(
+                    tokens[i * bs : (i + 1) * bs]):
+                break  # not cached, or a digest collision: never share other tokens' KV
             matched.append(block_id)
         self.bm.share(seq, matched)
         seq.num_computed_tokens = len(matched) * bs
@@ -75,16 +86,19 @@ class PrefixCache:
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         if full <= seq.num_cached_blocks:
             return
-        hashes = block_hashes(seq.all_token_ids, bs, full)
+        tokens = seq.all_token_ids
+        hashes = block_hashes(tokens, bs, full, self.root)
         for i in range(seq.num_cached_blocks, full):
-            self.bm.register(seq.block_table[i], hashes[i])
+            self.bm.register(seq.block_table[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
         seq.num_cached_blocks = full
 
 
-def block_hashes(tokens: list[int], block_size: int, count: int) -> list[int]:
-    """Chained hashes of the first `count` full blocks of `tokens`."""
-    hashes, parent = [], 0
+def block_hashes(tokens: list[int], block_size: int, count: int,
+                 root: bytes = b"") -> list[bytes]:
+    """Chained SHA-256 digests of the first `count` full blocks of `tokens`, from `root`."""
+    hashes, parent = [], root
     for i in range(count):
-        parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        block = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
+        parent = hashlib.sha256(parent + block).digest()
         hashes.append(parent)
     return hashes

@@ -141,3 +141,58 @@ def test_prefix_cache_shares_blocks_without_breaking_counts(prompts, num_blocks,
     assert not sched.has_unfinished(), "the scheduler stalled"
     assert bm.num_free_blocks == num_blocks
     assert cache.counters.hits <= cache.counters.queries
+
+
+def _filled(cache, bm, rid: str, tokens: list[int]) -> Sequence:
+    """A sequence whose tokens are all computed into blocks and indexed by the cache."""
+    seq = Sequence(rid, tokens, SamplingParams(max_tokens=1), 0.0)
+    bm.append_slots(seq, len(tokens))
+    seq.num_computed_tokens = len(tokens)
+    cache.register(seq)
+    return seq
+
+
+def test_blocks_whose_old_hashes_collide_are_never_shared():
+    """Python's hash() of an int is the int modulo 2**61 - 1, so under the old chained hash these
+    two prompts had the very same block identities; the cryptographic chain tells them apart,
+    and a hit is checked against the block's tokens as well."""
+    from engine.prefix_cache import PrefixCache, block_hashes
+
+    modulus = 2**61 - 1
+    a = list(range(8)) + [5]
+    b = [t + modulus for t in range(8)] + [5]  # a different prompt
+    old = lambda tokens: hash((0, tuple(tokens[:4])))  # noqa: E731 - the replaced scheme
+    assert old(a) == old(b)
+    bm = BlockManager(8, 4)
+    cache = PrefixCache(bm, "model|float32")
+    _filled(cache, bm, "a", a)
+    assert block_hashes(a, 4, 2, cache.root) != block_hashes(b, 4, 2, cache.root)
+    victim = Sequence("b", b, SamplingParams(max_tokens=1), 0.0)
+    assert cache.match(victim) == 0 and victim.block_table == []
+    # Even a digest that did collide would not share: the tokens are compared on a hit.
+    forged = Sequence("c", b, SamplingParams(max_tokens=1), 0.0)
+    digest = block_hashes(a, 4, 1, cache.root)[0]
+    import engine.prefix_cache as pc
+
+    real = pc.block_hashes
+    try:
+        pc.block_hashes = lambda tokens, bs, count, root=b"": [digest] * count
+        assert cache.match(forged) == 0 and forged.block_table == []
+    finally:
+        pc.block_hashes = real
+    same = Sequence("d", list(a), SamplingParams(max_tokens=1), 0.0)
+    assert cache.match(same) == 8  # the genuine prefix is still shared
+
+
+def test_block_identity_covers_what_makes_the_kv_differ():
+    from engine.prefix_cache import PrefixCache, block_hashes
+
+    tokens = list(range(12))
+    f32 = PrefixCache(BlockManager(4, 4), "model.gguf|torch.float32|float|auto")
+    bf16 = PrefixCache(BlockManager(4, 4), "model.gguf|torch.bfloat16|float|auto")
+    int8kv = PrefixCache(BlockManager(4, 4), "model.gguf|torch.float32|float|int8")
+    digests = [block_hashes(tokens, 4, 3, c.root) for c in (f32, bf16, int8kv)]
+    assert len({d[0] for d in digests}) == 3
+    assert all(len(h) == 32 for h in digests[0])  # SHA-256
+    changed = block_hashes([99] + tokens[1:], 4, 3, f32.root)
+    assert all(x != y for x, y in zip(changed, digests[0], strict=True))  # the chain carries it

@@ -273,7 +273,8 @@ def test_shared_prefix_blocks_are_never_moved(llm, text_ids):
     prompt = text_ids[:70]
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # caches the prefix
     cached = [llm.block_manager.cached_block(h) for h in
-              __import__("engine.prefix_cache", fromlist=["x"]).block_hashes(prompt, 16, 4)]
+              __import__("engine.prefix_cache", fromlist=["x"]).block_hashes(
+                  prompt, 16, 4, llm.prefix_cache.root)]
     assert all(b is not None for b in cached)
     snapshot = llm.runner.kv[:, :, [b * 16 + j for b in cached for j in range(16)]].clone()
     plain = llm.generate([prompt + [13]], SamplingParams(temperature=0, max_tokens=30))[0]
