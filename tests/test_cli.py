@@ -113,6 +113,13 @@ def test_serve_answers_over_http_and_stops_on_sigint(demo_gguf):
         assert proc.wait(timeout=120) in (0, 130)  # generous: CI machines are shared
 
 
+def test_serve_beyond_loopback_needs_a_key_or_an_explicit_flag():
+    r = servescope("serve", "--host", "0.0.0.0", "--port", "0")
+    assert r.returncode == 2
+    assert "without an API key" in r.stderr and "--allow-unauthenticated-remote" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 KV_PROMPT = "The history of the Roman Empire spans many centuries, beginning with"
 
 
