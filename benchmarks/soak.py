@@ -1,14 +1,15 @@
 """Soak test of `servescope serve`: many requests at high concurrency, hostile ones mixed in.
 
 Starts the real CLI (`python -m app.cli serve`, the demo model) as a subprocess on 127.0.0.1 and
-runs two phases against it with the same client: a baseline of valid streaming requests only,
-then the same number with a share of hostile requests (bad fields, malformed JSON, oversized and
-trickled bodies) mixed in. It reports, in one JSON object:
+runs two phases against it with the same client, alternating in blocks so that whatever else
+runs on the machine falls on both alike: a baseline of valid streaming requests only, and the
+same number with a share of hostile requests (bad fields, malformed JSON, oversized and trickled
+bodies) mixed in. It reports, in one JSON object:
 
 - valid requests sent, completed by the client, and counted by the server's
   `vllm:request_success_total` (none may be lost: the three must agree);
 - hostile requests and how many got a 4xx (all must);
-- the server's resident memory after warm-up and at the end of each phase;
+- the server's resident memory at start, after warm-up (one block of each phase) and at the end;
 - p50/p99 TTFT of the valid requests (client clock, first content chunk) in each phase, and
   the ratio mixed / baseline.
 
@@ -128,13 +129,11 @@ async def _trickle(url: str) -> bool:
     return line.startswith(b"HTTP/1.1 4")
 
 
-async def _phase(url: str, n: int, concurrency: int, hostile_share: float, max_tokens: int,
-                 seed: int, pid: int, warmup: int) -> dict:
+async def _block(url: str, n: int, concurrency: int, hostile_share: float, max_tokens: int,
+                 seed: int, into: dict) -> None:
+    """n requests at `concurrency`, a share of them hostile; counts and TTFTs added to `into`."""
     rng = random.Random(seed)
     plan = [rng.random() < hostile_share for _ in range(n)]
-    ttfts: list[float] = []
-    counts = {"valid_sent": 0, "valid_completed": 0, "hostile_sent": 0, "hostile_4xx": 0}
-    rss = {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     next_index = 0
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -144,32 +143,40 @@ async def _phase(url: str, n: int, concurrency: int, hostile_share: float, max_t
             while next_index < n:
                 i = next_index
                 next_index += 1
-                if i == warmup:
-                    rss["after_warmup_mb"] = _rss_mb(pid)
                 if plan[i]:
-                    counts["hostile_sent"] += 1
+                    into["hostile_sent"] += 1
                     answered = await _hostile(client, wrng, url)
-                    counts["hostile_4xx"] += answered
+                    into["hostile_4xx"] += answered
                 else:
-                    counts["valid_sent"] += 1
+                    into["valid_sent"] += 1
                     ttft = await _valid(client, wrng, max_tokens)
                     if ttft is not None:
-                        counts["valid_completed"] += 1
-                        ttfts.append(ttft)
+                        into["valid_completed"] += 1
+                        into["ttfts"].append(ttft)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker(seed * 1000 + w) for w in range(concurrency)))
-        wall = time.perf_counter() - start
-    rss["end_mb"] = _rss_mb(pid)
-    t = np.array(ttfts) * 1000
-    return counts | rss | {"wall_s": round(wall, 1),
-                           "ttft_ms_p50": round(float(np.percentile(t, 50)), 1),
-                           "ttft_ms_p99": round(float(np.percentile(t, 99)), 1)}
+        into["wall_s"] += time.perf_counter() - start
+
+
+def _phase_summary(phase: dict) -> dict:
+    t = np.array(phase.pop("ttfts")) * 1000
+    return phase | {"wall_s": round(phase["wall_s"], 1),
+                    "ttft_ms_p50": round(float(np.percentile(t, 50)), 1),
+                    "ttft_ms_p99": round(float(np.percentile(t, 99)), 1)}
+
+
+def _new_phase() -> dict:
+    return {"valid_sent": 0, "valid_completed": 0, "hostile_sent": 0, "hostile_4xx": 0,
+            "server_counted": 0, "ttfts": [], "wall_s": 0.0}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=10_000, help="requests per phase")
+    p.add_argument("--blocks", type=int, default=10,
+                   help="the phases alternate in this many blocks each, so that other load on "
+                        "the machine falls on both alike")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--hostile", type=float, default=0.05, help="share of hostile requests")
     p.add_argument("--max-tokens", type=int, default=4)
@@ -177,37 +184,39 @@ def main() -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _start_server(port, args.concurrency)
+    phases = {"baseline": _new_phase(), "with_hostile": _new_phase()}
+    shares = {"baseline": 0.0, "with_hostile": args.hostile}
+    per_block = max(1, args.requests // args.blocks)
     try:
-        rss_start = _rss_mb(proc.pid)
-        warmup = max(1, args.requests // 20)
-        before = _success_count(url)
-        base = asyncio.run(_phase(url, args.requests, args.concurrency, 0.0, args.max_tokens, 1,
-                                  proc.pid, warmup))
-        mid = _success_count(url)
-        mixed = asyncio.run(_phase(url, args.requests, args.concurrency, args.hostile,
-                                   args.max_tokens, 2, proc.pid, warmup))
-        after = _success_count(url)
+        rss = {"start_mb": _rss_mb(proc.pid)}
+        for b in range(args.blocks):
+            for name, phase in phases.items():
+                before = _success_count(url)
+                asyncio.run(_block(url, per_block, args.concurrency, shares[name],
+                                   args.max_tokens, 2 * b + (name != "baseline"), phase))
+                phase["server_counted"] += int(_success_count(url) - before)
+            if b == 0:
+                rss["after_warmup_mb"] = _rss_mb(proc.pid)  # one block of each phase
+        rss["end_mb"] = _rss_mb(proc.pid)
         alive = httpx.get(f"{url}/health", timeout=30).status_code == 200
     finally:
         proc.terminate()
         proc.wait(30)
-    base["server_counted"] = int(mid - before)
-    mixed["server_counted"] = int(after - mid)
-    lost = sum(ph["valid_sent"] - ph["valid_completed"] for ph in (base, mixed))
+    base, mixed = (_phase_summary(phases[k]) for k in ("baseline", "with_hostile"))
     result = {
         "benchmark": "soak",
         "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
+                    "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_average": os.getloadavg()},
         "config": vars(args),
-        "rss_at_start_mb": round(rss_start, 1),
         "baseline": base,
         "with_hostile": mixed,
-        "valid_lost": lost,
+        "rss_mb": {k: round(v, 1) for k, v in rss.items()},
+        "valid_lost": sum(ph["valid_sent"] - ph["valid_completed"] for ph in (base, mixed)),
         "server_count_matches_client": all(ph["server_counted"] == ph["valid_completed"]
                                            for ph in (base, mixed)),
         "hostile_all_4xx": mixed["hostile_4xx"] == mixed["hostile_sent"],
-        "rss_end_over_after_warmup": round(mixed["end_mb"] / mixed["after_warmup_mb"], 3),
-        "rss_growth_baseline_mb": round(base["end_mb"] - base["after_warmup_mb"], 1),
+        "rss_end_over_after_warmup": round(rss["end_mb"] / rss["after_warmup_mb"], 3),
         "ttft_p99_ratio_hostile_over_baseline": round(mixed["ttft_ms_p99"]
                                                       / base["ttft_ms_p99"], 3),
         "server_alive_after": alive,
