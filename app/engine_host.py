@@ -102,6 +102,7 @@ class _EngineWorker(QObject):
         self._buffer = buffer
         self._meter = meter
         self._llm: Any = None
+        self._loaded_request: LoadRequest | None = None
         self.stats: Any = None
 
     def _emit(self, name: str, *payload: Any) -> None:
@@ -139,6 +140,7 @@ class _EngineWorker(QObject):
             self._emit("load_cancelled")
             return
         self._llm = llm
+        self._loaded_request = request
         self.stats = None
         self._history.reset()
         llm.step_observers.append(self._history.record)  # every step, chat or benchmark
@@ -225,6 +227,9 @@ class _EngineWorker(QObject):
             raise RuntimeError("the benchmark ended without a result")
         llm = self._llm
         result = {"model": llm.model_name, "device": llm.device, "dtype": llm.dtype, **result}
+        # What the planner and History need to know the figures by: weights, KV, spec, policy.
+        if self._loaded_request is not None:
+            result["configuration"] = self._loaded_request.configuration()
         save_result(result)
         return result
 

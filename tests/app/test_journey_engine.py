@@ -8,7 +8,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt
 
 from tests.app.conftest import LOAD_TIMEOUT_MS
-from tests.app.user import button, raw_errors
+from tests.app.user import button, menu_action, raw_errors
 
 REPLY_TIMEOUT_MS = 120_000
 
@@ -43,21 +43,27 @@ def ask(qtbot, window, pane, text: str) -> str:
     return line
 
 
-def test_journey_fetch_load_chat_change_option_reload(make_window, qtbot, demo_gguf: Path):
-    window = make_window()
-    pane = window.pane("engine")
+def fetch_and_load(qtbot, pane, demo_gguf: Path, before_load=lambda: None) -> None:
+    """Fetch the demo model from the picker's button, choose the CPU, a short context, load."""
     panel, picker = pane.load_panel, pane.picker
-    assert window.rail.current_id() == "engine"  # a first start opens on the Engine pane
     qtbot.waitUntil(lambda: not picker.is_busy())
     qtbot.mouseClick(button(pane, "Fetch demo model"), Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: picker.current_model() == str(demo_gguf), timeout=60_000)
-
     choose(panel.device_combo, "cpu")
     type_number(qtbot, panel.context_spin, "512")
     type_number(qtbot, panel.concurrency_spin, "1")
+    before_load()
     with qtbot.waitSignal(pane.host.loaded, timeout=LOAD_TIMEOUT_MS):
         qtbot.mouseClick(panel.load_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: pane.host.state == "ready")
+
+
+def test_journey_fetch_load_chat_change_option_reload(make_window, qtbot, demo_gguf: Path):
+    window = make_window()
+    pane = window.pane("engine")
+    panel = pane.load_panel
+    assert window.rail.current_id() == "engine"  # a first start opens on the Engine pane
+    fetch_and_load(qtbot, pane, demo_gguf)
     assert not panel.reload_label.isVisible() and panel.load_button.text() == "Load"
 
     type_number(qtbot, pane.chat.sampling.max_tokens, "16")
@@ -85,4 +91,54 @@ def test_journey_fetch_load_chat_change_option_reload(make_window, qtbot, demo_g
     line = ask(qtbot, window, pane, "Repeat exactly: one two three four five six seven eight "
                                     "nine ten one two three four five six seven eight nine ten")
     assert "ngram: " in line and "draft tokens accepted" in line
+    assert raw_errors(window) == []
+
+
+def test_journey_benchmark_to_history_and_planner(make_window, qtbot, demo_gguf: Path):
+    window = make_window()
+    pane, history = window.pane("engine"), window.pane("history")
+    assert history.service.wait_for_database(30)
+    panel = pane.load_panel
+
+    def options() -> None:
+        choose(panel.spec_combo, "ngram:k=5")
+        if not panel.prefix_check.isChecked():
+            panel.prefix_check.setFocus()
+            qtbot.keyClick(panel.prefix_check, Qt.Key.Key_Space)  # the box, from the keyboard
+        assert panel.prefix_check.isChecked()
+
+    fetch_and_load(qtbot, pane, demo_gguf, options)
+
+    # Run the quick benchmark from its tab; its row names the configuration it ran with.
+    tabs = pane.tabs
+    qtbot.mouseClick(tabs.tabBar(), Qt.MouseButton.LeftButton,
+                     pos=tabs.tabBar().tabRect(tabs.indexOf(pane.bench)).center())
+    assert tabs.currentWidget() is pane.bench and pane.bench.quick_box.isChecked()
+    with qtbot.waitSignal(history.loaded, timeout=300_000):  # stored as a run, then listed
+        qtbot.mouseClick(button(pane.bench, "Run benchmark"), Qt.MouseButton.LeftButton)
+    table = pane.bench.table
+    from app.panes.engine.bench import COLUMNS
+
+    row = {c: table.item(table.rowCount() - 1, i).text() for i, c in enumerate(COLUMNS)}
+    assert row["Device"] == "cpu"
+    assert "float weights" in row["Configuration"] and "spec ngram:k=5" in row["Configuration"]
+    assert "prefix caching" in row["Configuration"]
+    assert "cannot calibrate" in pane.bench.message.text()  # a CPU run, said so
+    from engine.bench import load_results
+
+    assert load_results()[-1]["configuration"]["speculative"] == "ngram:k=5"
+
+    # In History, beside the load tests, by kind and configuration.
+    window.rail.select("history")
+    runs = history.runs_table
+    assert runs.rowCount() == 1
+    assert runs.item(0, 1).text() == "bench"
+    assert "spec ngram:k=5" in runs.item(0, 2).text()
+    assert float(runs.item(0, 10).text().replace(",", "")) > 0  # output tok/s
+
+    # The planner calibrates only where it can: a CPU benchmark is skipped, with the reason.
+    window.rail.select("planner")
+    menu_action(window, "Planner", "Calibrate from measured runs…").trigger()
+    messages = [n.message for n in window.notifications.notifications()]
+    assert any("No calibration" in m and "CPU run" in m for m in messages), messages
     assert raw_errors(window) == []

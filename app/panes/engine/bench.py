@@ -21,9 +21,10 @@ from PySide6.QtWidgets import (
 
 from app.engine_host import EngineHost
 from app.navigation import on_click
+from app.panes.engine.state import configuration_text
 
 CONCURRENCIES = ("1", "4", "16", "64")
-COLUMNS = ("When", "Model", "Device", "Prefill tok/s", "TTFT ms", "Decode tok/s",
+COLUMNS = ("When", "Model", "Device", "Configuration", "Prefill tok/s", "TTFT ms", "Decode tok/s",
            *(f"Throughput @{c}" for c in CONCURRENCIES))
 
 
@@ -34,9 +35,20 @@ def result_row(result: dict[str, Any]) -> list[str]:
         if isinstance(when, int | float) else str(when or "now")
     throughput = result.get("throughput_tokens_per_s") or {}
     return [when_text, str(result.get("model", "—")), str(result.get("device", "—")),
+            configuration_text(result.get("configuration")),
             _num(result.get("prefill_tokens_per_s")), _num(result.get("ttft_ms")),
             _num(result.get("decode_tokens_per_s")),
             *(_num(throughput.get(c)) for c in CONCURRENCIES)]
+
+
+def finished_message(result: dict[str, Any]) -> str:
+    """What became of a finished benchmark: saved, and whether the planner can calibrate
+    from it (only a CUDA GPU's figures map onto a catalog GPU)."""
+    if str(result.get("device", "")).startswith("cuda"):
+        return ("Benchmark finished and saved with its configuration; Planner → Calibrate… "
+                "fits the planner to it.")
+    return ("Benchmark finished and saved with its configuration (see History). It ran on "
+            f"{result.get('device', 'the CPU')}, so it cannot calibrate the planner's GPUs.")
 
 
 def _num(value: Any) -> str:
@@ -114,7 +126,7 @@ class BenchPanel(QGroupBox):
         self.message.setText(message)
 
     def _on_finished(self, result: dict[str, Any]) -> None:
-        self.message.setText("Benchmark finished; the result is saved for the planner.")
+        self.message.setText(finished_message(result))
         self._add_row(result)
         self.table.scrollToBottom()
 

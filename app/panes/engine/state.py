@@ -49,6 +49,14 @@ class LoadRequest:
                        "max_num_batched_tokens": self.max_num_batched_tokens()}
         return kwargs
 
+    def configuration(self) -> dict[str, Any]:
+        """The engine options a measurement ran with, stored beside it (benchmarks, History)."""
+        return {"weights": self.weights, "dtype": self.dtype,
+                "kv_cache_dtype": self.kv_cache_dtype, "speculative": self.speculative,
+                "prefix_caching": self.prefix_caching, "kv_policy": self.kv_policy,
+                "kv_budget": self.kv_budget, "context_tokens": self.context_tokens,
+                "concurrency": self.concurrency}
+
     def _bounded(self) -> bool:
         # SnapKV holds the whole prompt until it ends, so its peak is not bounded by the budget.
         return self.kv_policy not in ("none", "snapkv") and self.kv_budget is not None
@@ -176,6 +184,23 @@ def speculation_text(before: dict | None, after: dict | None) -> str:
     if drafted <= 0:
         return f"{after['method']}: no draft tokens"
     return f"{after['method']}: {accepted} of {drafted} draft tokens accepted"
+
+
+def configuration_text(config: dict[str, Any] | None) -> str:
+    """"int4 weights · KV int8 · spec ngram:k=5 · prefix caching · h2o KV (512)" for a
+    stored configuration; "—" when the measurement did not record one."""
+    if not config:
+        return "—"
+    parts = [f"{config.get('weights', 'float')} weights"]
+    if config.get("kv_cache_dtype", "auto") != "auto":
+        parts.append(f"KV {config['kv_cache_dtype']}")
+    spec = config.get("speculative", "off")
+    parts.append("spec off" if spec == "off" else f"spec {spec}")
+    if config.get("prefix_caching"):
+        parts.append("prefix caching")
+    if config.get("kv_policy", "none") != "none":
+        parts.append(f"{config['kv_policy']} KV ({config.get('kv_budget')})")
+    return " · ".join(parts)
 
 
 # The names a user knows the load options by, for "changed since loading".

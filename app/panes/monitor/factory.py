@@ -23,6 +23,8 @@ def monitor_panes(host: Any = None, gpus: bool = True, settings: Any = None) -> 
     servers = ServersPane(service)
     history = HistoryPane(service)
     servers.run_stored.connect(lambda _run_id: history.reload())
+    if host is not None:  # engine benchmarks are runs too, listed beside the load tests
+        host.bench_finished.connect(history.add_benchmark)
     # The database opens on a worker thread; each pane catches up when it is ready (or failed).
     bridge.database.connect(servers.refresh)
     bridge.database.connect(history.reload)

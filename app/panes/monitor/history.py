@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from pathlib import Path
 
 from PySide6.QtCore import Signal
@@ -54,6 +55,30 @@ def run_row(run: dict) -> list[str]:
             fmt(_dig(s, ("tpot_ms", "p99"))), fmt(s.get("output_tokens_per_s"))]
 
 
+def benchmark_name(result: dict) -> str:
+    """"SmolLM2 on cpu · float weights · spec off", the name a benchmark run goes by."""
+    from app.panes.engine.state import configuration_text
+
+    name = f"{result.get('model', 'engine')} on {result.get('device', '?')}"
+    config = result.get("configuration")
+    return f"{name} · {configuration_text(config)}" if config else name
+
+
+def benchmark_config(result: dict) -> dict:
+    """The stored configuration of a benchmark run: engine options, sizes and the machine."""
+    return {"engine": result.get("configuration") or {}, "device": result.get("device"),
+            "dtype": result.get("dtype"), "sizes": result.get("config"),
+            "machine": result.get("machine"), "quick": result.get("quick")}
+
+
+def benchmark_summary(result: dict) -> dict:
+    """A benchmark's figures in the shape load-test summaries have (History's columns)."""
+    return {"ttft_ms": {"p50": result.get("ttft_ms")},
+            "output_tokens_per_s": result.get("decode_tokens_per_s"),
+            "prefill_tokens_per_s": result.get("prefill_tokens_per_s"),
+            "throughput_tokens_per_s": result.get("throughput_tokens_per_s")}
+
+
 def compare_rows(a: dict, b: dict) -> list[list[str]]:
     """Metric, run A, run B and B - A for two run_summary results."""
     rows = []
@@ -86,6 +111,9 @@ class HistoryPane(PageMixin, QWidget):
         self.loader = TaskRunner(self)
         self.loader.succeeded.connect(self._on_loaded)
         self.loader.failed.connect(lambda m: self.notify.emit("error", m))
+        self.saver = TaskRunner(self)
+        self.saver.succeeded.connect(lambda _run_id: self.reload())
+        self.saver.failed.connect(lambda m: self.notify.emit("error", m))
         self.comparer = TaskRunner(self)
         self.comparer.succeeded.connect(self._on_compared)
         self.comparer.failed.connect(lambda m: self.notify.emit("error", m))
@@ -126,6 +154,7 @@ class HistoryPane(PageMixin, QWidget):
     def shutdown(self) -> None:
         """Stop the queries; the last pane stops the hub."""
         self.loader.stop()
+        self.saver.stop()
         self.comparer.stop()
         self.service.release()
 
@@ -163,6 +192,22 @@ class HistoryPane(PageMixin, QWidget):
             yield  # two queries: no progress to report
 
         self.comparer.start(task)
+
+    def add_benchmark(self, result: dict) -> None:
+        """Store an engine benchmark as a run, beside the load tests, and list it."""
+        db = self.service.db
+        if db is None:
+            return  # no database: the benchmark stays in the engine's own results file
+
+        def task(_cancel):
+            from storage.queries import save_run
+
+            finished = float(result.get("finished_at") or time.time())
+            return save_run(db, "bench", benchmark_name(result), benchmark_config(result),
+                            benchmark_summary(result), finished, finished)
+            yield  # one insert: no progress to report
+
+        self.saver.start(task)
 
     def export_csv(self, path: str | None = None) -> None:
         """Write the runs (and the comparison, if any) as CSV files."""
