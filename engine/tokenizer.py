@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -15,6 +16,8 @@ from tokenizers import Tokenizer as Backend
 from engine.config import ModelError
 
 # The template transformers falls back to for ChatML models; used when a model ships none.
+GIL_FREE_ENCODE_CHARS = 20_000
+
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -71,7 +74,18 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) > GIL_FREE_ENCODE_CHARS:
+            # tokenizers' encode() holds the GIL throughout (6 s for a 4 MB prompt, every other
+            # thread of the process stopped); encode_batch releases it.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its longest vocabulary entry; a
+        byte-level entry has a character per byte, and a byte decodes to at most one
+        character): a text longer than this times N has more than N tokens."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

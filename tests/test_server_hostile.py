@@ -280,3 +280,14 @@ def test_the_official_openai_client(server):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="demo", prompt="hi", max_tokens=10**9)
     assert "max_tokens" in str(info.value)
+
+
+def test_a_prompt_beyond_any_context_is_refused_untokenized(server, client, llm):
+    text = "hello world, this is a long prompt. " * 110_000  # 3.96 MB, under the body limit
+    r = client.post("/v1/completions", json={"prompt": text, "max_tokens": 4})
+    assert r.status_code == 400
+    assert "characters" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": text}], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    _canary(client)

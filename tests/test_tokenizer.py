@@ -189,3 +189,16 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path):
     assert ours.encode(" the") == [259, 272]
     assert ours.decode(ours.encode(" the")) == " the"
     assert ours.eos_token_ids == (2,) and ours.bos_token_id == 1
+
+
+def test_long_texts_encode_the_same_without_holding_the_gil(demo_checkpoint, hf_gguf_tokenizer):
+    """Past GIL_FREE_ENCODE_CHARS the tokenizer takes the encode_batch path (which releases the
+    GIL); the ids must be those of the plain path and of transformers."""
+    from engine.tokenizer import GIL_FREE_ENCODE_CHARS
+
+    tok = demo_checkpoint.tokenizer
+    text = "Ünïcode, digits 12345 and  spaces\n" * (GIL_FREE_ENCODE_CHARS // 30)
+    assert len(text) > GIL_FREE_ENCODE_CHARS
+    ids = tok.encode(text)
+    assert ids == tok.backend.encode(text, add_special_tokens=False).ids
+    assert ids == hf_gguf_tokenizer.encode(text, add_special_tokens=False)
