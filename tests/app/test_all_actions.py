@@ -29,8 +29,27 @@ def test_no_button_or_action_connects_its_slot_directly():
     assert offenders == []
 
 
+def _with_something_selected(window) -> None:
+    """A server and two runs selected before each step, so Edit, Remove, Test connection,
+    Load test and Compare act on something instead of returning at once."""
+    from PySide6.QtCore import QItemSelectionModel
+
+    from app.panes.monitor.state import ServerEntry
+
+    servers, history = window.pane("servers"), window.pane("history")
+    if "probe" not in servers.service.servers:
+        servers.add_server(ServerEntry("probe", "http://127.0.0.1:9"))  # nothing listens
+    servers.select("probe")
+    model = history.runs_table.selectionModel()
+    flags = (QItemSelectionModel.SelectionFlag.Select
+             | QItemSelectionModel.SelectionFlag.Rows)
+    for row in range(min(2, history.runs_table.rowCount())):
+        model.select(history.runs_table.model().index(row, 0), flags)
+
+
 def _exercise(qtbot, window, label: str, fire, exceptions, problems: list[str]) -> None:
     before = len(exceptions)
+    _with_something_selected(window)
     fire()
     settle(qtbot, window)
     close_extra_windows(window)
@@ -43,8 +62,23 @@ def _exercise(qtbot, window, label: str, fire, exceptions, problems: list[str]) 
 
 def test_every_action_and_button_raises_nothing_and_shows_no_raw_error(
         make_window, qtbot, demo_gguf, capsys):
+    from storage.db import open_database
+    from storage.queries import save_run
+
+    db = open_database(None)  # two stored runs for History's buttons
+    for name in ("first", "second"):
+        save_run(db, "loadtest", name, {}, {"completed": 2, "failed": 0}, 1.7e9, 1.7e9 + 5)
+    db.close()
     window = make_window()
     settle(qtbot, window, patience_s=20)  # the start-up search and database opening
+    assert window.pane("servers").service.wait_for_database(30)
+    history = window.pane("history")
+    for _ in range(15):  # settle() may have cancelled the first listing: list again
+        if history.runs_table.rowCount() == 2:
+            break
+        history.reload()
+        qtbot.wait(2000)
+    assert history.runs_table.rowCount() == 2
     answerer = DialogAnswerer()
     problems: list[str] = []
     fired_actions, fired_buttons = 0, 0
@@ -71,7 +105,7 @@ def test_every_action_and_button_raises_nothing_and_shows_no_raw_error(
                 _exercise(qtbot, window, label, action.trigger, exceptions, problems)
                 fired_actions += 1
     answerer.stop()
-    assert problems == []
+    assert problems == [], "\n".join(problems)
     assert not window.isVisible()  # Quit closed it
     with capsys.disabled():
         print(f"\nall-actions: {fired_actions} actions and {fired_buttons} buttons exercised; "

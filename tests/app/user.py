@@ -154,8 +154,25 @@ def texts_on_screen(window) -> list[str]:
     tops = [window] + [t for t in QApplication.topLevelWidgets()
                        if t is not window and t.isVisible()]
     for top in tops:
-        texts += [label.text() for label in top.findChildren(QLabel)]
+        texts += [label.text() for label in top.findChildren(QLabel) if _readable(label)]
     return [t for t in texts if t]
+
+
+def _readable(label: QLabel) -> bool:
+    """Shown, or on a pane or tab a user can switch to; not in a closed dialog or hidden."""
+    widget: QWidget | None = label
+    while widget is not None:
+        if widget.isHidden() and not _is_page(widget):
+            return False
+        widget = widget.parentWidget()
+    return True
+
+
+def _is_page(widget: QWidget) -> bool:
+    from PySide6.QtWidgets import QStackedWidget
+
+    parent = widget.parentWidget()
+    return isinstance(parent, QStackedWidget)
 
 
 def raw_errors(window) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import re
 import threading
 
 from PySide6.QtCore import Signal
@@ -30,6 +31,16 @@ LATENCIES = (("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("ITL (ms)", "i
              ("E2E (ms)", "e2e_ms"))
 THROUGHPUTS = (("Requests/s", "request_throughput"), ("Output tokens/s", "output_tokens_per_s"),
                ("Completed", "completed"), ("Failed", "failed"), ("Duration (s)", "duration_s"))
+
+
+_TYPE_PREFIX = re.compile(r"^\s*[A-Z][A-Za-z]*(Error|Exception|Timeout)\s*:\s*")
+
+
+def request_error_sentence(error: str) -> str:
+    """A failed request's error as a user reads it: the load generator records
+    "ConnectError: All connection attempts failed"; the type name means nothing to a user."""
+    text = _TYPE_PREFIX.sub("", error).strip().rstrip(".") or "no details were given"
+    return text[0].upper() + text[1:]
 
 
 def result_rows(summary: dict) -> list[list[str]]:
@@ -132,7 +143,7 @@ class LoadTestDialog(QDialog):
         self.table.resizeColumnsToContents()
         done = f"{self.summary['completed']} completed, {self.summary['failed']} failed"
         if self.summary.get("errors"):
-            done += f" — {self.summary['errors'][0]}"
+            done += f". First error: {request_error_sentence(self.summary['errors'][0])}."
         self.message.setText(done)
         if store_error:
             self.notify.emit("error", f"The load test ran but was not saved: {store_error}")
