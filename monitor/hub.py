@@ -110,6 +110,7 @@ class Hub:
         self._loops: dict[str, ScrapeLoop] = {}
         self._due: dict[str, float] = {}
         self._reported: dict[str, tuple] = {}
+        self._described: dict[str, tuple] = {}
         self._rings: dict[str, RingBuffer] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -136,6 +137,7 @@ class Hub:
             source = self._sources.pop(name, None)
             self._due.pop(name, None)
             self._reported.pop(name, None)
+            self._described.pop(name, None)
             loop = self._loops.pop(name, None)
         if loop is not None:
             loop.stopping.set()  # the loop closes the source once its scrape in flight ends
@@ -183,7 +185,21 @@ class Hub:
         self._report_status(source)
         return len(poll.samples)
 
+    def _describe(self, source: Source) -> None:
+        # The detected kind and version go to the source's stored row once, and again if they
+        # change (a server upgraded in place); "unknown" is what the row starts as anyway.
+        status = source.status
+        identity = (status.kind, status.version)
+        with self._lock:
+            changed = self._described.get(source.name) != identity
+            self._described[source.name] = identity
+        if changed and self.writer is not None and status.kind != "unknown":
+            config = getattr(source, "config", None)
+            self.writer.describe_source(source.name, status.kind, status.version,
+                                        getattr(config, "url", None))
+
     def _report_status(self, source: Source) -> None:
+        self._describe(source)
         key = status_key(source.status)
         with self._lock:
             changed = self._reported.get(source.name) != key

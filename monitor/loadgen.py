@@ -116,7 +116,7 @@ async def send_one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, promp
     path, body = _payload(spec, prompt, max_tokens)
     start = time.perf_counter()
     times: list[float] = []
-    usage_tokens = None
+    usage_tokens = usage_prompt = None
     try:
         async with client.stream("POST", spec.url.rstrip("/") + path, json=body) as resp:
             if resp.status_code != 200:
@@ -131,7 +131,10 @@ async def send_one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, promp
                 event = json.loads(data)
                 if _chunk_text(event):
                     times.append(time.perf_counter())
-                usage_tokens = (event.get("usage") or {}).get("completion_tokens", usage_tokens)
+                usage = event.get("usage") or {}
+                usage_tokens = usage.get("completion_tokens", usage_tokens)
+                # The server's own count of prompt tokens beats the words the prompt was made of.
+                usage_prompt = usage.get("prompt_tokens", usage_prompt)
     except Exception as exc:  # any failure is this request's result, not the run's
         return RequestRecord("loadgen", time.time(), prompt_tokens=prompt_len, ok=False,
                              error=f"{type(exc).__name__}: {exc}"[:300])
@@ -145,7 +148,7 @@ async def send_one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, promp
     tpot = (e2e - ttft) / (n_out - 1) if n_out > 1 else None
     return RequestRecord("loadgen", time.time(), ttft_s=ttft, tpot_s=tpot, e2e_s=e2e,
                          itl_s=[b - a for a, b in zip(times, times[1:], strict=False)],
-                         prompt_tokens=prompt_len, output_tokens=n_out)
+                         prompt_tokens=usage_prompt or prompt_len, output_tokens=n_out)
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,39 @@ class MetricMap:
     labels: Labels = ()
     agg: str = "sum"  # how label sets combine: "sum" or "mean"
     per: str | None = None  # split into one series per value of this label (DCGM's gpu)
+    per_as: str | None = None  # the name the split label gets in the series (default: per)
+    values: tuple[tuple[str, str], ...] = ()  # the split label's values renamed (normalised)
 
 
 def _m(series: str, remote: str, type_: str, scale: float = 1.0, **kw) -> MetricMap:
     return MetricMap(series, remote, type_, scale, **kw)
 
+
+# Why requests finished, in one vocabulary across servers: stop (EOS or a stop string), length
+# (max_tokens or the context), abort (the client went away or cancelled), error.
+FINISHED_REASONS = (("stop", "stop"), ("eos", "stop"), ("stop_sequence", "stop"),
+                    ("length", "length"), ("max_tokens", "length"), ("abort", "abort"),
+                    ("aborted", "abort"), ("cancelled", "abort"), ("error", "error"))
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A series derived from two counters' increases over the sliding window:
+    offset + numerator / denominator (per value of the numerator's split label, if any)."""
+
+    series: str
+    numerator: str
+    denominator: str
+    offset: float = 0.0
+
+
+# vLLM's own definitions (its SpecDecodingLogging): acceptance rate = accepted / drafted tokens;
+# mean acceptance length = 1 + accepted / drafts (the bonus token counts); per position
+# i: accepted at i / drafts.
+RATIOS = (Ratio("prefix_cache_hit_rate", "prefix_cache_hits", "prefix_cache_queries"),
+          Ratio("spec_acceptance_rate", "spec_accepted_tokens", "spec_draft_tokens"),
+          Ratio("spec_mean_accepted_len", "spec_accepted_tokens", "spec_drafts", 1.0),
+          Ratio("spec_acceptance_rate_at", "spec_accepted_tokens_at", "spec_drafts"))
 
 TABLE: tuple[MetricMap, ...] = (
     # Latency histograms, in seconds.
@@ -51,6 +79,13 @@ TABLE: tuple[MetricMap, ...] = (
     _m("queue_s", "sglang:queue_time_seconds", "histogram"),
     _m("queue_s", "tgi_request_queue_duration", "histogram"),
     _m("queue_s", "trtllm_request_queue_time_seconds", "histogram"),
+    _m("prefill_s", "vllm:request_prefill_time_seconds", "histogram"),
+    _m("decode_s", "vllm:request_decode_time_seconds", "histogram"),
+    _m("inference_s", "vllm:request_inference_time_seconds", "histogram"),
+    # Token-count histograms: tokens per engine step and per request.
+    _m("iteration_tokens", "vllm:iteration_tokens_total", "histogram"),
+    _m("request_prompt_tokens", "vllm:request_prompt_tokens", "histogram"),
+    _m("request_generation_tokens", "vllm:request_generation_tokens", "histogram"),
     # Scheduler state.
     _m("requests_running", "vllm:num_requests_running", "gauge"),
     _m("requests_running", "sglang:num_running_reqs", "gauge"),
@@ -90,7 +125,20 @@ TABLE: tuple[MetricMap, ...] = (
     _m("requests_finished", "tgi_request_success", "counter"),
     _m("requests_finished", "trtllm_request_success_total", "counter"),
     _m("requests_finished", "nv_inference_request_success", "counter"),
+    _m("requests_finished_reason", "vllm:request_success_total", "counter",
+       per="finished_reason", per_as="reason", values=FINISHED_REASONS),
     _m("preemptions", "vllm:num_preemptions_total", "counter"),
+    # Prefix cache and speculative decoding (their ratios are derived below, see RATIOS).
+    _m("prefix_cache_queries", "vllm:prefix_cache_queries_total", "counter"),
+    _m("prefix_cache_hits", "vllm:prefix_cache_hits_total", "counter"),
+    _m("prefix_cache_hit_rate", "sglang:cache_hit_rate", "gauge", agg="mean"),
+    _m("spec_drafts", "vllm:spec_decode_num_drafts_total", "counter"),
+    _m("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens_total", "counter"),
+    _m("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total", "counter"),
+    _m("spec_accepted_tokens_at", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+       "counter", per="position"),
+    _m("spec_acceptance_rate", "sglang:spec_accept_rate", "gauge", agg="mean"),
+    _m("spec_mean_accepted_len", "sglang:spec_accept_length", "gauge", agg="mean"),
     # GPUs through DCGM (profiling ratios 0-1 become percent, like GPM) and Triton.
     _m("gpu_util_pct", "DCGM_FI_DEV_GPU_UTIL", "gauge", per="gpu"),
     _m("gpu_util_pct", "nv_gpu_utilization", "gauge", 100.0, per="gpu_uuid"),
@@ -123,12 +171,16 @@ def _matching(scrape: Scrape, name: str, want: Labels) -> list[tuple[Labels, flo
             if all(pair in labels for pair in want)]
 
 
-def _split(rows: list[tuple[Labels, float]], per: str | None) -> dict[str, list]:
+def _split(rows: list[tuple[Labels, float]], per: str | None, per_as: str | None = None,
+           values: tuple[tuple[str, str], ...] = ()) -> dict[str, list]:
     if per is None:
         return {"": rows}
+    rename = dict(values)
     groups: dict[str, list] = {}
     for labels, value in rows:
-        groups.setdefault(f"[{per}={dict(labels).get(per, '')}]", []).append((labels, value))
+        raw = dict(labels).get(per, "")
+        label = rename.get(raw.lower(), raw) if rename else raw
+        groups.setdefault(f"[{per_as or per}={label}]", []).append((labels, value))
     return groups
 
 
@@ -151,15 +203,18 @@ class Normalizer:
 
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
-        self._counters: dict[tuple[str, Labels], tuple[float, float]] = {}
+        self._counters: dict[tuple[str, str, Labels], tuple[float, float]] = {}
         self._hist: dict[str, tuple[dict, dict, dict]] = {}
         self._windows: dict[str, deque] = {}
+        self._increases: dict[str, deque] = {}  # counter series -> (ts, increase) in window
+        self._seen: set[str] = set()  # counter series (with suffix) the last scrape carried
         self._last_scrape: float | None = None
 
     def update(self, scrape: Scrape, now: float) -> list[tuple[str, float]]:
         """Series values from one scrape taken at `now` (seconds)."""
         out: list[tuple[str, float]] = []
         done: set[str] = set()
+        self._seen = set()
         names = scrape.names()
         for m in TABLE:
             probe = m.remote + "_bucket" if m.type == "histogram" else m.remote
@@ -172,28 +227,57 @@ class Normalizer:
                 out += self._counter(m, scrape, now)
             else:
                 out += self._histogram(m, scrape, now)
+        out += self._ratios(done)
         self._last_scrape = now
         return [(name, v) for name, v in out if math.isfinite(v)]
 
     def _gauge(self, m: MetricMap, scrape: Scrape) -> list[tuple[str, float]]:
-        groups = _split(_matching(scrape, m.remote, m.labels), m.per)
+        groups = _split(_matching(scrape, m.remote, m.labels), m.per, m.per_as, m.values)
         return [(m.series + suffix, _group_total(rows, m.agg) * m.scale)
                 for suffix, rows in groups.items()]
 
     def _counter(self, m: MetricMap, scrape: Scrape, now: float) -> list[tuple[str, float]]:
         out = []
-        for suffix, rows in _split(_matching(scrape, m.remote, m.labels), m.per).items():
+        rows_by = _split(_matching(scrape, m.remote, m.labels), m.per, m.per_as, m.values)
+        for suffix, rows in rows_by.items():
             increase, dt = 0.0, None
             for labels, value in rows:
-                prev = self._counters.get((m.remote, labels))
+                prev = self._counters.get((m.series, m.remote, labels))
                 if prev is None and self._last_scrape is not None:
                     prev = (self._last_scrape, 0.0)  # born since the last scrape: counts from 0
-                self._counters[(m.remote, labels)] = (now, value)
+                self._counters[(m.series, m.remote, labels)] = (now, value)
                 if prev is not None and now > prev[0]:
                     increase += counter_delta(prev[1], value)
                     dt = now - prev[0]
+            # The running total too: counts over any span are then differences, not integrals.
+            out.append((f"{m.series}_total{suffix}", sum(v for _, v in rows) * m.scale))
+            self._seen.add(m.series + suffix)
             if dt:
                 out.append((f"{m.series}_per_s{suffix}", increase * m.scale / dt))
+                self._window(f"{m.series}{suffix}", now, increase * m.scale)
+        return out
+
+    def _window(self, key: str, now: float, increase: float) -> None:
+        window = self._increases.setdefault(key, deque())
+        window.append((now, increase))
+        while window and window[0][0] <= now - self.window_s:
+            window.popleft()
+
+    def _ratios(self, done: set[str]) -> list[tuple[str, float]]:
+        """RATIOS over the window, for the counters this scrape carried."""
+        out = []
+        totals = {k: sum(v for _, v in w) for k, w in self._increases.items()}
+        for r in RATIOS:
+            if r.series in done:  # the server reports the ratio itself (SGLang's gauges)
+                continue
+            den = totals.get(r.denominator)
+            if not den or r.denominator not in self._seen:
+                continue
+            for key, num in totals.items():
+                suffix = key[len(r.numerator):]
+                if key.startswith(r.numerator) and (suffix == "" or suffix.startswith("[")) \
+                        and key in self._seen:
+                    out.append((r.series + suffix, r.offset + num / den))
         return out
 
     def _histogram(self, m: MetricMap, scrape: Scrape, now: float) -> list[tuple[str, float]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import json
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -16,6 +18,9 @@ from monitor.promtext import MetricsError, parse_metrics
 from monitor.types import Poll, Sample, SourceStatus
 
 MAX_BACKOFF_S = 60.0
+# Where a server kind names its version ({"version": "0.32.0"}), and how often to retry asking.
+VERSION_PATHS = {"vllm": "/version"}
+VERSION_RETRY_S = 60.0
 # The largest body a scrape reads: far above any real /metrics page (vLLM's is ~100 KiB), far
 # below what would hurt the recorder; over it the scrape stops reading and the source is down.
 DEFAULT_MAX_BYTES = 16 * 2**20
@@ -218,6 +223,7 @@ class PrometheusSource(BackoffSource):
         self.url = metrics_url(config.url)
         self.normalizer = Normalizer(window_s)
         self.ollama_version = ""  # set when the server turns out to be Ollama
+        self._version_tried = -math.inf
 
     def poll(self, now: float) -> Poll:
         if now < self._next_try:
@@ -254,6 +260,8 @@ class PrometheusSource(BackoffSource):
         if self.config.kind is None and self.status.kind in ("unknown", "prometheus"):
             # Labelled metrics appear only once observed, so an idle server may look plain.
             self.status.kind = detect_kind(scrape.names())
+        if self.status.kind in VERSION_PATHS and self.status.version is None:
+            self._read_version(now)
         values = self.normalizer.update(scrape, now)
         skipped = (f", {_plural(scrape.non_finite, 'NaN/±Inf value')} skipped"
                    if scrape.non_finite else "")
@@ -266,6 +274,21 @@ class PrometheusSource(BackoffSource):
             message += f" ({version}{ollama.NOT_PROVIDED})"
         self._ok(now, message)
         return Poll([Sample(f"{self.name}/{series}", now, value) for series, value in values])
+
+    def _read_version(self, now: float) -> None:
+        """The server's version from its version endpoint; tried once a minute until it answers
+        (a failure here never fails the scrape: the metrics were read)."""
+        if now - self._version_tried < VERSION_RETRY_S:
+            return
+        self._version_tried = now
+        parts = urlsplit(self.config.url)
+        url = f"{parts.scheme}://{parts.netloc}{VERSION_PATHS[self.status.kind]}"
+        try:
+            version = json.loads(self.fetch(url)).get("version")
+        except (FetchError, httpx.HTTPError, OSError, ValueError, AttributeError):
+            return
+        if isinstance(version, str) and version.strip():
+            self.status.version = version.strip()[:80]
 
     def _fetch_metrics(self) -> str | None:
         """The /metrics text; None when there is none but the server is Ollama (detected by

@@ -44,6 +44,7 @@ class SourceStatus:
 
     state: str = "unknown"  # "up", "down", "unknown", "unavailable"
     kind: str = "unknown"
+    version: str | None = None  # what the server says it runs, where it says (vLLM: /version)
     last_error: str | None = None
     last_ok: float | None = None
     message: str = ""

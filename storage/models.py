@@ -19,6 +19,8 @@ class Source(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     kind: Mapped[str] = mapped_column(String(40), default="unknown")
+    # The server's own version string where it names one (vLLM's GET /version), else None.
+    version: Mapped[str | None] = mapped_column(String(80), nullable=True)
     url: Mapped[str | None] = mapped_column(Text, nullable=True)
     # A reference (e.g. "env:VLLM_TOKEN" or a keyring entry), never the token itself.
     token_ref: Mapped[str | None] = mapped_column(String(200), nullable=True)

