@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import re
 import threading
 
@@ -25,7 +24,7 @@ from PySide6.QtWidgets import (
 from app.navigation import on_click
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import ServerEntry, fmt
-from app.workers import Progress, TaskRunner
+from app.workers import Progress, TaskRunner, relay
 
 LATENCIES = (("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("ITL (ms)", "itl_ms"),
              ("E2E (ms)", "e2e_ms"))
@@ -170,22 +169,14 @@ def _load_task(spec, name: str, db):
     def task(cancel: threading.Event):
         from monitor.loadgen import run_load, store_run
 
-        events: queue.Queue = queue.Queue()
-        box: dict = {}
+        def work(report):
+            return run_load(spec, lambda done, total: report(
+                Progress(done / total, f"{done} / {total} requests")))
 
-        def work() -> None:
-            try:
-                box["result"] = run_load(spec, lambda done, total: events.put((done, total)))
-            except Exception as exc:  # reported by the task below, never lost in a thread
-                box["error"] = exc
-            events.put(None)
-
-        threading.Thread(target=work, name="servescope-loadtest", daemon=True).start()
-        while (item := events.get()) is not None:
-            yield Progress(item[0] / item[1], f"{item[0]} / {item[1]} requests")
-        if "error" in box:
-            raise box["error"]  # the runner turns it into a sentence
-        result, run_id, store_error = box["result"], None, None
+        # A cancel leaves the load to end by itself (it is bounded by its request count); a
+        # failure is raised here and the runner turns it into a sentence.
+        result = yield from relay(work, "servescope-loadtest", join_on_close=False)
+        run_id, store_error = None, None
         if db is not None:
             try:
                 run_id = store_run(db, result, name=name)

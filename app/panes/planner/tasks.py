@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.panes.planner.state import FormState, Outcome, WhatIf
-from app.workers import Progress, TaskFunction
+from app.workers import Progress, TaskFunction, relay
 from planner.calibrate import Calibration
 from planner.catalog import Catalog, CatalogError, Model, load_catalog
 from planner.evaluate import Evaluation, InfeasibleError, evaluate
@@ -59,37 +58,19 @@ def search_task(form: FormState, imported: dict[str, Model],
             workload, space = form.workload(), form.space()
         except USER_ERRORS as exc:
             return Failure(user_message(exc))
-        events: queue.Queue = queue.Queue()
-        box: dict = {}
+        def run(report) -> object:
+            return search(model, workload, catalog, space, form.budget,
+                          calibration=calibration, cost_opts=form.cost_options(),
+                          progress=lambda f, m: report(Progress(f * 0.9, m)),
+                          cancel=cancel.is_set)
 
-        def run() -> None:
-            try:
-                box["result"] = search(model, workload, catalog, space, form.budget,
-                                       calibration=calibration,
-                                       cost_opts=form.cost_options(),
-                                       progress=lambda f, m: events.put(Progress(f * 0.9, m)),
-                                       cancel=cancel.is_set)
-            except BaseException as exc:  # handed to the task's thread, which reports it
-                box["error"] = exc
-            events.put(None)
-
-        # The search reports through a callback; a helper thread turns it into yields, so each
-        # progress event is also a point where the runner can cancel (Orange's TaskState).
-        helper = threading.Thread(target=run, name="planner-search", daemon=True)
-        helper.start()
+        # On cancel the search stops within 256 candidates or one simulation.
         try:
-            while (event := events.get()) is not None:
-                yield event
-        finally:
-            helper.join()  # on cancel the search stops within 256 candidates or one simulation
-        if "error" in box:
-            error = box["error"]
-            if isinstance(error, Cancelled):
-                return None
-            if isinstance(error, USER_ERRORS):
-                return Failure(user_message(error))
-            raise error
-        result = box["result"]
+            result = yield from relay(run, "planner-search")
+        except Cancelled:
+            return None
+        except USER_ERRORS as exc:
+            return Failure(user_message(exc))
         if not result.candidates:
             return Failure(f"No plan for {model.name}: {result.infeasible}.")
         yield Progress(0.95, "simulating the recommended plan")
