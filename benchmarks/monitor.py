@@ -142,7 +142,7 @@ def measure_hub(tmp: str, ports: list[int]) -> dict[str, Any]:
         "seconds": round(busy_wall, 2), "series_live": len(keys),
         "gpu_points_held": gpu_points, "writer_flushed": flushed,
         "writer_error": writer.last_error,
-        "hub_thread_cpu_pct_of_one_core": round(thread_pct, 2),
+        "hub_coordinator_thread_cpu_pct_of_one_core": round(thread_pct, 2),
         "process_cpu_pct_of_one_core_minus_idle": round(process_pct, 2),
         "idle_baseline_cpu_pct": round(100 * idle_cpu / idle_wall, 2),
     }
@@ -327,24 +327,26 @@ def main() -> None:
         proc.join(10)
     writer = measure_writer()
     redraw = measure_redraw()
-    cpu = hub["hub_thread_cpu_pct_of_one_core"]  # the figure the target applies to
+    # The target applies to the whole process: each source is scraped on its own thread, so the
+    # hub's coordinating thread alone no longer holds the scraping and parsing.
+    cpu = hub["process_cpu_pct_of_one_core_minus_idle"]
     print(json.dumps({
         "machine": info,
         "gpus": "simulated (no GPU used): numpy random-walk sources",
         "hub": hub,
-        "hub_cpu_method": "hub_thread_cpu_pct_of_one_core = time.thread_time() inside the hub "
-                          "thread / wall time (polling simulated GPUs, scraping and parsing the "
-                          "10 servers' /metrics, ring buffers, submitting to the writer). "
-                          "process_cpu_pct_of_one_core_minus_idle = getrusage delta of the whole "
-                          "process (hub + SQLite writer thread) minus an idle baseline of the "
-                          "same length; the HTTP servers run in a separate process, not counted",
+        "hub_cpu_method": "process_cpu_pct_of_one_core_minus_idle (the target's figure) = "
+                          "getrusage delta of the whole process (one scrape thread per source: "
+                          "polling simulated GPUs, scraping and parsing the 10 servers' "
+                          "/metrics; the hub thread: ring buffers, submitting; the SQLite "
+                          "writer thread) minus an idle baseline of the same length; "
+                          "hub_coordinator_thread_cpu_pct_of_one_core = time.thread_time() "
+                          "inside the hub's own thread; the HTTP servers run in a separate "
+                          "process, not counted",
         "writer": writer,
         "redraw": redraw,
         "targets": TARGETS,
         "met": {
-            "hub_cpu_under_5pct": cpu < TARGETS["hub_cpu_pct_of_one_core"],
-            "hub_plus_writer_process_cpu_under_5pct":
-                hub["process_cpu_pct_of_one_core_minus_idle"] < 5.0,
+            "hub_plus_writer_process_cpu_under_5pct": cpu < TARGETS["hub_cpu_pct_of_one_core"],
             "writer_at_least_50k_per_s":
                 writer["writer_samples_per_s"] >= TARGETS["writer_samples_per_s"],
             "redraw_p95_under_16ms_random_walks":

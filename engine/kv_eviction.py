@@ -83,11 +83,6 @@ class Policy:
     def repositions(self) -> bool:
         return self.name == "streaming"
 
-    @property
-    def evicts(self) -> bool:
-        return self.name != "none"
-
-
 def parse_policy(name: str | None) -> Policy | None:
     """A policy by name (None or "none" = no eviction); a clear error for anything else."""
     if name is None:

@@ -65,11 +65,6 @@ class StepStats:
     timestamp: float
     num_evicted_tokens: int = 0  # KV entries dropped by eviction policies this step
 
-    @property
-    def batch_size(self) -> int:
-        return self.num_running
-
-
 class LLM:
     """A loaded model with a paged KV cache, serving many requests by continuous batching."""
 

@@ -252,8 +252,3 @@ def int8_packed_available() -> bool:
 def int4_packed_available() -> bool:
     """Whether `_weight_int4pack_mm_for_cpu` exists here and passes the self-check."""
     return _self_check(PackedInt4, 4)
-
-
-def is_quantized(weight) -> bool:
-    """Whether a prepared or raw weight is one of this module's quantized forms."""
-    return isinstance(weight, QuantizedWeight | PackedInt8 | PackedInt4)
