@@ -33,7 +33,7 @@ def ask(qtbot, window, pane, text: str) -> str:
     chat.input.setFocus()
     qtbot.keyClicks(chat.input, text)
     window.activateWindow()
-    qtbot.waitUntil(window.isActiveWindow, timeout=2000)
+    qtbot.waitUntil(window.isActiveWindow, timeout=10_000)
     with qtbot.waitSignal(chat.reply_done, timeout=REPLY_TIMEOUT_MS):
         qtbot.keyClick(chat.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
     turn = chat.session.turns[-1]

@@ -42,11 +42,11 @@ def test_journey_restart_keeps_everything(make_window, qtbot):
     assert window.settings.get("ui/theme") == "light" and not window.theme_action.isChecked()
     assert monitor.window_combo.currentText() == "5 min"
     assert servers.service.wait_for_database(30)
-    qtbot.waitUntil(lambda: table_names(servers) == ["remote-a"], timeout=10_000)
-    qtbot.waitUntil(lambda: history.runs_table.rowCount() == 1, timeout=10_000)
+    qtbot.waitUntil(lambda: table_names(servers) == ["remote-a"], timeout=30_000)
+    qtbot.waitUntil(lambda: history.runs_table.rowCount() == 1, timeout=30_000)
     assert history.runs_table.item(0, 2).text() == "earlier"
     table = planner.scenario_table
-    qtbot.waitUntil(lambda: table.columnCount() == 1, timeout=10_000)
+    qtbot.waitUntil(lambda: table.columnCount() == 1, timeout=30_000)
     assert table.horizontalHeaderItem(0).text() == "Llama-3.1-8B @ 4 req/s"
     assert planner.form.state().rate == SMALL.rate
     press(qtbot, window, "Ctrl+Shift+T")  # back to dark for the tests that follow

@@ -64,7 +64,7 @@ def add_server_by(qtbot, window, servers, how: str, name: str, url: str) -> None
         menu_action(window, "Servers", "Add server…").trigger()
     else:
         press(qtbot, window, "Ctrl+Shift+N")
-    qtbot.waitUntil(lambda: name in table_names(servers), timeout=5000)
+    qtbot.waitUntil(lambda: name in table_names(servers), timeout=15_000)
     answerer.stop()
     assert answerer.seen == ["Add server"]
 
@@ -155,7 +155,7 @@ def test_journey_servers_to_history(make_window, engine_server, qtbot, tmp_path)
     # Compare the two: select both rows and press the button.
     click_row(qtbot, runs, 0)
     click_row(qtbot, runs, 1, Qt.KeyboardModifier.ControlModifier)
-    with qtbot.waitSignal(history.compared, timeout=10_000):
+    with qtbot.waitSignal(history.compared, timeout=30_000):
         qtbot.mouseClick(button(history, "Compare selected runs"), Qt.MouseButton.LeftButton)
     compare = history.compare_table
     cells = {compare.item(r, 0).text(): [compare.item(r, c).text() for c in (1, 2, 3)]
@@ -200,7 +200,7 @@ def test_recorded_minutes_show_in_the_short_windows(make_window, qtbot):
     for label, oldest in (("1 min", now - 61), ("5 min", now - 101), ("15 min", now - 101)):
         monitor.window_combo.setCurrentIndex(monitor.window_combo.findText(label))
         qtbot.waitUntil(lambda: len(chart.data.get("recorder/kv_cache_usage", ((), ()))[0]) > 0,
-                        timeout=10_000)
+                        timeout=30_000)
         ts, values = chart.data["recorder/kv_cache_usage"]
         assert ts.min() >= oldest and set(values) == {25.0}  # the chart's unit is %
     assert monitor.source_combo.findText("recorder") >= 0

@@ -186,7 +186,7 @@ def press(qtbot, window, sequence: str) -> None:
 
     combo = QKeySequence(sequence)[0]
     window.activateWindow()  # a closed dialog may leave no window active; shortcuts need one
-    qtbot.waitUntil(window.isActiveWindow, timeout=2000)
+    qtbot.waitUntil(window.isActiveWindow, timeout=10_000)
     qtbot.keyClick(QApplication.focusWidget() or window, combo.key(), combo.keyboardModifiers())
 
 
