@@ -27,15 +27,13 @@ from app.navigation import PageMixin, make_actions, on_click
 from app.panes.planner.charts import ChartView
 from app.panes.planner.figures import ChartSpec, all_charts
 from app.panes.planner.form import WorkloadForm
+from app.panes.planner.model import PlannerModel, calibration_text  # noqa: F401 (re-export)
 from app.panes.planner.report import command_lines, manifest_lines
 from app.panes.planner.report_writer import write_report
 from app.panes.planner.results import PlanTable, ScenarioTable, WhatIfPanel
 from app.panes.planner.state import (
     Outcome,
-    Scenarios,
-    WhatIf,
     load_form,
-    plan_costs,
     plan_label,
     save_form,
 )
@@ -50,7 +48,6 @@ from app.panes.planner.tasks import (
     workstation_task,
 )
 from app.workers import Progress, TaskRunner
-from planner.calibrate import Calibration
 from planner.catalog import Model, load_catalog
 from planner.evaluate import Evaluation
 from planner.export import kubernetes_yaml, sglang_command, vllm_command
@@ -78,12 +75,8 @@ class PlannerPane(PageMixin, QWidget):
         self._form_folder = form_folder
         self.store = PlannerStore(db_url)
         self._db_reported = False
-        self.calibration = Calibration()
-        self.calibration_report: CalibrationReport | None = None
-        self.outcome: Outcome | None = None
-        self.chosen: Plan | None = None
-        self.detail: Evaluation | None = None
-        self.scenarios = Scenarios()
+        self.model = PlannerModel()
+        self.model.observe(self._on_model)
         self._pending = False
         self._base_font = QFont(self.font())
         catalog, self._catalog_error = None, ""
@@ -296,9 +289,19 @@ class PlannerPane(PageMixin, QWidget):
         self.runner.cancel()
         self.bench_runner.cancel()
 
+    # The model's state, read where the pane and its tests always read it.
+    outcome = property(lambda self: self.model.outcome)
+    chosen = property(lambda self: self.model.chosen)
+    detail = property(lambda self: self.model.detail)
+    calibration = property(lambda self: self.model.calibration)
+    calibration_report = property(lambda self: self.model.calibration_report)
+    scenarios = property(lambda self: self.model.scenarios)
+
     def choose(self, plan: Plan) -> None:
         """Make ``plan`` the one the charts, what-ifs and deploy commands describe."""
-        self.chosen = plan
+        self.model.choose(plan)
+
+    def _show_chosen(self, plan: Plan) -> None:
         self.deploy.setPlainText("\n\n".join([
             "# vLLM, one replica", command_lines(vllm_command(plan)), "# SGLang, one replica",
             command_lines(sglang_command(plan)), "# Kubernetes",
@@ -339,11 +342,8 @@ class PlannerPane(PageMixin, QWidget):
 
     def keep_scenario(self) -> None:
         """Keep the current outcome for the side-by-side comparison (three at most)."""
-        if self.outcome is None:
-            self.notify.emit("warning", "There is no plan yet to keep as a scenario.")
-            return
         try:
-            label = self.scenarios.keep(self.outcome)
+            label = self.model.keep_scenario()
         except ValueError as exc:
             self.notify.emit("warning", str(exc))
             return
@@ -416,7 +416,7 @@ class PlannerPane(PageMixin, QWidget):
         except USER_ERRORS as exc:
             self.notify.emit("warning", f"No calibration: {user_message(exc)}.")
             return None
-        self.calibration, self.calibration_report = report.calibration, report
+        self.model.calibrated(report)
         skipped = f" Skipped: {'; '.join(report.skipped[:3])}." if report.skipped else ""
         self.notify.emit("info", f"Calibrated — {report.summary()}.{skipped}")
         self.recompute()
@@ -494,32 +494,38 @@ class PlannerPane(PageMixin, QWidget):
             self.status.setText(done + "; no calibration: see the message.")
 
     def _on_search_done(self, result: Outcome | Failure | None) -> None:
-        if isinstance(result, Failure):
-            self._clear_plan()
-            self.status.setText("No plan for this workload: see the reason above.")
-            self.plan_banner.setText(f"No plan: {result.message}")
-            self.plan_banner.setVisible(True)
-            return
-        if result is None:
-            return
+        self.model.searched(result)
+
+    def _on_model(self, event: str, payload: object) -> None:
+        """Draw what changed in the model."""
+        if event == "outcome":
+            self._show_outcome(payload)
+        elif event == "cleared":
+            self._clear_plan(payload)
+        elif event == "chosen":
+            self._show_chosen(payload)
+        elif event == "detail":
+            self._show_detail(payload)
+
+    def _show_outcome(self, result: Outcome) -> None:
         self.plan_banner.setVisible(False)
         self.plan_banner.setText("")
-        self.outcome, self.detail = result, result.detail
         r = result.result
         folded = f"; {r.folded} batch-limit variants folded" if r.folded else ""
         self.status.setText(f"{len(r.candidates)} plans meet every constraint "
                             f"({r.evaluated} candidates, {r.seconds:.1f} s{folded}).")
-        self._show_recommendation(result)
+        self.recommendation.setText(self.model.recommendation())
         self.what_if.reset()
-        self.chosen = None
         self.table.set_plans(r.candidates)
         self.table.selectRow(0)
         self.outcome_ready.emit(result)
 
-    def _clear_plan(self) -> None:
+    def _clear_plan(self, reason: str) -> None:
         """Nothing of the previous plan stays on screen once the workload has none: ranking,
-        recommendation, charts, what-ifs, Deploy text; the report has nothing to export."""
-        self.outcome, self.chosen, self.detail = None, None, None
+        recommendation, charts, what-ifs, Deploy text; the banner says why."""
+        self.status.setText("No plan for this workload: see the reason above.")
+        self.plan_banner.setText(f"No plan: {reason}")
+        self.plan_banner.setVisible(True)
         self.table.set_plans([])
         self.recommendation.setText("")
         self.deploy.setPlainText("")
@@ -529,14 +535,6 @@ class PlannerPane(PageMixin, QWidget):
         self.what_if.verdict.setText("No plan to try changes on.")
         for chart in self.charts.values():
             chart.set_spec(ChartSpec(""))
-
-    def _show_recommendation(self, o: Outcome) -> None:
-        best = o.best
-        self.recommendation.setText(
-            f"<b>Recommended:</b> {plan_label(best)} — {plan_costs(best, o.form).text()}, "
-            f"${best.cost_per_1m_tokens:.3f} per 1M tokens, p99 TTFT {best.ttft_p99_ms:.0f} ms "
-            f"(≤ {o.form.ttft_p99_ms:g}), p99 TPOT {best.tpot_p99_ms:.1f} ms "
-            f"(≤ {o.form.tpot_p99_ms:g}). {calibration_text(o.calibration)}")
 
     def _on_failed(self, message: str) -> None:
         self.status.setText("The planner failed.")
@@ -557,7 +555,7 @@ class PlannerPane(PageMixin, QWidget):
             return
         what_if = self.what_if.what_if()
         if what_if.is_identity and self.chosen is self.outcome.best and self.outcome.detail:
-            self._on_detail(self.outcome.detail)
+            self.model.detailed(self.outcome.detail)
             return
         self.detail_runner.start(detail_task(self.outcome, self.chosen, what_if))
 
@@ -566,22 +564,12 @@ class PlannerPane(PageMixin, QWidget):
             self.what_if.verdict.setText(detail.message)
             self._refresh_charts(None)
             return
-        self.detail = detail
-        self._refresh_charts(detail)
-        self.what_if.verdict.setText(self._verdict(detail, self.what_if.what_if()))
-        self.detail_ready.emit(detail)
+        self.model.detailed(detail)
 
-    def _verdict(self, detail: Evaluation, what_if: WhatIf) -> str:
-        form = self.outcome.form
-        ttft, tpot = detail.result.summary("ttft")["p99"], detail.result.summary("tpot")["p99"]
-        verdict = "meets" if ttft <= form.ttft_p99_ms and tpot <= form.tpot_p99_ms else "misses"
-        # The simulated fleet is the peak hour's; the day average lets autoscaling trim it.
-        average = plan_costs(self.chosen, form, what_if.spot_share, what_if.rate_scale,
-                             what_if.replicas_delta).average_per_hour
-        return (f"{detail.replicas} replica(s) at {form.rate * what_if.rate_scale:g} req/s: "
-                f"p99 TTFT {ttft:.0f} ms, TPOT {tpot:.1f} ms, "
-                f"${detail.cost_per_hour:.2f}/hour at peak, ${average:.2f}/hour averaged over "
-                f"the day — {verdict} the SLOs.")
+    def _show_detail(self, detail: Evaluation) -> None:
+        self._refresh_charts(detail)
+        self.what_if.verdict.setText(self.model.verdict(detail, self.what_if.what_if()))
+        self.detail_ready.emit(detail)
 
     def _refresh_charts(self, detail: Evaluation | None) -> None:
         o, w = self.outcome, self.what_if.what_if()
@@ -604,11 +592,3 @@ def deploy_script(plan: Plan) -> str:
     sglang = "\n".join(f"# {line}" for line in command_lines(sglang_command(plan)).splitlines())
     return (f"#!/bin/sh\n# {plan_label(plan)}, one replica (servescope).\n\n"
             f"# vLLM\n{command_lines(vllm_command(plan))}\n\n# Or SGLang:\n{sglang}\n")
-
-
-def calibration_text(calibration: Calibration) -> str:
-    """The calibration a recommendation used, with its fit error when it was fitted."""
-    if calibration.fit_error_pct is None:
-        return f"Calibration: {calibration.name}."
-    return (f"Calibration: {calibration.name}, fit error {calibration.fit_error_pct:.1f}% "
-            f"over {calibration.points} point(s).")

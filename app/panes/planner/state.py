@@ -129,6 +129,15 @@ class Outcome:
         return self.result.candidates[0] if self.result.candidates else None
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A planner failure a user can fix, carrying the planner's one-sentence explanation.
+
+    Returned rather than raised: the runner would prefix a raised error with its type name."""
+
+    message: str
+
+
 def plan_label(plan: Plan) -> str:
     """'2x TP2 H100 SXM fp8/fp8 (+spec)', the name a plan goes by in tables and charts."""
     d = plan.deployment

@@ -7,7 +7,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.panes.planner.state import FormState, Outcome, WhatIf
+from app.panes.planner.state import Failure, FormState, Outcome, WhatIf
 from app.workers import Progress, TaskFunction, relay
 from planner.calibrate import Calibration
 from planner.catalog import Catalog, CatalogError, Model, load_catalog
@@ -17,15 +17,6 @@ from planner.search import Cancelled, Plan, search
 
 # The planner's own user errors: their message is the one sentence the user sees.
 USER_ERRORS = (CatalogError, InfeasibleError, KeyError, ValueError)
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A planner failure a user can fix, carrying the planner's one-sentence explanation.
-
-    Returned rather than raised: the runner would prefix a raised error with its type name."""
-
-    message: str
 
 
 def user_message(exc: BaseException) -> str:
