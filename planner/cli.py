@@ -92,9 +92,15 @@ def run_search(args: argparse.Namespace) -> int:
         if not result.candidates:
             raise InfeasibleError(result.infeasible)
         best = result.candidates[0]
-        return {"model": model.name, "candidates": [p.as_dict() for p in
+
+        def with_commands(p) -> dict:  # each plan runs on its own, not only the best
+            return {**p.as_dict(), "vllm_command": vllm_command(p),
+                    "sglang_command": sglang_command(p)}
+
+        return {"model": model.name, "candidates": [with_commands(p) for p in
                                                     result.candidates[:args.top]],
-                "pareto": [p.as_dict() for p in result.pareto], "evaluated": result.evaluated,
+                "pareto": [with_commands(p) for p in result.pareto],
+                "notes": result.notes, "evaluated": result.evaluated,
                 "fitting": result.fitting, "screened": result.screened,
                 "simulated": result.simulated, "folded": result.folded,
                 "seconds": round(result.seconds, 3),

@@ -7,50 +7,85 @@ import io
 import json
 import shlex
 
+from planner.checkpoints import Weights, speculation_for, weights_for
 from planner.search import Plan
+from planner.timing import SpecDecode
 
-VLLM_QUANT = {"fp8": "fp8", "int8": "compressed-tensors", "int4": "awq"}
 SGLANG_KV = {"fp8": "fp8_e4m3"}
+SGLANG_SPEC = {"eagle": "EAGLE", "eagle3": "EAGLE3", "deepseek_mtp": "EAGLE", "ngram": "NGRAM"}
 
 
-def _model_id(plan: Plan) -> str:
-    m = plan.deployment.model
-    return m.hf_id or m.name
+class NotServable(ValueError):
+    """A plan no server can run as it stands (a checkpoint or draft model is missing)."""
+
+
+def _weights(plan: Plan) -> Weights:
+    weights = weights_for(plan.deployment.model, plan.deployment.weights)
+    if isinstance(weights, str):
+        raise NotServable(weights)
+    return weights
+
+
+def _spec(plan: Plan) -> SpecDecode | None:
+    d = plan.deployment
+    if d.spec is None:
+        return None
+    spec = speculation_for(d.model, d.spec)
+    if isinstance(spec, str):
+        raise NotServable(spec)
+    return spec
+
+
+def vllm_speculative_config(spec: SpecDecode) -> dict:
+    """vLLM's --speculative-config for one speculative method."""
+    config: dict = {"method": spec.method, "num_speculative_tokens": spec.draft_len}
+    if spec.draft:
+        config["model"] = spec.draft
+    if spec.method == "ngram":  # look up at most as many tokens as it proposes
+        config["prompt_lookup_max"] = spec.draft_len
+    return config
 
 
 def vllm_command(plan: Plan, prefix_caching: bool = True) -> str:
-    """A `vllm serve` command line for one replica of the plan."""
+    """A `vllm serve` command line for one replica of the plan (NotServable if none can run:
+    the search offers no such plan)."""
     d = plan.deployment
-    args = ["vllm", "serve", _model_id(plan), "--tensor-parallel-size", str(d.tp),
+    weights = _weights(plan)
+    args = ["vllm", "serve", weights.model_id, "--tensor-parallel-size", str(d.tp),
             "--pipeline-parallel-size", str(d.pp), "--max-num-seqs", str(d.max_seqs),
             "--max-num-batched-tokens", str(d.max_batched_tokens)]
-    if d.weights in VLLM_QUANT:
-        args += ["--quantization", VLLM_QUANT[d.weights]]
+    if weights.quantization:
+        args += ["--quantization", weights.quantization]
     if d.kv == "fp8":
         args += ["--kv-cache-dtype", "fp8"]
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
-    if d.spec is not None:
-        spec = {"method": d.spec.method, "num_speculative_tokens": d.spec.draft_len}
-        args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    spec = _spec(plan)
+    if spec is not None:
+        args += ["--speculative-config",
+                 json.dumps(vllm_speculative_config(spec), separators=(",", ":"))]
     return shlex.join(args)
 
 
 def sglang_command(plan: Plan, prefix_caching: bool = True) -> str:
     """An SGLang `launch_server` command line for one replica of the plan."""
     d = plan.deployment
-    args = ["python", "-m", "sglang.launch_server", "--model-path", _model_id(plan),
+    weights = _weights(plan)
+    args = ["python", "-m", "sglang.launch_server", "--model-path", weights.model_id,
             "--tp-size", str(d.tp), "--pp-size", str(d.pp),
             "--max-running-requests", str(d.max_seqs)]
-    if d.weights in VLLM_QUANT:
-        args += ["--quantization", VLLM_QUANT[d.weights]]
+    if weights.quantization:
+        args += ["--quantization", weights.quantization]
     if d.kv in SGLANG_KV:
         args += ["--kv-cache-dtype", SGLANG_KV[d.kv]]
     if not prefix_caching:
         args.append("--disable-radix-cache")
-    if d.spec is not None:
-        args += ["--speculative-algorithm", d.spec.method.upper(),
-                 "--speculative-num-steps", str(d.spec.draft_len),
-                 "--speculative-num-draft-tokens", str(d.spec.draft_len + 1)]
+    spec = _spec(plan)
+    if spec is not None:
+        args += ["--speculative-algorithm", SGLANG_SPEC.get(spec.method, spec.method.upper())]
+        if spec.draft:
+            args += ["--speculative-draft-model-path", spec.draft]
+        args += ["--speculative-num-steps", str(spec.draft_len),
+                 "--speculative-num-draft-tokens", str(spec.draft_len + 1)]
     return shlex.join(args)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from planner.calibrate import Calibration
 from planner.catalog import Catalog, Model
+from planner.checkpoints import servable
 from planner.cost import (
     CostOptions,
     autoscaled_cost,
@@ -70,7 +71,7 @@ class Plan:
                 "max_seqs": d.max_seqs,
                 "spec_decode": None if d.spec is None else {
                     "method": d.spec.method, "draft_len": d.spec.draft_len,
-                    "acceptance": d.spec.acceptance},
+                    "acceptance": d.spec.acceptance, "draft": d.spec.draft or None},
                 "ttft_p99_ms": round(self.ttft_p99_ms, 3),
                 "tpot_p99_ms": round(self.tpot_p99_ms, 3),
                 "e2e_p99_ms": round(self.e2e_p99_ms, 3),
@@ -109,6 +110,19 @@ def enumerate_deployments(model: Model, catalog: Catalog, space: SearchSpace) ->
         out.append(Deployment(model, gpu, w, kv, tp, pp, seqs, space.max_batched_tokens, spec,
                               space.prefix_hit))
     return out
+
+
+def servable_only(deployments: list[Deployment]) -> tuple[list[Deployment], dict[str, int]]:
+    """The deployments vLLM can run (drafts resolved), and how many were dropped for each
+    reason (a quantized checkpoint or a draft model nobody publishes, spec decode with PP)."""
+    kept, dropped = [], {}
+    for d in deployments:
+        ok = servable(d)
+        if isinstance(ok, str):
+            dropped[ok] = dropped.get(ok, 0) + 1
+        else:
+            kept.append(ok)
+    return kept, dropped
 
 
 @dataclass
@@ -241,7 +255,8 @@ def search(model: Model, w: Workload, catalog: Catalog, space: SearchSpace | Non
     started = time.perf_counter()
     space, calibration = space or SearchSpace(), calibration or Calibration()
     opts = cost_opts or CostOptions()
-    deployments = enumerate_deployments(model, catalog, space)
+    enumerated = enumerate_deployments(model, catalog, space)
+    deployments, unservable = servable_only(enumerated)
     screen = _Screen(w, calibration, opts)
     fitting, passed = 0, []
     for n, d in enumerate(deployments):
@@ -273,7 +288,10 @@ def search(model: Model, w: Workload, catalog: Catalog, space: SearchSpace | Non
                                    budget_per_hour)
     notes = [f"{folded} plan(s) differing only in the batch limit folded into the best of "
              f"their shape"] if folded else []
-    return SearchResult(ranked, front, len(deployments), fitting, len(passed), len(chosen),
+    notes += [f"{n} candidate(s) not offered: {reason}" for reason, n in unservable.items()]
+    if not deployments and unservable:
+        why = why or "no candidate can run as configured: " + "; ".join(unservable)
+    return SearchResult(ranked, front, len(enumerated), fitting, len(passed), len(chosen),
                         time.perf_counter() - started, why, notes, folded)
 
 

@@ -42,6 +42,7 @@ class SpecDecode:
     acceptance: float = 0.7
     draft_cost: float = 0.05
     method: str = "eagle"
+    draft: str = ""  # the draft model's id where the method needs one (planner.checkpoints)
 
     def __post_init__(self) -> None:
         if self.draft_len < 1:
