@@ -36,6 +36,7 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+ERRORS: dict[str, int] = {}  # why valid requests did not complete, by kind
 PROMPTS = ["The capital of France is", "Write one word about the sea:", "def add(a, b):",
            "Water boils at", "Name a colour:", "Once upon a time", "2 + 2 ="]
 HOSTILE = [
@@ -90,14 +91,18 @@ async def _valid(client: httpx.AsyncClient, rng: random.Random, max_tokens: int)
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
+                ERRORS[f"HTTP {r.status_code}"] = ERRORS.get(f"HTTP {r.status_code}", 0) + 1
                 return None
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and ttft is None:
                     ttft = time.perf_counter() - start
                 if line == "data: [DONE]":
                     done = True
-    except httpx.HTTPError:
+    except httpx.HTTPError as exc:
+        ERRORS[type(exc).__name__] = ERRORS.get(type(exc).__name__, 0) + 1
         return None
+    if not done:
+        ERRORS["stream ended without [DONE]"] = ERRORS.get("stream ended without [DONE]", 0) + 1
     return ttft if done else None
 
 
@@ -195,6 +200,7 @@ def main() -> None:
                 asyncio.run(_block(url, per_block, args.concurrency, shares[name],
                                    args.max_tokens, 2 * b + (name != "baseline"), phase))
                 phase["server_counted"] += int(_success_count(url) - before)
+            rss.setdefault("per_block_mb", []).append(round(_rss_mb(proc.pid), 1))
             if b == 0:
                 rss["after_warmup_mb"] = _rss_mb(proc.pid)  # one block of each phase
         rss["end_mb"] = _rss_mb(proc.pid)
@@ -211,7 +217,8 @@ def main() -> None:
         "config": vars(args),
         "baseline": base,
         "with_hostile": mixed,
-        "rss_mb": {k: round(v, 1) for k, v in rss.items()},
+        "rss_mb": {k: v if isinstance(v, list) else round(v, 1) for k, v in rss.items()},
+        "valid_errors": ERRORS,
         "valid_lost": sum(ph["valid_sent"] - ph["valid_completed"] for ph in (base, mixed)),
         "server_count_matches_client": all(ph["server_counted"] == ph["valid_completed"]
                                            for ph in (base, mixed)),

@@ -19,6 +19,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed's sign
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_PROMPT_TOKEN_IDS = 1 << 20
+UNSUPPORTED = ("tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+               "prediction")
 
 
 def _encodable(text: str) -> str:
@@ -83,6 +85,15 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     logprobs: Any = None
     user: str | None = None
+    logit_bias: dict | None = None
+    # OpenAI parameters of features this server does not have: refused, never ignored.
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    prediction: Any = None
+    modalities: list[Literal["text"]] | None = None
     kv_policy: Annotated[Text, AfterValidator(_known_policy)] | None = None
     kv_budget: Annotated[int | float | str, AfterValidator(_valid_budget)] | None = None
 
@@ -95,6 +106,12 @@ class _Sampling(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise ValueError(f"{name} is not supported by this server yet: leave it at 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server yet: leave it unset")
+        for name in UNSUPPORTED:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported by this server (no tool calling or "
+                                 "audio): leave it unset")
         return self
 
     def stop_strings(self) -> tuple[str, ...]:

@@ -153,35 +153,41 @@ async def _answer(send, status: int, message: str, kind: str) -> None:
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection whose request head is not complete within
-    `header_timeout_s` of the connection opening or of the previous response ending."""
+    `header_timeout_s` of its first byte (or of the connection opening). An idle keep-alive
+    connection is left to uvicorn's keep-alive timeout: closing it here too would race a client
+    reusing it (a reset, a lost request)."""
 
     header_timeout_s = 10.0
+    _head_deadline = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm_head_deadline()
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_head_deadline()
+    def data_received(self, data: bytes) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and self._head_deadline is None:
+            self._arm_head_deadline()  # the first byte of a new request head
+        super().data_received(data)
 
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
-        if self.cycle is not cycle and self._head_deadline is not None:
-            self._head_deadline.cancel()  # a new request's head has arrived
-            self._head_deadline = None
+        if self.cycle is not cycle:
+            self._cancel_head_deadline()  # a new request's head has arrived
 
     def connection_lost(self, exc) -> None:
-        if getattr(self, "_head_deadline", None) is not None:
-            self._head_deadline.cancel()
+        self._cancel_head_deadline()
         super().connection_lost(exc)
 
     def _arm_head_deadline(self) -> None:
-        old = getattr(self, "_head_deadline", None)
-        if old is not None:
-            old.cancel()
+        self._cancel_head_deadline()
         self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
 
     def _head_timed_out(self) -> None:
         self._head_deadline = None

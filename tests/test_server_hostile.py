@@ -110,6 +110,14 @@ BAD_FIELDS = [
     ('{"prompt": "hi", "top_p": 0}', "top_p"),
     ('{"prompt": "hi", "n": 3}', "n"),
     ('{"prompt": "hi", "logprobs": 5}', "logprobs"),
+    ('{"prompt": "hi", "logit_bias": {"42": 100}}', "logit_bias"),
+    ('{"prompt": "hi", "presence_penalty": 0.5}', "presence_penalty"),
+    ('{"prompt": "hi", "echo": true}', "echo"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
+     "tools"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}', "tool_choice"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "response_format": '
+     '{"type": "json_object"}}', "response_format"),
     ('{"prompt": [999999999]}', "prompt"),
     ('{"prompt": [-1, 2]}', "prompt"),
     ('{"prompt": []}', "prompt"),
@@ -270,16 +278,20 @@ def test_the_official_openai_client(server):
     import openai
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    out = client.completions.create(model="demo", prompt="The capital of France is",
+    name = client.models.list().data[0].id
+    out = client.completions.create(model=name, prompt="The capital of France is",
                                     max_tokens=5, temperature=0)
     assert out.usage.completion_tokens == 5 and out.choices[0].text
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
+        model=name, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
         temperature=0, stream=True) if c.choices]
     assert "".join(pieces)
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="demo", prompt="hi", max_tokens=10**9)
+        client.completions.create(model=name, prompt="hi", max_tokens=10**9)
     assert "max_tokens" in str(info.value)
+    with pytest.raises(openai.NotFoundError) as info:  # as vLLM: another model's name is a 404
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert name in str(info.value)
 
 
 def test_a_prompt_beyond_any_context_is_refused_untokenized(server, client, llm):
