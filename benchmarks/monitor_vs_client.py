@@ -83,6 +83,9 @@ def compare(url: str, spec: LoadSpec) -> dict:
         a, b = buckets(before, family), buckets(after, family)
         merged = sum_by_le(bucket_deltas(a.get(k, {}), v) for k, v in b.items())
         values = exact(result.records, kind)
+        if not merged or merged[-1][1] <= 0:
+            rows[kind] = "not exposed by this server"
+            continue
         for q in QUANTILES:
             est = histogram_quantile(q, merged)
             lo, hi = interval(q, merged)

@@ -8,7 +8,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from monitor.promtext import Labels, Scrape
-from monitor.quantiles import bucket_deltas, counter_delta, histogram_quantile, sum_by_le
+from monitor.quantiles import (
+    bucket_deltas,
+    counter_delta,
+    histogram_quantile,
+    quantile_interval,
+    sum_by_le,
+)
 
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -308,8 +314,13 @@ class Normalizer:
         merged = sum_by_le(d for _, d, _, _ in window)
         if not merged or merged[-1][1] <= 0:
             return out
-        out += [(f"{m.series}_p{round(q * 100)}", histogram_quantile(q, merged) * m.scale)
-                for q in QUANTILES]
+        for q in QUANTILES:
+            name = f"{m.series}_p{round(q * 100)}"
+            lo, hi = quantile_interval(q, merged)
+            # The bucket the estimate lies in travels with it: the true quantile is somewhere
+            # in (lo, hi], and only there (hi = +Inf is dropped below: unbounded above).
+            out += [(name, histogram_quantile(q, merged) * m.scale),
+                    (name + "_lo", lo * m.scale), (name + "_hi", hi * m.scale)]
         n = sum(w[3] for w in window)
         if n > 0:
             out.append((f"{m.series}_mean", sum(w[2] for w in window) / n * m.scale))

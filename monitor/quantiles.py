@@ -75,6 +75,23 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
     return start + (end - start) * (rank / count)
 
 
+def quantile_interval(q: float, buckets: Iterable[tuple[float, float]]) -> tuple[float, float]:
+    """The bucket (lower, upper] holding histogram_quantile's q-quantile: the only values the
+    true quantile can take (upper may be +Inf: above every finite bound; NaNs when there is
+    no estimate)."""
+    ordered = sorted(((float(b), float(c)) for b, c in buckets), key=lambda bc: bc[0])
+    if (math.isnan(q) or not 0 <= q <= 1 or len(ordered) < 2 or not math.isinf(ordered[-1][0])
+            or ordered[-1][1] == 0):
+        return math.nan, math.nan
+    ordered = _ensure_monotonic(_coalesce(ordered))
+    rank = q * ordered[-1][1]
+    b = next((i for i in range(len(ordered) - 1) if ordered[i][1] >= rank), len(ordered) - 1)
+    if b == 0:
+        upper = ordered[0][0]
+        return (upper, upper) if upper <= 0 else (0.0, upper)
+    return ordered[b - 1][0], ordered[b][0]
+
+
 def counter_delta(before: float, after: float) -> float:
     """The increase of a counter between two readings; a drop means a restart, so count from 0."""
     return after if after < before else after - before

@@ -48,3 +48,28 @@ def test_sglangs_own_gauges_win_over_derived_ratios():
     text = "sglang:cache_hit_rate 0.4\nsglang:spec_accept_length 2.5\n"
     values = dict(Normalizer().update(parse_metrics(text), 0.0))
     assert values == {"prefix_cache_hit_rate": 0.4, "spec_mean_accepted_len": 2.5}
+
+
+def test_every_histogram_quantile_comes_with_the_bucket_it_lies_in():
+    from tests.monitor.test_remote import VLLM_A, VLLM_B
+
+    n = Normalizer()
+    n.update(parse_metrics(VLLM_A), 0.0)
+    values = dict(n.update(parse_metrics(VLLM_B), 2.0))
+    # 20 new TTFT observations: 10 in (0.1, 0.25], 10 in (0.25, 0.5].
+    assert (values["ttft_s_p50_lo"], values["ttft_s_p50_hi"]) == (0.1, 0.25)
+    assert (values["ttft_s_p99_lo"], values["ttft_s_p99_hi"]) == (0.25, 0.5)
+    for q in ("p50", "p95", "p99"):
+        assert values[f"ttft_s_{q}_lo"] <= values[f"ttft_s_{q}"] <= values[f"ttft_s_{q}_hi"]
+
+
+def test_the_interval_is_unbounded_above_the_last_finite_bucket():
+    import math
+
+    from monitor.quantiles import histogram_quantile, quantile_interval
+
+    buckets = [(0.1, 1.0), (1.0, 2.0), (math.inf, 10.0)]
+    assert quantile_interval(0.99, buckets) == (1.0, math.inf)
+    assert histogram_quantile(0.99, buckets) == 1.0  # Prometheus' floor
+    assert quantile_interval(0.05, buckets) == (0.0, 0.1)
+    assert all(math.isnan(x) for x in quantile_interval(0.5, [(math.inf, 0.0)]))
