@@ -37,6 +37,9 @@ class AlertEvent:
     value: float | None
     threshold: float
     message: str
+    # For a quantile estimated from a histogram: "certain" when the bucket it lies in starts
+    # at or above the threshold, "possible" when only the estimate is above; else None.
+    certainty: str | None = None
 
 
 # The SLO series of a server: TPOT is judged on ITL too, the only one some servers report.
@@ -79,6 +82,16 @@ class AlertEvaluator:
             return float(np.mean(values))
         return float(np.percentile(values, rule.percentile))
 
+    def lower_bound(self, rule: AlertRule, hub, now: float) -> float | None:
+        """The window's value of the lower end of the estimate's bucket, where the series is a
+        histogram quantile that carries one (its `_lo` series)."""
+        _, values = hub.series(rule.series + "_lo", since=now - rule.window_s)
+        if not len(values):
+            return None
+        if rule.percentile is None:
+            return float(np.mean(values))
+        return float(np.percentile(values, rule.percentile))
+
     def evaluate(self, hub, now: float) -> None:
         for rule in self.rules:
             value = self.value(rule, hub, now)
@@ -86,13 +99,14 @@ class AlertEvaluator:
             if breached:
                 since = self._breach_since.setdefault(rule.name, now)
                 if rule.name not in self._firing and now - since >= rule.for_s:
-                    self._emit(rule, "firing", now, value)
+                    self._emit(rule, "firing", now, value, self.lower_bound(rule, hub, now))
             else:
                 self._breach_since.pop(rule.name, None)
                 if rule.name in self._firing:
                     self._emit(rule, "cleared", now, value)
 
-    def _emit(self, rule: AlertRule, state: str, now: float, value: float | None) -> None:
+    def _emit(self, rule: AlertRule, state: str, now: float, value: float | None,
+              lower: float | None = None) -> None:
         if state == "firing":
             self._firing.add(rule.name)
         else:
@@ -101,7 +115,16 @@ class AlertEvaluator:
         shown = "no data" if value is None else f"{value:.4g}"
         message = (f"{rule.name}: {what} of {rule.series} over {rule.window_s:g} s is {shown} "
                    f"({'above' if state == 'firing' else 'back under'} {rule.threshold:g})")
-        event = AlertEvent(rule.name, rule.series, state, now, value, rule.threshold, message)
+        certainty = None
+        if state == "firing" and lower is not None:
+            certain = lower >= rule.threshold
+            certainty = "certain" if certain else "possible"
+            message += (f"; certain: its histogram bucket starts at {lower:.4g}, at or above "
+                        f"the threshold" if certain else
+                        f"; possible: its histogram bucket starts at {lower:.4g}, below the "
+                        f"threshold, so the true value may still meet it")
+        event = AlertEvent(rule.name, rule.series, state, now, value, rule.threshold, message,
+                           certainty)
         self.events.append(event)
         if self.on_event is not None:
             self.on_event(event)
