@@ -204,3 +204,34 @@ def test_recorded_minutes_show_in_the_short_windows(make_window, qtbot):
         ts, values = chart.data["recorder/kv_cache_usage"]
         assert ts.min() >= oldest and set(values) == {25.0}  # the chart's unit is %
     assert monitor.source_combo.findText("recorder") >= 0
+
+
+def test_why_a_server_is_down_shows_live_in_the_table(make_window, qtbot):
+    """Servers added through the dialog beside hostile /metrics endpoints: the hub's own scrapes
+    (no Test connection pressed) fill in each one's reason and scrape counts within seconds, and
+    the healthy one stays up beside a hanging one."""
+    from tests.monitor.hostile import HostileServer
+
+    hostile = HostileServer()
+    try:
+        window = make_window()
+        servers = window.pane("servers")
+        assert servers.service.wait_for_database(30)
+        go_to(qtbot, window, "Servers")
+        expected = {"good": None, "hang": "timeout", "missing": "http_status",
+                    "nan": "non_finite", "random": "invalid_utf8"}
+        for path in expected:
+            add_server_by(qtbot, window, servers, "button", path, hostile.url_for(path))
+
+        def shown() -> bool:
+            rows = {name: table_row(servers, name) for name in expected}
+            return all(rows[n]["Why"].startswith(code) if code else rows[n]["Status"] == "up"
+                       for n, code in expected.items())
+
+        qtbot.waitUntil(shown, timeout=30_000)
+        assert "NaN/Inf skipped" in table_row(servers, "nan")["Scrapes"]
+        assert "0 failed" in table_row(servers, "good")["Scrapes"]
+        assert "did not answer within" in table_row(servers, "hang")["Last error"]
+        assert not raw_errors(window)
+    finally:
+        hostile.close()

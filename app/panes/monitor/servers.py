@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
@@ -25,8 +27,9 @@ from app.panes.monitor.loadtest import LoadTestDialog
 from app.panes.monitor.service import MonitorService, test_connection
 from app.panes.monitor.state import API_METRICS, API_PROMETHEUS, ServerEntry, fmt
 from app.workers import TaskRunner
+from monitor.types import REASONS
 
-COLUMNS = ("Name", "URL", "Kind", "Status", "Last error", "$/hour", "Token")
+COLUMNS = ("Name", "URL", "Kind", "Status", "Why", "Scrapes", "Last error", "$/hour", "Token")
 STATUS_REFRESH_MS = 1000
 
 
@@ -246,6 +249,7 @@ class ServersPane(PageMixin, QWidget):
             if kind in ("unknown", "prometheus") and tested is not None:
                 kind = tested.kind  # an idle hub scrape may not show labelled metrics yet
             out.append([name, entry.url, kind, status.state if status else "unknown",
+                        _why(status), _scrapes(status),
                         (status.last_error or "") if status else "",
                         fmt(entry.dollars_per_hour), entry.token_ref or "—"])
         return out
@@ -264,3 +268,25 @@ class ServersPane(PageMixin, QWidget):
                     item.setText(text)
         if selected is not None:
             self.select(selected)
+
+
+def _why(status) -> str:
+    """The reason code of a down source, with what it means and since when (live, as the hub's
+    scrape threads update it)."""
+    if status is None or not getattr(status, "reason", None):
+        return ""
+    meaning = REASONS.get(status.reason, "")
+    since = ""
+    if status.since:
+        since = f" since {time.strftime('%H:%M:%S', time.localtime(status.since))}"
+    return f"{status.reason}: {meaning}{since}" if meaning else f"{status.reason}{since}"
+
+
+def _scrapes(status) -> str:
+    """Scrapes that worked and failed, and NaN/±Inf values skipped (they cannot be stored)."""
+    if status is None or not getattr(status, "scrapes", 0):
+        return ""
+    text = f"{status.scrapes - status.failed_scrapes} ok, {status.failed_scrapes} failed"
+    if status.non_finite_total:
+        text += f", {status.non_finite_total} NaN/Inf skipped"
+    return text
