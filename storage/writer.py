@@ -71,8 +71,13 @@ def ensure_sources(conn: sa.Connection, names: Iterable[str]) -> dict[str, int]:
 def describe_sources(conn: sa.Connection, described: dict[str, dict]) -> None:
     """Set the kind, version and URL of the named sources (a None field is left as it is)."""
     ids = ensure_sources(conn, described)
+    t = Source.__table__
+    stored = dict(conn.execute(sa.select(t.c.id, t.c.kind).where(t.c.id.in_(ids.values()))).all())
     for name, fields in described.items():
         values = {k: v for k, v in fields.items() if v is not None}
+        kind = values.get("kind")
+        if kind and (stored.get(ids[name]) or "").startswith(kind + " "):
+            del values["kind"]  # the stored kind says more (the Servers pane's "KIND job=NAME")
         if values:
             conn.execute(sa.update(Source.__table__).where(Source.id == ids[name])
                          .values(**values))
