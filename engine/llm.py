@@ -185,8 +185,11 @@ class LLM:
 
     # ---- requests ----
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises RequestError (naming the problem) if it can never run."""
+                    request_id: str | None = None, arrival: float | None = None) -> str:
+        """Queue a request; raises RequestError (naming the problem) if it can never run.
+
+        `arrival` (time.perf_counter seconds) is when the request reached its server, so TTFT
+        counts tokenizing and queueing as vLLM's does; default now."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
         kv = self._kv_state(ids, params)
@@ -194,7 +197,8 @@ class LLM:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._seqs:
             raise RequestError(f"Request id '{rid}' is already in use: pick another id.")
-        seq = Sequence(rid, ids, params, arrival=time.perf_counter())
+        seq = Sequence(rid, ids, params, arrival=time.perf_counter() if arrival is None
+                       else arrival)
         seq.kv = kv
         if kv is not None:  # the chunk _check_fits and _kv_state sized the cache's peak by
             seq.max_chunk_tokens = self._eviction_chunk(ids, kv)

@@ -35,6 +35,7 @@ class Submission:
     params: SamplingParams
     deliver: Callable[[object], None]
     request_id: str = ""
+    arrival: float | None = None  # time.perf_counter() when the request reached the server
 
 
 class EngineLoop:
@@ -77,8 +78,8 @@ class EngineLoop:
         return len(self._live)
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
-               deliver: Callable[[object], None]) -> Submission:
-        sub = Submission(prompt, params, deliver, f"srv-{next(self._ids)}")
+               deliver: Callable[[object], None], arrival: float | None = None) -> Submission:
+        sub = Submission(prompt, params, deliver, f"srv-{next(self._ids)}", arrival)
         reason = self.health()
         if reason is not None:
             _safe_deliver(sub, RequestError(reason))
@@ -125,7 +126,8 @@ class EngineLoop:
 
     def _add(self, sub: Submission) -> None:
         try:
-            self.llm.add_request(sub.prompt, sub.params, request_id=sub.request_id)
+            self.llm.add_request(sub.prompt, sub.params, request_id=sub.request_id,
+                                 arrival=sub.arrival)
         except RequestError as exc:
             _safe_deliver(sub, exc)
             return

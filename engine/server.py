@@ -17,6 +17,7 @@ import ipaddress
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -169,6 +170,7 @@ class _Service:
         self.llm, self.loop, self.metrics, self.limits = llm, loop, metrics, limits
 
     async def generate(self, request: Request, body, chat: bool) -> Response:
+        arrival = time.perf_counter()  # TTFT counts tokenizing and queueing, as vLLM's does
         reason = self.loop.health()
         if reason is not None:
             raise ApiError(503, reason, "server_error")
@@ -181,7 +183,7 @@ class _Service:
         prompt_ids = await run_in_threadpool(self._prompt_ids, body, chat)
         params = self._sampling(body, len(prompt_ids), chat)
         stream = _EngineStream(self.loop, self.limits.stall_timeout_s)
-        stream.submit(prompt_ids, params)
+        stream.submit(prompt_ids, params, arrival)
         first = await stream.next()
         if isinstance(first, RequestError):
             raise ApiError(*_request_error(stream, first))
@@ -286,8 +288,8 @@ class _EngineStream:
         self.unavailable = False  # the error came from the engine not serving, not the request
         self._event_loop = asyncio.get_running_loop()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        sub = self.loop.submit(prompt_ids, params, self._deliver_threadsafe)
+    def submit(self, prompt_ids: list[int], params: SamplingParams, arrival: float) -> None:
+        sub = self.loop.submit(prompt_ids, params, self._deliver_threadsafe, arrival)
         self.request_id = sub.request_id
 
     def _deliver_threadsafe(self, item) -> None:

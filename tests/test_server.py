@@ -209,3 +209,19 @@ def test_bad_kv_fields_get_a_400(client, extra, needle):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, **extra})
     assert r.status_code == 400
     assert needle in r.json()["error"]["message"]
+
+
+def test_ttft_counts_from_the_request_reaching_the_server(client, llm, monkeypatch):
+    """The engine's clock for a served request starts when the HTTP handler took it (before
+    tokenizing and queueing), as vLLM's frontend arrival time does."""
+    seen = []
+    real = llm.add_request
+
+    def spy(prompt, params=None, request_id=None, arrival=None):
+        seen.append((arrival, time.perf_counter()))
+        return real(prompt, params, request_id=request_id, arrival=arrival)
+
+    monkeypatch.setattr(llm, "add_request", spy)
+    _complete(client, PROMPTS[2])
+    arrival, admitted = seen[-1]
+    assert arrival is not None and arrival <= admitted
