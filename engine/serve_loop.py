@@ -13,6 +13,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class EngineLoop:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._broken: str | None = None
+        self._trimmer = HeapTrimmer()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -105,6 +107,7 @@ class EngineLoop:
             self._drain_inbox("The server is shutting down: retry on another server.")
 
     def _iteration(self) -> None:
+        self._trimmer.maybe_trim()
         self._admit(block=not self.llm.has_unfinished())
         if self._broken is not None:
             self._drain_inbox(self._broken)
@@ -199,3 +202,30 @@ def _safe_deliver(sub: Submission, item: object) -> None:
         sub.deliver(item)
     except Exception:  # noqa: BLE001
         log.debug("Dropped a reply for %s", sub.request_id, exc_info=True)
+
+
+class HeapTrimmer:
+    """Gives freed heap memory back to the operating system now and then (glibc's
+    malloc_trim). Steps of many different token counts free activations of many sizes; glibc
+    keeps the freed pages, so resident memory crept up by hundreds of MB over a long serve run
+    (a 300-shape sweep: +600 MB, of which malloc_trim returns 270). Elsewhere a no-op."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._last = time.monotonic()
+        self._trim = _malloc_trim()
+
+    def maybe_trim(self) -> None:
+        now = time.monotonic()
+        if self._trim is not None and now - self._last >= self.every_s:
+            self._last = now
+            self._trim(0)
+
+
+def _malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
