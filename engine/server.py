@@ -331,8 +331,9 @@ async def _collect(stream: _EngineStream) -> list[StreamDelta]:
     return deltas
 
 
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _until_disconnect(receive) -> None:
+    """Wait on an ASGI receive channel (its body already read) until the client leaves."""
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -340,7 +341,7 @@ async def _collect_unless_disconnected(stream: _EngineStream,
                                        request: Request) -> list[StreamDelta] | None:
     """All of the request's deltas, or None (and the request aborted) if the client leaves."""
     collect = asyncio.ensure_future(_collect(stream))
-    gone = asyncio.ensure_future(_until_disconnect(request))
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -371,8 +372,7 @@ class _SseResponse(StreamingResponse):
             self.stream.abort()  # no-op once finished; frees the KV blocks otherwise
 
     async def _abort_on_disconnect(self, receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        await _until_disconnect(receive)
         self.stream.abort()
 
 
