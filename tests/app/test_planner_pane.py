@@ -16,7 +16,6 @@ SEARCH_MS = 60_000
 BENCH_MS = 600_000  # loading and benchmarking the demo model on a busy CPU
 SMALL = FormState(model="Llama-3.1-8B", rate=4.0, gpus=("L4", "L40S"), weights=("fp8", "int4"),
                   kv=("fp8",), speculative=False, num_requests=300)
-DOCS_SHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 
 
 def _pane(qtbot, tmp_path: Path) -> PlannerPane:
@@ -127,24 +126,6 @@ def test_import_hugging_face_config(qtbot, tmp_path: Path) -> None:
     with qtbot.waitSignal(pane.notify) as blocker:
         assert not pane.form.import_config(str(bad))
     assert blocker.args[0] == "error" and "num_attention_heads" in blocker.args[1]
-
-
-def test_screenshot_of_the_planner(make_window, qtbot, tmp_path: Path) -> None:
-    shots = DOCS_SHOTS if os.environ.get("SERVESCOPE_SCREENSHOTS") == "1" else tmp_path
-    window = make_window()
-    window.resize(1400, 900)
-    pane = window.pane("planner")
-    window.rail.select("planner")
-    _search(qtbot, pane, replace(SMALL, gpus=("L4", "L40S", "A100 80GB", "H100 SXM")))
-    pane.tabs.setCurrentIndex(1)
-    window.notifications.clear()
-    qtbot.wait(50)
-    shots.mkdir(parents=True, exist_ok=True)
-    assert window.grab().save(str(shots / "planner.png"))
-    pane.tabs.setCurrentIndex(0)
-    qtbot.wait(50)
-    assert window.grab().save(str(shots / "planner-ranking.png"))
-    window.close()
 
 
 def _notices(pane: PlannerPane) -> list[tuple[str, str]]:
