@@ -32,6 +32,16 @@ class MetricMap:
     per: str | None = None  # split into one series per value of this label (DCGM's gpu)
     per_as: str | None = None  # the name the split label gets in the series (default: per)
     values: tuple[tuple[str, str], ...] = ()  # the split label's values renamed (normalised)
+    # Labels whose values name copies of one state (SGLang's tp_rank/pp_rank: every scheduler of
+    # one data-parallel rank reports the same batch when it reports at all): only the lowest
+    # copy is read, so copies are not added up.
+    replicas: tuple[str, ...] = ()
+    # Further families of the same type added into the series (llama.cpp counts cached prompt
+    # tokens apart from the processed ones).
+    also: tuple[str, ...] = ()
+    # A gauge read only while this gauge is above zero (SGLang sends its speculative-decoding
+    # gauges as 0 when speculative decoding is off: no acceptance, not zero acceptance).
+    only_if: str | None = None
 
 
 def _m(series: str, remote: str, type_: str, scale: float = 1.0, **kw) -> MetricMap:
@@ -54,15 +64,26 @@ class Ratio:
     numerator: str
     denominator: str
     offset: float = 0.0
+    # A numerator absent while the denominator grew means none: SGLang creates its cached-token
+    # counter at the first hit.
+    absent_is_zero: bool = False
 
 
 # vLLM's own definitions (its SpecDecodingLogging): acceptance rate = accepted / drafted tokens;
 # mean acceptance length = 1 + accepted / drafts (the bonus token counts); per position
 # i: accepted at i / drafts.
-RATIOS = (Ratio("prefix_cache_hit_rate", "prefix_cache_hits", "prefix_cache_queries"),
+RATIOS = (Ratio("prefix_cache_hit_rate", "prefix_cache_hits", "prefix_cache_queries",
+                absent_is_zero=True),
           Ratio("spec_acceptance_rate", "spec_accepted_tokens", "spec_draft_tokens"),
           Ratio("spec_mean_accepted_len", "spec_accepted_tokens", "spec_drafts", 1.0),
           Ratio("spec_acceptance_rate_at", "spec_accepted_tokens_at", "spec_drafts"))
+
+# Names as each server's own source defines them: vLLM's V1 metrics; SGLang's
+# python/sglang/srt/observability/metrics_collector.py (a scheduler per data-parallel rank labels
+# its series with tp_rank/pp_rank, the tokenizer's carry model_name only); TGI's router/src
+# (metrics-exporter-prometheus: histograms for names ending in "duration" and for the token
+# counts); llama.cpp's tools/server/server-task.cpp (counters and gauges only).
+_SG_RANKS = ("tp_rank", "pp_rank")
 
 TABLE: tuple[MetricMap, ...] = (
     # Latency histograms, in seconds.
@@ -73,8 +94,10 @@ TABLE: tuple[MetricMap, ...] = (
     _m("itl_s", "vllm:inter_token_latency_seconds", "histogram"),
     _m("itl_s", "vllm:time_per_output_token_seconds", "histogram"),
     _m("itl_s", "sglang:inter_token_latency_seconds", "histogram"),
-    _m("itl_s", "sglang:time_per_output_token_seconds", "histogram"),
     _m("tpot_s", "vllm:request_time_per_output_token_seconds", "histogram"),
+    # SGLang before its inter-token histogram: (now - first token) / (tokens - 1), observed at
+    # each streamed chunk: a time per output token, sampled per chunk rather than per request.
+    _m("tpot_s", "sglang:time_per_output_token_seconds", "histogram"),
     _m("tpot_s", "tgi_request_mean_time_per_token_duration", "histogram"),
     _m("tpot_s", "trtllm_time_per_output_token_seconds", "histogram"),
     _m("e2e_s", "vllm:e2e_request_latency_seconds", "histogram"),
@@ -82,7 +105,7 @@ TABLE: tuple[MetricMap, ...] = (
     _m("e2e_s", "tgi_request_duration", "histogram"),
     _m("e2e_s", "trtllm_e2e_request_latency_seconds", "histogram"),
     _m("queue_s", "vllm:request_queue_time_seconds", "histogram"),
-    _m("queue_s", "sglang:queue_time_seconds", "histogram"),
+    _m("queue_s", "sglang:queue_time_seconds", "histogram", replicas=_SG_RANKS),
     _m("queue_s", "tgi_request_queue_duration", "histogram"),
     _m("queue_s", "trtllm_request_queue_time_seconds", "histogram"),
     _m("prefill_s", "vllm:request_prefill_time_seconds", "histogram"),
@@ -94,14 +117,14 @@ TABLE: tuple[MetricMap, ...] = (
     _m("request_generation_tokens", "vllm:request_generation_tokens", "histogram"),
     # Scheduler state.
     _m("requests_running", "vllm:num_requests_running", "gauge"),
-    _m("requests_running", "sglang:num_running_reqs", "gauge"),
+    _m("requests_running", "sglang:num_running_reqs", "gauge", replicas=_SG_RANKS),
     _m("requests_running", "tgi_batch_current_size", "gauge"),
     _m("requests_running", "llamacpp:requests_processing", "gauge"),
     _m("requests_running", "trtllm_num_requests_running", "gauge"),
     _m("requests_running", "nv_trt_llm_request_metrics", "gauge",
        labels=(("request_type", "active"),)),
     _m("requests_waiting", "vllm:num_requests_waiting", "gauge"),
-    _m("requests_waiting", "sglang:num_queue_reqs", "gauge"),
+    _m("requests_waiting", "sglang:num_queue_reqs", "gauge", replicas=_SG_RANKS),
     _m("requests_waiting", "tgi_queue_size", "gauge"),
     _m("requests_waiting", "llamacpp:requests_deferred", "gauge"),
     _m("requests_waiting", "trtllm_num_requests_waiting", "gauge"),
@@ -110,7 +133,7 @@ TABLE: tuple[MetricMap, ...] = (
     # KV-cache usage as a 0-1 fraction.
     _m("kv_cache_usage", "vllm:kv_cache_usage_perc", "gauge", agg="mean"),
     _m("kv_cache_usage", "vllm:gpu_cache_usage_perc", "gauge", agg="mean"),
-    _m("kv_cache_usage", "sglang:token_usage", "gauge", agg="mean"),
+    _m("kv_cache_usage", "sglang:token_usage", "gauge", agg="mean", replicas=_SG_RANKS),
     _m("kv_cache_usage", "llamacpp:kv_cache_usage_ratio", "gauge", agg="mean"),
     _m("kv_cache_usage", "trtllm_kv_cache_utilization", "gauge", agg="mean"),
     _m("kv_cache_usage", "nv_trt_llm_kv_cache_block_metrics", "gauge", agg="mean",
@@ -119,7 +142,8 @@ TABLE: tuple[MetricMap, ...] = (
     _m("prompt_tokens", "vllm:prompt_tokens_total", "counter"),
     _m("prompt_tokens", "sglang:prompt_tokens_total", "counter"),
     _m("prompt_tokens", "tgi_request_input_length_sum", "counter"),
-    _m("prompt_tokens", "llamacpp:prompt_tokens_total", "counter"),
+    _m("prompt_tokens", "llamacpp:prompt_tokens_total", "counter",
+       also=("llamacpp:prompt_tokens_cached_total",)),
     _m("prompt_tokens", "trtllm_prompt_tokens_total", "counter"),
     _m("generation_tokens", "vllm:generation_tokens_total", "counter"),
     _m("generation_tokens", "sglang:generation_tokens_total", "counter"),
@@ -134,17 +158,34 @@ TABLE: tuple[MetricMap, ...] = (
     _m("requests_finished_reason", "vllm:request_success_total", "counter",
        per="finished_reason", per_as="reason", values=FINISHED_REASONS),
     _m("preemptions", "vllm:num_preemptions_total", "counter"),
+    _m("preemptions", "sglang:num_retracted_requests_total", "counter", replicas=_SG_RANKS),
     # Prefix cache and speculative decoding (their ratios are derived below, see RATIOS).
     _m("prefix_cache_queries", "vllm:prefix_cache_queries_total", "counter"),
     _m("prefix_cache_hits", "vllm:prefix_cache_hits_total", "counter"),
-    _m("prefix_cache_hit_rate", "sglang:cache_hit_rate", "gauge", agg="mean"),
+    # SGLang's cache_hit_rate gauge is not read: its scheduler sets it at each prefill log and
+    # back to 0 at each decode log, so between prefills it reads 0. Its token counters (counted
+    # as requests finish) give the hit rate over the window instead.
+    _m("prefix_cache_queries", "sglang:prompt_tokens_total", "counter"),
+    _m("prefix_cache_hits", "sglang:cached_tokens_total", "counter"),
+    _m("prefix_cache_queries", "llamacpp:prompt_tokens_total", "counter",
+       also=("llamacpp:prompt_tokens_cached_total",)),
+    _m("prefix_cache_hits", "llamacpp:prompt_tokens_cached_total", "counter"),
     _m("spec_drafts", "vllm:spec_decode_num_drafts_total", "counter"),
+    _m("spec_drafts", "llamacpp:spec_decode_num_drafts_total", "counter"),
     _m("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens_total", "counter"),
+    _m("spec_draft_tokens", "llamacpp:spec_decode_num_draft_tokens_total", "counter"),
     _m("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total", "counter"),
+    _m("spec_accepted_tokens", "llamacpp:spec_decode_num_accepted_tokens_total", "counter"),
     _m("spec_accepted_tokens_at", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
        "counter", per="position"),
-    _m("spec_acceptance_rate", "sglang:spec_accept_rate", "gauge", agg="mean"),
-    _m("spec_mean_accepted_len", "sglang:spec_accept_length", "gauge", agg="mean"),
+    _m("spec_accepted_tokens_at", "llamacpp:spec_decode_num_accepted_tokens_per_pos_total",
+       "counter", per="position"),
+    # SGLang's own ratios over its last decode-log interval (accept length counts the bonus
+    # token, as vLLM's mean acceptance length does); 0 for both when speculation is off.
+    _m("spec_acceptance_rate", "sglang:spec_accept_rate", "gauge", agg="mean",
+       replicas=_SG_RANKS, only_if="sglang:spec_accept_length"),
+    _m("spec_mean_accepted_len", "sglang:spec_accept_length", "gauge", agg="mean",
+       replicas=_SG_RANKS, only_if="sglang:spec_accept_length"),
     # GPUs through DCGM (profiling ratios 0-1 become percent, like GPM) and Triton.
     _m("gpu_util_pct", "DCGM_FI_DEV_GPU_UTIL", "gauge", per="gpu"),
     _m("gpu_util_pct", "nv_gpu_utilization", "gauge", 100.0, per="gpu_uuid"),
@@ -173,8 +214,44 @@ def detect_kind(names: set[str]) -> str:
 
 
 def _matching(scrape: Scrape, name: str, want: Labels) -> list[tuple[Labels, float]]:
-    return [(labels, v) for labels, v in scrape.values(name)
-            if all(pair in labels for pair in want)]
+    rows = scrape.values(name)
+    if not rows and not name.endswith("_total"):
+        # prometheus_client's parser names a counter's sample NAME_total when its `# TYPE NAME
+        # counter` line says counter, whatever the text wrote (TGI's tgi_request_success, Triton's
+        # nv_inference_request_success and DCGM's energy counter carry no _total).
+        rows = scrape.values(name + "_total")
+    return [(labels, v) for labels, v in rows if all(pair in labels for pair in want)]
+
+
+def _rank(value: str) -> tuple:
+    return (0, int(value), "") if value.isdigit() else (1, 0, value)
+
+
+def _first_replica(rows: list[tuple[Labels, float]], replicas: tuple[str, ...]
+                   ) -> list[tuple[Labels, float]]:
+    """Of rows that differ only in the replica labels, those of the lowest replica."""
+    if not replicas:
+        return rows
+    best: dict[Labels, tuple] = {}
+    for labels, _ in rows:
+        d = dict(labels)
+        key = tuple(p for p in labels if p[0] not in replicas)
+        rank = tuple(_rank(d.get(r, "")) for r in replicas)
+        if key not in best or rank < best[key]:
+            best[key] = rank
+    return [(labels, v) for labels, v in rows
+            if tuple(_rank(dict(labels).get(r, "")) for r in replicas)
+            == best[tuple(p for p in labels if p[0] not in replicas)]]
+
+
+def _rows(scrape: Scrape, m: MetricMap, suffix: str = "") -> list[tuple[Labels, float]]:
+    """The samples feeding one entry: its family (and `also` families, each told apart by a
+    __family__ label so their counters keep separate state), lowest replica only."""
+    rows = _matching(scrape, m.remote + suffix, m.labels)
+    for name in m.also:
+        rows += [(labels + (("__family__", name),), v)
+                 for labels, v in _matching(scrape, name + suffix, m.labels)]
+    return _first_replica(rows, m.replicas)
 
 
 def _split(rows: list[tuple[Labels, float]], per: str | None, per_as: str | None = None,
@@ -221,10 +298,11 @@ class Normalizer:
         out: list[tuple[str, float]] = []
         done: set[str] = set()
         self._seen = set()
-        names = scrape.names()
         for m in TABLE:
             probe = m.remote + "_bucket" if m.type == "histogram" else m.remote
-            if m.series in done or probe not in names or not _matching(scrape, probe, m.labels):
+            if m.series in done or not _matching(scrape, probe, m.labels):
+                continue
+            if m.only_if and not any(v > 0 for _, v in scrape.values(m.only_if)):
                 continue
             done.add(m.series)
             if m.type == "gauge":
@@ -238,13 +316,13 @@ class Normalizer:
         return [(name, v) for name, v in out if math.isfinite(v)]
 
     def _gauge(self, m: MetricMap, scrape: Scrape) -> list[tuple[str, float]]:
-        groups = _split(_matching(scrape, m.remote, m.labels), m.per, m.per_as, m.values)
+        groups = _split(_rows(scrape, m), m.per, m.per_as, m.values)
         return [(m.series + suffix, _group_total(rows, m.agg) * m.scale)
                 for suffix, rows in groups.items()]
 
     def _counter(self, m: MetricMap, scrape: Scrape, now: float) -> list[tuple[str, float]]:
         out = []
-        rows_by = _split(_matching(scrape, m.remote, m.labels), m.per, m.per_as, m.values)
+        rows_by = _split(_rows(scrape, m), m.per, m.per_as, m.values)
         for suffix, rows in rows_by.items():
             increase, dt = 0.0, None
             for labels, value in rows:
@@ -279,6 +357,10 @@ class Normalizer:
             den = totals.get(r.denominator)
             if not den or r.denominator not in self._seen:
                 continue
+            if r.absent_is_zero and not any(k == r.numerator or k.startswith(r.numerator + "[")
+                                            for k in self._seen):
+                out.append((r.series, r.offset))
+                continue
             for key, num in totals.items():
                 suffix = key[len(r.numerator):]
                 if key.startswith(r.numerator) and (suffix == "" or suffix.startswith("[")) \
@@ -288,14 +370,14 @@ class Normalizer:
 
     def _histogram(self, m: MetricMap, scrape: Scrape, now: float) -> list[tuple[str, float]]:
         buckets: dict[Labels, dict[float, float]] = {}
-        for labels, value in _matching(scrape, m.remote + "_bucket", m.labels):
+        for labels, value in _rows(scrape, m, "_bucket"):
             try:
                 le = float(dict(labels)["le"])
             except (KeyError, ValueError):
                 continue
             buckets.setdefault(_without(labels, "le"), {})[le] = value
-        sums = dict(scrape.values(m.remote + "_sum"))
-        counts = dict(scrape.values(m.remote + "_count"))
+        sums = dict(_rows(scrape, m, "_sum"))
+        counts = dict(_rows(scrape, m, "_count"))
         total = sum(b.get(math.inf, 0.0) for b in buckets.values())
         out = [(f"{m.series}_count", total)]
         prev = self._hist.get(m.remote)
