@@ -19,6 +19,13 @@ DTYPES = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16",
 # CUDA device names that do not spell the catalog's name (HBM3 H100 boards are the SXM part).
 GPU_ALIASES = {"h100": "H100 SXM", "h100 80gb hbm3": "H100 SXM"}
 MODEL_SUFFIXES = ("-instruct", "-chat", "-hf")
+# engine.quantize's weight formats (LLM.weights, recorded as a benchmark's "weights") -> the
+# planner's precisions: "float" keeps the dtype; int8 per channel or in groups is int8; int4 in
+# any group size is int4 (the planner prices int4 at groups of 128, the engine's default is 32:
+# 0.53 against 0.5625 bytes a weight).
+WEIGHT_FORMATS = {"int8": "int8", "int4": "int4"}
+# engine.kv_options' KV-cache dtypes -> the planner's; "auto" (or none recorded) is the dtype.
+KV_DTYPES = {"int8": "int8", "fp8": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -90,8 +97,10 @@ def _engine_gpu(result: dict[str, Any]) -> str:
     return str(result.get("gpu") or (gpus[0] if gpus else ""))
 
 
-def _engine_target(result: dict[str, Any], catalog: Catalog) -> tuple[str, str, str] | str:
-    """(model, GPU, precision) of an engine result, or the reason it cannot calibrate."""
+def _engine_target(result: dict[str, Any], catalog: Catalog
+                   ) -> tuple[str, str, str, str] | str:
+    """(model, GPU, weight precision, KV precision) of an engine result, or the reason it cannot
+    calibrate."""
     device = str(result.get("device", ""))
     if not device.startswith("cuda"):
         return (f"engine result on {device or 'an unknown device'}: a CPU run says nothing "
@@ -105,7 +114,19 @@ def _engine_target(result: dict[str, Any], catalog: Catalog) -> tuple[str, str, 
     precision = DTYPES.get(str(result.get("dtype", "")))
     if precision is None:
         return f"engine result in {result.get('dtype')!r}: the planner models no such precision"
-    return model, gpu, precision
+    # An int4 benchmark moves a quarter of bf16's weight bytes: calibrated as bf16 it would
+    # credit the GPU with four times the memory efficiency it has.
+    fmt = str(result.get("weights") or "float").strip().lower()
+    weights = precision if fmt == "float" else WEIGHT_FORMATS.get(fmt.split(":", 1)[0])
+    if weights is None:
+        return (f"engine result with weights {result.get('weights')!r}: the planner models no "
+                f"such weight format")
+    kv_dtype = str(result.get("kv_cache_dtype") or "auto").strip().lower()
+    kv = precision if kv_dtype == "auto" else KV_DTYPES.get(kv_dtype)
+    if kv is None:
+        return (f"engine result with KV cache {result.get('kv_cache_dtype')!r}: the planner "
+                f"models no such KV precision")
+    return model, gpu, weights, kv
 
 
 def from_engine(results: list[dict[str, Any]], catalog: Catalog
@@ -117,11 +138,11 @@ def from_engine(results: list[dict[str, Any]], catalog: Catalog
         if isinstance(target, str):
             skipped.append(target)
             continue
-        model, gpu, precision = target
+        model, gpu, weights, kv = target
         sizes = result.get("config") or {}
         # Every request is submitted at once and decoded together: TensorRT's "static" shape.
         for level, tok_s in (result.get("throughput_tokens_per_s") or {}).items():
-            points.append(Measurement(model, gpu, precision, precision, 1, 1, int(level),
+            points.append(Measurement(model, gpu, weights, kv, 1, 1, int(level),
                                       int(sizes.get("prompt_tokens", 64)),
                                       int(sizes.get("new_tokens", 64)), float(tok_s),
                                       source="engine benchmark", engine="servescope"))

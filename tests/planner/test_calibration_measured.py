@@ -29,20 +29,23 @@ def catalog():
 
 
 def _tok_s(catalog, gpu: str, batch: int, inp: int, out: int, mode: str = "static",
-           eff: Efficiency = TRUTH) -> float:
-    m = Measurement("Llama-3.1-8B", gpu, "bf16", "bf16", 1, 1, batch, inp, out, 1.0, mode=mode)
+           eff: Efficiency = TRUTH, weights: str = "bf16") -> float:
+    m = Measurement("Llama-3.1-8B", gpu, weights, "bf16", 1, 1, batch, inp, out, 1.0, mode=mode)
     return predict(deployment_for(m, catalog), m, eff)["throughput_tok_s"]
 
 
 def engine_result(catalog, device: str = "cuda:0", gpu: str = "NVIDIA L40S",
-                  eff: Efficiency = TRUTH) -> dict:
-    """A record shaped like engine.bench's, whose figures a known efficiency produced."""
+                  eff: Efficiency = TRUTH, weights: str = "float") -> dict:
+    """A record shaped like engine.bench's, whose figures a known efficiency produced (with the
+    engine's weight format: "float", "int8", "int4:g32", ...)."""
     catalog_gpu = match_gpu(gpu, catalog) or "L40S"
+    precision = {"float": "bf16"}.get(weights, weights.split(":")[0])
     return {"model": "meta-llama/Llama-3.1-8B-Instruct", "device": device, "dtype": "bfloat16",
-            "quick": False, "machine": {"gpus": [gpu]},
+            "weights": weights, "quick": False, "machine": {"gpus": [gpu]},
             "config": {"prompt_tokens": PROMPT, "new_tokens": NEW},
             "throughput_tokens_per_s": {str(n): _tok_s(catalog, catalog_gpu, n, PROMPT, NEW,
-                                                       eff=eff) for n in LEVELS}}
+                                                       eff=eff, weights=precision)
+                                        for n in LEVELS}}
 
 
 def test_device_and_model_names_map_to_the_catalog(catalog):
@@ -126,3 +129,21 @@ def test_the_local_engines_model_calibrates_once_added(catalog):
         ("H200", 1, 32), ("H200", 4, 32)]
     report = calibrate_measured([record], [], catalog.with_model(model))
     assert report.calibration.name == "measured (H200 bf16)" and report.calibration.points == 2
+
+
+def test_a_quantized_benchmark_calibrates_its_own_precision(catalog):
+    # An int4 run moves a quarter of bf16's weight bytes; read as bf16, the same tokens/s would
+    # credit the GPU with far more memory efficiency than it has (issue #16, item 3).
+    report = calibrate_measured([engine_result(catalog, weights="int4:g32")], [], catalog)
+    cal = report.calibration
+    assert [(m.weights, m.kv) for m in report.used] == [("int4", "bf16")] * len(LEVELS)
+    assert "L40S int4" in cal.name
+    eff = cal.efficiency("L40S", "int4")
+    assert eff.flops == pytest.approx(0.5, abs=0.051)
+    assert eff.memory == pytest.approx(0.7, abs=0.051)
+    assert cal.efficiency("L40S", "bf16") == Efficiency()  # nothing was measured in bf16
+    int8 = from_engine([{**engine_result(catalog, weights="int8"), "kv_cache_dtype": "fp8"}],
+                       catalog)[0]
+    assert {(m.weights, m.kv) for m in int8} == {("int8", "fp8")}
+    points, skipped = from_engine([{**engine_result(catalog), "weights": "int3"}], catalog)
+    assert points == [] and "weights 'int3'" in skipped[0]
