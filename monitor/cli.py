@@ -48,12 +48,10 @@ def _server_configs(args: argparse.Namespace) -> list:
 
 def cmd_record(args: argparse.Namespace) -> int:
     """Sample the chosen sources into the database until --duration or Ctrl+C."""
-    from monitor.hub import Hub
     from monitor.nvml import NvmlSource
+    from monitor.recording import Recording
     from monitor.remote import PrometheusSource
     from storage.db import open_database
-    from storage.rollup import Maintenance
-    from storage.writer import Writer
 
     try:
         if args.duration is not None and args.duration <= 0:
@@ -74,21 +72,22 @@ def cmd_record(args: argparse.Namespace) -> int:
         if s.status.message:
             print(f"{s.name}: {s.status.message}", file=sys.stderr)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    writer = Writer(db, on_error=say, on_recover=say, on_flush=_flush_reporter(args),
-                    maintenance=Maintenance()).start()
-    alerts = _alert_evaluator(args, db, [s.name for s in sources if not isinstance(s, NvmlSource)])
-    hub = Hub(sources, writer, on_tick=alerts.evaluate, on_status=_print_status_change).start()
+    recording = Recording(sources, on_error=say, on_recover=say, on_flush=_flush_reporter(args),
+                          on_status=_print_status_change, on_alert=lambda e: say(e.message))
+    recording.attach_database(db)
+    recording.set_rules(_slo_rules(args, [s.name for s in sources
+                                          if not isinstance(s, NvmlSource)]))
+    recording.start()
     try:
         deadline = None if args.duration is None else time.monotonic() + args.duration
         while deadline is None or time.monotonic() < deadline:
             time.sleep(0.1)
     except KeyboardInterrupt:
         pass
-    hub.stop()
-    writer.close()
-    statuses = hub.statuses() or {s.name: s.status for s in sources}
-    summary = _record_summary(db.url, writer, statuses, alerts)
-    db.close()
+    recording.stop()
+    statuses = recording.hub.statuses() or {s.name: s.status for s in sources}
+    summary = _record_summary(db.url, recording.writer, statuses, recording.events)
+    recording.close()
     if args.json:
         print(json.dumps(summary))
     else:
@@ -109,12 +108,12 @@ def _print_status_change(name: str, status) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _record_summary(db_url: str, writer, statuses: dict, alerts) -> dict:
+def _record_summary(db_url: str, writer, statuses: dict, alerts: list) -> dict:
     """The run in numbers; "error" is set, with one sentence, when the run lost data."""
     summary = {
         "db": db_url, "samples": writer.written_samples, "dropped": writer.dropped,
         "submitted": writer.submitted_samples,
-        "requests": writer.written_requests, "alerts": [[e.rule, e.state] for e in alerts.events],
+        "requests": writer.written_requests, "alerts": [[e.rule, e.state] for e in alerts],
         "sources": {n: s.state for n, s in statuses.items()},
         "reasons": {n: s.last_error or s.message or None for n, s in statuses.items()
                     if s.state != "up"},
@@ -182,20 +181,11 @@ def _prom_api(args: argparse.Namespace) -> list:
         raise UserError(f"--prom-url {args.prom_url}: {exc}") from exc
 
 
-def _alert_evaluator(args: argparse.Namespace, db, names: list[str]):
-    """p99 SLO rules per server; their fire / clear events go to the alerts table as they come."""
-    from monitor.alerts import AlertEvaluator, slo_rules
-    from storage.queries import save_alert
+def _slo_rules(args: argparse.Namespace, names: list[str]) -> list:
+    """p99 SLO rules per server; the recording stores their fire / clear events as they come."""
+    from monitor.alerts import slo_rules
 
-    def store(event) -> None:
-        print(event.message, file=sys.stderr)
-        try:
-            save_alert(db, event)
-        except Exception as exc:  # a full disk or a locked database must not stop the recording
-            print(f"the alert could not be stored: {exc}", file=sys.stderr)
-
-    slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
-    return AlertEvaluator(slo_rules(names, slo, args.slo_window), on_event=store)
+    return slo_rules(names, {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}, args.slo_window)
 
 
 def _flush_reporter(args: argparse.Namespace):

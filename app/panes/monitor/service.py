@@ -14,7 +14,7 @@ from app.panes.monitor.state import (
     LIVE_ONLY_S,
     ServerEntry,
 )
-from monitor.alerts import AlertEvaluator, AlertEvent, slo_rules
+from monitor.alerts import AlertEvent, slo_rules
 from monitor.types import SourceStatus
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ class _EngineStats:
 
 
 class MonitorService:
-    """One hub and one database shared by the Monitor, Servers and History panes."""
+    """One recording (monitor.recording: hub, writer, SLO alerts, as `servescope record` runs)
+    and one database shared by the Monitor, Servers and History panes, plus the saved servers."""
 
     def __init__(self, on_error: Callable[[str], None] | None = None,
                  engine_stats: Callable[[], Any] | None = None, gpus: bool = True,
@@ -47,8 +48,7 @@ class MonitorService:
         self.db_error: str | None = None
         self.db_opening = False
         self._opener: threading.Thread | None = None
-        self.writer: Any = None
-        self.hub: Any = None
+        self.recording: Any = None
         self.gpu_message = ""
         self.servers: dict[str, ServerEntry] = {}
         self.server_errors: dict[str, str] = {}
@@ -58,10 +58,19 @@ class MonitorService:
         self.engine_source: Any = None
         self._gpus = gpus
         self._lock = threading.Lock()
-        self._alerts = AlertEvaluator([])
         self._started = False
         self._stopped = False
         self._users = 0
+
+    @property
+    def hub(self) -> Any:
+        """The recording's hub (None before `start()`): live series and source statuses."""
+        return None if self.recording is None else self.recording.hub
+
+    @property
+    def writer(self) -> Any:
+        """The recording's writer (None until the database is open)."""
+        return None if self.recording is None else self.recording.writer
 
     def acquire(self) -> None:
         """A pane uses the service; it shuts down when the last user releases it."""
@@ -80,9 +89,10 @@ class MonitorService:
         if self._started:
             return
         self._started = True
-        from monitor.hub import Hub
+        from monitor.recording import Recording
 
-        self.hub = Hub(on_tick=self._on_tick)  # the writer is attached once the database opens
+        # The database is attached once it opens; until then the charts are live only.
+        self.recording = Recording(on_error=self._error)
         if self._gpus:
             self._add_gpus()
         if self._engine_stats is not None:
@@ -93,7 +103,7 @@ class MonitorService:
             if self._engine_finished is not None:
                 self._engine_finished.add(self.engine_source.add_finished)
         self._rebuild_rules()
-        self.hub.start()
+        self.recording.start()
         self.db_opening = True
         self._opener = threading.Thread(target=self._open_database, name="servescope-db-open",
                                         daemon=True)
@@ -124,16 +134,12 @@ class MonitorService:
         self._announce_database()
 
     def _database_opened(self, db: Any, entries: list[ServerEntry]) -> None:
-        from storage.rollup import Maintenance
-        from storage.writer import Writer
-
         with self._lock:
             if self._stopped:  # the window closed while the database was opening
                 db.close()
                 return
             self.db = db
-            self.writer = Writer(db, on_error=self._error, maintenance=Maintenance()).start()
-            self.hub.writer = self.writer
+            self.recording.attach_database(db)
             self.db_opening = False
         # list() first: the GUI thread may add a server while this thread reads the dict.
         added_meanwhile = [e for e in list(self.servers.values()) if e.name not in
@@ -177,11 +183,9 @@ class MonitorService:
             self._stopped = True
         if self._engine_finished is not None and self.engine_source is not None:
             self._engine_finished.remove(self.engine_source.add_finished)
-        self.hub.stop()
-        if self.writer is not None and not self.writer.close():
+        if not self.recording.stop():
             log.warning("unsaved samples at shutdown: %s", self.writer.last_error)
-        if self.db is not None:
-            self.db.close()
+        self.recording.close()
 
     def _error(self, message: str) -> None:
         if self.on_error is not None:
@@ -288,34 +292,12 @@ class MonitorService:
         self._rebuild_rules()
 
     def _rebuild_rules(self) -> None:
-        rules = slo_rules(self.servers, self.slo_ms, ALERT_WINDOW_S)
-        with self._lock:
-            self._alerts = AlertEvaluator(rules, on_event=self._store_alert)
-
-    def _on_tick(self, hub: Any, now: float) -> None:
-        try:
-            with self._lock:
-                self._alerts.evaluate(hub, now)
-        except Exception:  # a bad rule is logged here; the hub would only keep a one-line error
-            log.exception("alert evaluation failed")
+        if self.recording is not None:
+            self.recording.set_rules(slo_rules(self.servers, self.slo_ms, ALERT_WINDOW_S))
 
     def firing(self) -> list[AlertEvent]:
         """The latest event of each rule now firing, for the alert banner."""
-        with self._lock:
-            firing = set(self._alerts.firing)
-            latest = {e.rule: e for e in self._alerts.events if e.rule in firing}
-        return [latest[name] for name in sorted(latest)]
-
-    def _store_alert(self, event: AlertEvent) -> None:
-        import sqlalchemy as sa  # here, not at import: it costs start-up time
-        if self.db is None:
-            return
-        from storage.queries import save_alert
-
-        try:
-            save_alert(self.db, event)
-        except sa.exc.SQLAlchemyError as exc:
-            self._db_failed(exc)
+        return [] if self.recording is None else self.recording.firing()
 
 
 def server_config(entry: ServerEntry, interval_s: float = 1.0) -> Any:
