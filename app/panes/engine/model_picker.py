@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 
 from app.navigation import on_click
 from app.panes.engine.state import format_bytes
-from app.workers import Progress, TaskRunner
+from app.workers import Progress, TaskRunner, relay
 
 
 def list_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]:
@@ -34,40 +34,15 @@ def list_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]:
 
 
 def fetch_task(cancel: threading.Event) -> Generator[Progress, None, Path]:
-    """Background task: fetch the demo model, reporting pip's and the extractor's progress."""
+    """Background task: fetch the demo model, reporting pip's and the extractor's progress
+    (fetch_demo_model sees the cancel flag within 0.1 s and returns)."""
     from engine.models import fetch_demo_model
 
-    events: list[Progress] = []
-    lock = threading.Lock()
+    def work(report: Callable[[Progress], None]) -> Path:
+        return fetch_demo_model(lambda message, fraction: report(Progress(fraction, message)),
+                                cancel.is_set)
 
-    def report(message: str, fraction: float | None) -> None:
-        with lock:
-            events.append(Progress(fraction, message))
-
-    # fetch_demo_model reports through a callback; run it on a helper thread so this generator
-    # can forward its progress (and stay a cancel point) while it runs.
-    outcome: dict[str, Any] = {}
-    worker = threading.Thread(target=_call, args=(fetch_demo_model, outcome, report,
-                                                  cancel.is_set), daemon=True)
-    worker.start()
-    try:
-        while worker.is_alive():
-            worker.join(0.1)
-            with lock:
-                pending, events[:] = list(events), []
-            yield from pending
-    finally:
-        worker.join()  # on cancel fetch_demo_model sees the flag within 0.1 s and returns
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
-def _call(function: Any, outcome: dict[str, Any], *args: Any) -> None:
-    try:
-        outcome["value"] = function(*args)
-    except BaseException as exc:  # handed to the generator, which re-raises it on its thread
-        outcome["error"] = exc
+    return (yield from relay(work, "servescope-fetch"))
 
 
 def model_label(info: Any) -> str:
