@@ -11,8 +11,14 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import numpy as np
 
+from monitor.remote import describe_error
 from monitor.types import RequestRecord
 from storage.queries import describe
+
+# The precisions the planner knows (planner.catalog's PRECISIONS and KV_PRECISIONS), which a
+# stored run may name; the monitor does not import the planner, and a test keeps them equal.
+WEIGHT_PRECISIONS = ("bf16", "fp16", "fp8", "int8", "int4")
+KV_PRECISIONS = ("bf16", "fp16", "fp8", "int8")
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hum"  # noqa: SIM905
          .split())
@@ -110,6 +116,22 @@ def _chunk_text(event: dict) -> str:
     return c.get("text") or (c.get("delta") or {}).get("content") or ""
 
 
+class RequestFailed(Exception):
+    """A request the server refused or answered wrongly; the message is one sentence."""
+
+
+def request_error(exc: Exception, spec: LoadSpec) -> str:
+    """The sentence stored with a failed request (the CLI and the History pane show it): what
+    went wrong with which URL, never a Python type name."""
+    if isinstance(exc, RequestFailed):
+        return str(exc)
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{spec.url} sent a stream line that is not JSON ({exc.msg})"
+    if isinstance(exc, httpx.HTTPError):
+        return describe_error(exc, spec.url, spec.timeout_s)
+    return f"the request to {spec.url} failed: {str(exc).strip() or 'no details were given'}"
+
+
 async def send_one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, prompt_len: int,
                    max_tokens: int) -> RequestRecord:
     """One streamed request, timed from send to each content chunk."""
@@ -121,7 +143,8 @@ async def send_one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, promp
         async with client.stream("POST", spec.url.rstrip("/") + path, json=body) as resp:
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode("utf-8", "replace")[:200]
-                raise RuntimeError(f"HTTP {resp.status_code}: {detail}")
+                raise RequestFailed(f"{spec.url} answered HTTP {resp.status_code}: "
+                                    f"{detail.strip() or 'no details'}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -137,7 +160,7 @@ async def send_one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, promp
                 usage_prompt = usage.get("prompt_tokens", usage_prompt)
     except Exception as exc:  # any failure is this request's result, not the run's
         return RequestRecord("loadgen", time.time(), prompt_tokens=prompt_len, ok=False,
-                             error=f"{type(exc).__name__}: {exc}"[:300])
+                             error=request_error(exc, spec)[:300])
     end = time.perf_counter()
     if not times:
         return RequestRecord("loadgen", time.time(), prompt_tokens=prompt_len, ok=False,
@@ -164,14 +187,12 @@ class ServerInfo:
     engine: str | None = None  # e.g. "vLLM 0.8.5"
 
     def __post_init__(self) -> None:
-        from planner.catalog import KV_PRECISIONS, PRECISIONS
-
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tensor and pipeline parallel sizes must be at least 1, got "
                              f"--tp {self.tp} --pp {self.pp}")
-        if self.weights is not None and self.weights not in PRECISIONS:
+        if self.weights is not None and self.weights not in WEIGHT_PRECISIONS:
             raise ValueError(f"--weights {self.weights!r} is not a precision the planner "
-                             f"knows; use one of {', '.join(PRECISIONS)}")
+                             f"knows; use one of {', '.join(WEIGHT_PRECISIONS)}")
         if self.kv is not None and self.kv not in KV_PRECISIONS:
             raise ValueError(f"--kv {self.kv!r} is not a KV-cache precision the planner "
                              f"knows; use one of {', '.join(KV_PRECISIONS)}")

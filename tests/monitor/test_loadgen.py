@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -112,10 +114,26 @@ def test_open_loop_rate_chat_endpoint_failures_and_strict_slo():
         server.server_close()
     s = result.summary
     assert (s["completed"], s["failed"]) == (6, 3)
-    assert s["errors"] == ["RuntimeError: HTTP 500: boom"]
+    assert s["errors"] == [f"{server.url} answered HTTP 500: boom"]  # a sentence, no type name
     assert s["goodput"] == 0.0                   # no TTFT can beat 1 ms here
     assert result.duration_s >= 8 / 40.0         # nine starts 25 ms apart
     assert len([x for r in result.records if r.ok for x in r.itl_s]) == 6 * 2
+
+
+def test_unreachable_and_broken_servers_give_sentences_not_exception_names():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed once the block ends
+    errors = run_load(LoadSpec(url, requests=2, output_len=1)).summary["errors"]
+    assert len(errors) == 1 and errors[0].startswith(f"cannot connect to {url}"), errors
+    assert not re.search(r"[A-Z][a-z]+(Error|Exception)\b", errors[0])
+
+
+def test_the_precision_names_are_the_planners():
+    from monitor.loadgen import KV_PRECISIONS, WEIGHT_PRECISIONS
+    from planner import catalog
+
+    assert (WEIGHT_PRECISIONS, KV_PRECISIONS) == (catalog.PRECISIONS, catalog.KV_PRECISIONS)
 
 
 def test_arrival_processes_keep_the_mean_rate():
