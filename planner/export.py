@@ -7,7 +7,9 @@ import io
 import json
 import shlex
 
+from planner import kubernetes
 from planner.checkpoints import Weights, speculation_for, weights_for
+from planner.kubernetes import VLLM_IMAGE
 from planner.search import Plan
 from planner.timing import SpecDecode
 
@@ -89,50 +91,21 @@ def sglang_command(plan: Plan, prefix_caching: bool = True) -> str:
     return shlex.join(args)
 
 
-def kubernetes_yaml(plan: Plan, name: str = "llm-server", image: str = "vllm/vllm-openai:latest",
+def kubernetes_manifests(plan: Plan, name: str = "llm-server", image: str = VLLM_IMAGE,
+                         max_replicas: int | None = None) -> list[dict]:
+    """The plan's Kubernetes objects as data (planner.kubernetes): a Deployment, or a
+    LeaderWorkerSet for a replica wider than one node, with its Service, HPA and the Prometheus
+    Adapter rule the HPA's metric needs."""
+    serve_args = shlex.split(vllm_command(plan))[2:]  # the image's entrypoint is `vllm serve`
+    return kubernetes.manifests(plan, serve_args, name, image, max_replicas)
+
+
+def kubernetes_yaml(plan: Plan, name: str = "llm-server", image: str = VLLM_IMAGE,
                     max_replicas: int | None = None) -> str:
-    """A Deployment running the vLLM command and an HPA scaling it on GPU-hours' worth of load."""
-    d = plan.deployment
-    serve = vllm_command(plan).split(" ", 2)[2]  # the image's entrypoint is `vllm serve`
-    args = json.dumps(shlex.split(serve))
-    top = max_replicas or max(plan.replicas * 2, plan.replicas + 1)
-    return f"""apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: {name}
-  labels: {{app: {name}}}
-spec:
-  replicas: {plan.replicas}
-  selector:
-    matchLabels: {{app: {name}}}
-  template:
-    metadata:
-      labels: {{app: {name}}}
-    spec:
-      containers:
-        - name: server
-          image: {image}
-          args: {args}
-          ports: [{{containerPort: 8000}}]
-          resources:
-            limits: {{nvidia.com/gpu: {d.gpus}}}
-          readinessProbe:
-            httpGet: {{path: /health, port: 8000}}
----
-apiVersion: autoscaling/v2
-kind: HorizontalPodAutoscaler
-metadata:
-  name: {name}
-spec:
-  scaleTargetRef: {{apiVersion: apps/v1, kind: Deployment, name: {name}}}
-  minReplicas: 1
-  maxReplicas: {top}
-  metrics:
-    - type: Pods
-      pods:
-        metric: {{name: vllm_num_requests_running}}
-        target: {{type: AverageValue, averageValue: "{max(1, int(d.max_seqs * 0.8))}"}}
-"""
+    """kubernetes_manifests() as YAML (PyYAML), behind comments saying what it needs."""
+    objects = kubernetes_manifests(plan, name, image, max_replicas)
+    wide = objects[0]["kind"] == "LeaderWorkerSet"
+    return kubernetes.to_yaml(objects, kubernetes.header(name, wide))
 
 
 def ranking_csv(plans: list[Plan]) -> str:
