@@ -112,10 +112,6 @@ class Database:
         with self._sessions.begin() as s:
             yield s
 
-    @property
-    def is_sqlite(self) -> bool:
-        return self.engine.dialect.name == "sqlite"
-
     def close(self) -> None:
         self.engine.dispose()
 
