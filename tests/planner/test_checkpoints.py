@@ -71,3 +71,27 @@ def test_a_search_offers_only_what_runs_and_says_what_it_left_out(catalog):
     assert any("pipeline parallelism" in n for n in result.notes)
     for p in result.candidates:
         vllm_command(p)  # every offered plan exports
+
+
+def test_every_listed_name_says_how_it_was_checked_and_unchecked_ones_are_not_offered(catalog):
+    from dataclasses import replace
+
+    from planner import checkpoints
+
+    entries = list(checkpoints.QUANTIZED.values()) + list(checkpoints.DRAFTS.values())
+    assert all(e.checked and checkpoints.CHECKED_ON in e.checked for e in entries)
+    key = ("Llama-3.1-8B", "int4")
+    listed = checkpoints.QUANTIZED[key]
+    checkpoints.QUANTIZED[key] = replace(listed, checked="")
+    try:
+        why = weights_for(catalog.model("Llama-3.1-8B"), "int4")
+    finally:
+        checkpoints.QUANTIZED[key] = listed
+    assert isinstance(why, str) and "unverified" in why and listed.hf_id in why
+    draft = checkpoints.DRAFTS["Llama-3.1-8B"]
+    checkpoints.DRAFTS["Llama-3.1-8B"] = replace(draft, checked="")
+    try:
+        why = speculation_for(catalog.model("Llama-3.1-8B"), SpecDecode())
+    finally:
+        checkpoints.DRAFTS["Llama-3.1-8B"] = draft
+    assert isinstance(why, str) and "unverified" in why
