@@ -134,7 +134,9 @@ def _print_evaluation(r: dict) -> None:
         print(f"  {key[:-3].upper():5} mean {s['mean']:.1f}  p50 {s['p50']:.1f}  "
               f"p99 {s['p99']:.1f} ms")
     print(f"  cost        ${r['cost_per_hour']:.2f}/hour, ${r['cost_per_1m_tokens']:.3f} per 1M "
-          f"tokens")
+          f"output tokens (all cost); split by GPU time: "
+          f"${r['cost_per_1m_input_tokens']:.3f} per 1M input, "
+          f"${r['cost_per_1m_output_tokens']:.3f} per 1M output")
 
 
 def _print_search(r: dict) -> None:

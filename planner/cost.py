@@ -1,4 +1,5 @@
-"""Cost: $/hour with a spot share, $ per 1M output tokens, and autoscaling over a daily profile."""
+"""Cost: $/hour with a spot share, $ per 1M tokens (all on output, and split into input and
+output), and autoscaling over a daily profile."""
 
 from __future__ import annotations
 
@@ -41,6 +42,16 @@ def cost_per_million(cost_hour: float, output_tok_s: float) -> float:
     if output_tok_s <= 0:
         return math.inf
     return cost_hour / (output_tok_s * 3600.0) * 1e6
+
+
+def split_per_million(cost_hour: float, input_share: float, input_tok_s: float,
+                      output_tok_s: float) -> tuple[float, float]:
+    """($ per 1M input tokens, $ per 1M output tokens): the hour's cost divided between prompts
+    and generated tokens by `input_share` of the GPU time, each part over its own tokens (input
+    tokens counted whole, prefix-cache hits included, as providers bill them)."""
+    inp = cost_per_million(cost_hour * input_share, input_tok_s)
+    out = cost_per_million(cost_hour * (1.0 - input_share), output_tok_s)
+    return inp, out
 
 
 def hourly_replicas(peak_replicas: int, rate: float, profile: tuple[float, ...],

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from planner.calibrate import Calibration
-from planner.cost import CostOptions, cost_per_hour, cost_per_million
+from planner.cost import CostOptions, cost_per_hour, cost_per_million, split_per_million
 from planner.memory import MemoryPlan, plan_memory
+from planner.screen import estimate, input_time_share
 from planner.simulate import Replica, SimResult, simulate
 from planner.timing import Deployment, StepCost
 from planner.workload import Workload
@@ -27,6 +29,8 @@ class Evaluation:
     cost_per_hour: float
     cost_per_1m_tokens: float
     calibration: str
+    cost_per_1m_input: float = float("nan")  # split by GPU time (planner.screen)
+    cost_per_1m_output: float = float("nan")
 
 
 def max_context(w: Workload) -> int:
@@ -59,8 +63,32 @@ def evaluate(d: Deployment, w: Workload, replicas: int = 1,
                               f"TP{d.tp} PP{d.pp}) does not fit: {memory.reason}")
     result = simulate(replica_for(d, memory, calibration), w, replicas)
     hourly = cost_per_hour(d.gpu, d.gpus, replicas, cost_opts or CostOptions())
+    inp, out = token_prices(d, w, replicas, memory, calibration, hourly,
+                            result.throughput_tok_s)
     return Evaluation(d, replicas, memory, result, hourly,
-                      cost_per_million(hourly, result.throughput_tok_s), calibration.name)
+                      cost_per_million(hourly, result.throughput_tok_s), calibration.name,
+                      inp, out)
+
+
+def token_prices(d: Deployment, w: Workload, replicas: int, memory: MemoryPlan,
+                 calibration: Calibration, hourly: float,
+                 output_tok_s: float | None = None) -> tuple[float, float]:
+    """($ per 1M input, $ per 1M output tokens) of `replicas` replicas serving `w`, split by the
+    prompts' share of GPU time at the steady batch: closed-loop concurrency per replica, an open
+    loop's steady state, else (offline, or no steady state) the batch limit. Tokens are counted
+    at `w`'s rate, or at `output_tok_s` (a simulation's) where given."""
+    cost = StepCost(d, calibration.efficiency(d.gpu.name, d.weights))
+    b_max = min(d.max_seqs, memory.max_sequences)
+    if output_tok_s is None:
+        output_tok_s = (w.rate or 0.0) * w.output_len
+    rate = output_tok_s / w.output_len if w.output_len else 0.0
+    if w.concurrency is not None:
+        batch = min(math.ceil(w.concurrency / replicas), b_max)
+    else:
+        state = estimate(cost, w.rate / replicas, w, memory.max_sequences) if w.rate else None
+        batch = min(state[2], b_max) if state is not None else b_max
+    share = input_time_share(cost, w, batch)
+    return split_per_million(hourly, share, rate * w.input_len, output_tok_s)
 
 
 def evaluation_dict(ev: Evaluation) -> dict:
@@ -84,6 +112,8 @@ def evaluation_dict(ev: Evaluation) -> dict:
         "preemptions": ev.result.preemptions,
         "cost_per_hour": round(ev.cost_per_hour, 4),
         "cost_per_1m_tokens": round(ev.cost_per_1m_tokens, 4),
+        "cost_per_1m_input_tokens": round(ev.cost_per_1m_input, 4),
+        "cost_per_1m_output_tokens": round(ev.cost_per_1m_output, 4),
         "calibration": ev.calibration,
         "price_source": f"{d.gpu.price_source} ({d.gpu.price_date})",
     }

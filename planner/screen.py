@@ -72,3 +72,23 @@ def capacity(cost: StepCost, w: Workload, b_max: int) -> float:
             lo = mid
     return hi
 
+
+
+def input_time_share(cost: StepCost, w: Workload, batch: float) -> float:
+    """The share of a replica's GPU time that its requests' prompts take at a steady batch of
+    `batch` decoding sequences, by marginal cost: a prompt costs what its chunked-prefill
+    iterations take beyond the decode-only iterations they replace, a generated token its
+    decode iteration divided among the sequences it serves (as steady_step counts them)."""
+    d = cost.d
+    e = d.spec.tokens_per_step if d.spec else 1.0
+    b = max(1, round(batch))
+    prompt = max(1.0, w.input_len * (1.0 - d.prefix_hit))
+    n_chunks = math.ceil(prompt / d.max_batched_tokens)
+    chunk = prompt / n_chunks
+    ctx = w.input_len + w.output_len / 2.0
+    decode_step = cost.decode_seconds(b, ctx)
+    with_prompt = cost.time(chunk, chunk * (w.input_len - prompt + chunk / 2.0), b, b * ctx,
+                            b + 1)
+    prefill = n_chunks * max(with_prompt - decode_step, 0.0)
+    decode = w.output_len * decode_step / (b * e)
+    return prefill / (prefill + decode) if prefill + decode > 0 else 0.0

@@ -18,7 +18,7 @@ from planner.cost import (
     cost_per_million,
     hourly_replicas,
 )
-from planner.evaluate import InfeasibleError, memory_for, replica_for
+from planner.evaluate import InfeasibleError, memory_for, replica_for, token_prices
 from planner.memory import MemoryPlan
 from planner.screen import capacity, estimate
 from planner.simulate import simulate
@@ -63,6 +63,10 @@ class Plan:
     simulated: bool
     calibration: str
     folded: int = 0  # plans of the same shape with another batch limit, folded into this one
+    # The hour's cost split between prompts and generated tokens by their share of GPU time
+    # (planner.screen.input_time_share), each over its own tokens.
+    cost_per_1m_input: float = math.nan
+    cost_per_1m_output: float = math.nan
 
     def as_dict(self) -> dict:
         d = self.deployment
@@ -78,6 +82,8 @@ class Plan:
                 "throughput_tok_s": round(self.throughput_tok_s, 2),
                 "cost_per_hour": round(self.cost_per_hour, 4),
                 "cost_per_1m_tokens": round(self.cost_per_1m_tokens, 4),
+                "cost_per_1m_input_tokens": round(self.cost_per_1m_input, 4),
+                "cost_per_1m_output_tokens": round(self.cost_per_1m_output, 4),
                 "memory_gb_per_gpu": round(self.memory.total_gb, 3),
                 "simulated": self.simulated, "calibration": self.calibration,
                 "folded_variants": self.folded}
@@ -210,9 +216,11 @@ def _confirm(s: _Screened, w: Workload, calibration: Calibration, opts: CostOpti
         if ttft["p99"] <= w.slo.ttft_p99_ms and tpot["p99"] <= w.slo.tpot_p99_ms:
             hourly = s.cost * replicas / s.replicas
             served = w.rate * w.output_len
+            inp, out = token_prices(s.deployment, w, replicas, s.memory, calibration, hourly)
             return Plan(s.deployment, replicas, ttft["p99"], tpot["p99"],
                         result.summary("e2e")["p99"], result.throughput_tok_s, hourly,
-                        cost_per_million(hourly, served), s.memory, True, calibration.name)
+                        cost_per_million(hourly, served), s.memory, True, calibration.name,
+                        cost_per_1m_input=inp, cost_per_1m_output=out)
     return None
 
 
