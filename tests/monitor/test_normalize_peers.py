@@ -244,3 +244,19 @@ def test_llamacpp_counters_past_a_million_keep_six_digits():
     assert "llamacpp:tokens_predicted_total 1.23457e+06" in text
     v = dict(Normalizer().update(parse_metrics(text), 0.0))
     assert v["generation_tokens_total"] == 1234570.0  # what the server sent, rounded
+
+
+def test_a_counter_typed_without_total_is_read_under_the_parsers_name():
+    # dcgm-exporter declares its energy counter (mJ) as a counter with no _total suffix, as TGI
+    # and Triton do theirs; prometheus_client's parser reports the samples as NAME_total.
+    def text(mj: int) -> str:
+        return ("# HELP DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION Total energy consumption since boot "
+                "(in mJ).\n# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n"
+                'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu="0",UUID="GPU-1",device="nvidia0",'
+                f'modelName="NVIDIA H100 80GB HBM3",Hostname="h"}} {mj}\n')
+
+    assert "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total" in parse_metrics(text(1)).names()
+    n = Normalizer()
+    n.update(parse_metrics(text(1_000_000)), 0.0)
+    v = dict(n.update(parse_metrics(text(1_700_000)), 1.0))
+    assert v["energy_j_per_s[gpu=0]"] == pytest.approx(700.0)  # watts
