@@ -234,16 +234,16 @@ def _server_info(args: argparse.Namespace):
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
-    """Load an endpoint, print the figures, and store the run when --db is given."""
+    """Load an endpoint, print the figures, and store the run (in --db, else the default
+    database the app's History pane reads) unless --no-db."""
     from monitor.loadgen import run_load, store_run
+    from storage.db import display_url, open_database
 
     try:
         spec, server = _load_spec(args), _server_info(args)
-        db = None
-        if args.db:
-            from storage.db import open_database
-
-            db = open_database(args.db)
+        # A named database is opened first, so a wrong URL fails before the load; the default
+        # one only once there is a run to store.
+        db = open_database(args.db) if args.db and not args.no_db else None
     except (UserError, StorageError) as exc:
         return _fail(args, str(exc))
 
@@ -255,13 +255,16 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     if result.summary["completed"] == 0:
         return _fail(args, f"no request to {spec.url} succeeded: "
                            f"{(summary.get('errors') or ['no answer'])[0]}")
-    if db is not None:
+    if not args.no_db:
         try:
+            db = db or open_database()
             summary["run_id"] = store_run(db, result, server=server)
+            summary["db"] = display_url(db.url)
         except (StorageError, RuntimeError) as exc:
             return _fail(args, str(exc))
         finally:
-            db.close()
+            if db is not None:
+                db.close()
     print(json.dumps(summary) if args.json else _table(summary))
     return 0
 
@@ -275,6 +278,8 @@ def _table(s: dict) -> str:
     lines.append(f"completed {s['completed']}, failed {s['failed']}, "
                  f"{s['request_throughput']:.2f} req/s, {s['output_tokens_per_s']:.1f} tok/s"
                  + ("" if s["goodput"] is None else f", goodput {s['goodput']:.2f} req/s"))
+    if "run_id" in s:
+        lines.append(f"stored as run {s['run_id']} in {s['db']}")
     return "\n".join(lines)
 
 
@@ -326,7 +331,10 @@ def add_monitor_parsers(subparsers) -> None:
     lt.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT SLO in ms")
     lt.add_argument("--slo-e2e-ms", type=float, help="goodput: end-to-end SLO in ms")
     lt.add_argument("--seed", type=int, default=0)
-    lt.add_argument("--db", help="store the run in this database (SQLAlchemy URL)")
+    store = lt.add_mutually_exclusive_group()
+    store.add_argument("--db", help="store the run in this database (SQLAlchemy URL; default: "
+                                    "SQLite in the user's data folder, which the app shows)")
+    store.add_argument("--no-db", action="store_true", help="store nothing; only print")
     server = lt.add_argument_group("the server measured (stored with the run; the planner "
                                    "calibrates from runs that name their GPU)")
     server.add_argument("--gpu", help="its GPU, e.g. 'H100 SXM' or 'NVIDIA L4'")

@@ -4,7 +4,9 @@ against a real `servescope serve` on 127.0.0.1."""
 
 from __future__ import annotations
 
-import time
+import json
+import subprocess
+import sys
 
 import pytest
 from PySide6.QtCore import Qt
@@ -177,33 +179,56 @@ def test_journey_servers_to_history(make_window, engine_server, qtbot, tmp_path)
     assert raw_errors(window) == []
 
 
-def test_recorded_minutes_show_in_the_short_windows(make_window, qtbot):
-    """Samples another process recorded (`servescope record`) a minute ago show in the 1, 5
-    and 15-minute windows, not only in the hour-long ones."""
-    from storage.db import open_database
-    from storage.records import Sample
-    from storage.writer import Writer
+def test_journey_terminal_record_and_loadtest_show_in_the_window(make_window, engine_server,
+                                                                  qtbot):
+    """Journey 6: `servescope record` and `servescope loadtest` run as commands in a terminal
+    (real subprocesses; the load test names no --db, so it goes to the default database), then
+    the window on that database shows the run in History and the recorded minutes in the
+    Monitor's 1, 5 and 15-minute windows."""
+    from storage.db import default_url
 
-    db = open_database(None)  # the database the window opens (the test's data folder)
-    now = time.time()
-    writer = Writer(db).start()
-    writer.submit([Sample("recorder/kv_cache_usage", now - 100 + i, 0.25) for i in range(90)])
-    assert writer.flush()
-    writer.close()
-    db.close()
+    cli = [sys.executable, "-m", "app.cli"]
+    url = engine_server.url
+    recorder = subprocess.Popen(cli + ["record", "--db", default_url(), "--server",
+                                       f"terminal={url}", "--duration", "8", "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "terminal is up" in recorder.stderr.readline()  # scraping before the load starts
+        load = subprocess.run(cli + ["loadtest", "--url", url, "--requests", "4",
+                                     "--concurrency", "2", "--input-len", "8",
+                                     "--output-len", "8"],
+                              capture_output=True, text=True, timeout=180)
+        out, err = recorder.communicate(timeout=60)
+    finally:
+        recorder.kill()
+    assert load.returncode == 0, load.stderr
+    assert f"stored as run 1 in {default_url()}" in load.stdout
+    assert recorder.returncode == 0, err
+    recorded = json.loads(out)
+    assert recorded["sources"] == {"terminal": "up"} and recorded["samples"] > 0
 
     window = make_window()
-    monitor = window.pane("monitor")
+    history, monitor = window.pane("history"), window.pane("monitor")
     assert monitor.service.wait_for_database(30)
+    go_to(qtbot, window, "History")
+    qtbot.waitUntil(lambda: history.runs_table.rowCount() == 1, timeout=30_000)
+    row = [history.runs_table.item(0, i).text() for i in range(history.runs_table.columnCount())]
+    assert row[1:3] == ["loadtest", url] and row[4:6] == ["4", "0"]
+
     go_to(qtbot, window, "Monitor")
-    chart = monitor.charts["kv"]
-    for label, oldest in (("1 min", now - 61), ("5 min", now - 101), ("15 min", now - 101)):
+    queue, ttft = monitor.charts["queue"], monitor.charts["ttft"]
+
+    def points(chart, key: str) -> int:
+        return len(chart.data.get(key, ((), ()))[0])
+
+    for label in ("1 min", "5 min", "15 min"):
         monitor.window_combo.setCurrentIndex(monitor.window_combo.findText(label))
-        qtbot.waitUntil(lambda: len(chart.data.get("recorder/kv_cache_usage", ((), ()))[0]) > 0,
-                        timeout=30_000)
-        ts, values = chart.data["recorder/kv_cache_usage"]
-        assert ts.min() >= oldest and set(values) == {25.0}  # the chart's unit is %
-    assert monitor.source_combo.findText("recorder") >= 0
+        # The recorded minutes (a gauge sampled every second), and the TTFT the recorder
+        # estimated from the server's histogram while the load test ran.
+        qtbot.waitUntil(lambda: points(queue, "terminal/requests_running") > 3
+                        and points(ttft, "terminal/ttft_s_p99") > 0, timeout=30_000)
+    assert monitor.source_combo.findText("terminal") >= 0
+    assert raw_errors(window) == []
 
 
 def test_why_a_server_is_down_shows_live_in_the_table(make_window, qtbot):

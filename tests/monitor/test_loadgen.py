@@ -167,6 +167,20 @@ def test_loadtest_command_prints_one_json_object_and_stores_the_run(openai_serve
     assert stored["requests"]["ttft_ms"]["p99"] == pytest.approx(out["ttft_ms"]["p99"])
 
 
+def test_without_db_the_run_goes_to_the_default_database_unless_no_db(openai_server, tmp_path,
+                                                                     monkeypatch, capsys):
+    monkeypatch.setenv("SERVESCOPE_DATA_DIR", str(tmp_path))  # the app's default database
+    args = ["loadtest", "--url", openai_server.url, "--requests", "2", "--output-len", "2"]
+    assert main(args + ["--no-db", "--json"]) == 0
+    assert "run_id" not in json.loads(capsys.readouterr().out)
+    assert not (tmp_path / "servescope.db").exists()
+    assert main(args) == 0
+    assert f"stored as run 1 in sqlite:///{tmp_path / 'servescope.db'}" in capsys.readouterr().out
+    db = open_database(None)
+    assert [r["name"] for r in queries.list_runs(db)] == [openai_server.url]
+    db.close()
+
+
 def test_a_stored_run_names_its_server_and_calibrates_the_planner(openai_server, tmp_path,
                                                                   capsys):
     """--gpu/--tp/--weights/--kv/--engine go into the run's config; the planner reads the
