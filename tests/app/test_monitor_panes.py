@@ -219,6 +219,13 @@ def test_a_chat_reply_reaches_the_monitor_as_a_request_record(loaded_window, qtb
     # The writer stores it: the window's request percentiles count this one reply.
     qtbot.waitUntil(lambda: queries.request_percentiles(
         service.db, 0, 2e10, source="engine")["completed"] == 1, timeout=10_000)
+    # The Monitor charts the engine's own TTFT and TPOT: that reply's, exactly.
+    window.rail.select("monitor")
+    ttft, tpot = monitor.charts["ttft"], monitor.charts["tpot"]
+    qtbot.waitUntil(lambda: "engine/ttft_s_p99" in ttft.data and "engine/tpot_s_p50" in tpot.data,
+                    timeout=10_000)
+    assert ttft.data["engine/ttft_s_p99"][1][-1] == pytest.approx(record.ttft_s * 1000)
+    assert tpot.data["engine/tpot_s_p50"][1][-1] == pytest.approx(record.tpot_s * 1000)
 
 
 def test_benchmark_requests_reach_the_listeners_and_a_failing_listener_is_harmless(demo_gguf):

@@ -176,7 +176,26 @@ def test_engine_source_reads_step_stats_and_finished_requests():
     assert record.ttft_s == pytest.approx(0.2) and record.tpot_s == pytest.approx(0.15)
     assert record.e2e_s == pytest.approx(0.5) and record.output_tokens == 3
     assert record.itl_s == pytest.approx([0.1, 0.2])
-    assert source.poll(101.0).samples == []  # the same step is not reported twice
+    assert values["engine/ttft_s_p99"] == pytest.approx(0.2)  # exact, from that one request
+    assert values["engine/tpot_s_p50"] == pytest.approx(0.15)
+    # The same step is not reported twice; the last minute's latencies are, until it passes.
+    again = {s.series for s in source.poll(101.0).samples}
+    assert again == {f"engine/{m}_p{q}" for m in ("ttft_s", "tpot_s") for q in (50, 95, 99)}
+    assert source.poll(161.0).samples == []
+
+
+def test_engine_latency_series_are_exact_percentiles_of_the_last_minute():
+    source = EngineSource(SimpleNamespace(last_stats=None))
+    for i, ttft in enumerate((0.1, 0.2, 0.3, 0.4, 1.0)):
+        m = RequestMetrics(arrival=0.0, first_scheduled=0.0, first_token=ttft,
+                           finished=ttft + 0.1, token_times=[ttft, ttft + 0.1], prompt_tokens=4)
+        source.add_finished([SimpleNamespace(metrics=m, finish_reason="stop")])
+        source.poll(float(i * 20))  # requests finished at 0, 20, 40, 60 and 80 s
+    values = {s.series: s.value for s in source.poll(80.0).samples}
+    kept = np.array([0.2, 0.3, 0.4, 1.0])  # the one at 0 s is over a minute old
+    assert values["engine/ttft_s_p50"] == pytest.approx(np.percentile(kept, 50))
+    assert values["engine/ttft_s_p99"] == pytest.approx(np.percentile(kept, 99))
+    assert values["engine/tpot_s_p95"] == pytest.approx(0.1)
 
 
 class Hanging(Ramp):
