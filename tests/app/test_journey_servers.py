@@ -165,6 +165,20 @@ def test_journey_servers_to_history(make_window, engine_server, qtbot, tmp_path)
     assert cells["Completed"] == ["4", "4", "0"]
     assert float(cells["TTFT p50 (ms)"][0]) > 0
 
+    # One run beside the server's own estimates for its minutes (the hub stored them).
+    click_row(qtbot, runs, 0)
+    with qtbot.waitSignal(history.estimated, timeout=30_000):
+        qtbot.mouseClick(button(history, "Client vs server estimates"),
+                         Qt.MouseButton.LeftButton)
+    assert compare.horizontalHeaderItem(0).text() == f"Run {history.runs[0]['id']} vs local"
+    rows = {compare.item(r, 0).text(): [compare.item(r, c).text() for c in range(1, 5)]
+            for r in range(compare.rowCount())}
+    exact, estimate, bucket, gap = rows["TTFT p99 (ms)"]
+    assert exact == runs.item(0, 7).text()  # the runs table's exact TTFT p99
+    lo, _, hi = bucket.removesuffix(" ms").partition("–")
+    assert float(lo) <= float(estimate) <= float(hi)  # the estimate lies in its bucket
+    assert float(gap) == pytest.approx(float(estimate) - float(exact), rel=1e-3, abs=0.01)
+
     # Export CSV through the save dialog.
     target = tmp_path / "runs.csv"
     answerer = DialogAnswerer(answer_file_dialog(str(target)))

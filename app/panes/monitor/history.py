@@ -97,6 +97,7 @@ class HistoryPane(PageMixin, QWidget):
     notify = Signal(str, str)
     loaded = Signal()
     compared = Signal()
+    estimated = Signal()
 
     def __init__(self, service: MonitorService, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -117,6 +118,10 @@ class HistoryPane(PageMixin, QWidget):
         self.comparer = TaskRunner(self)
         self.comparer.succeeded.connect(self._on_compared)
         self.comparer.failed.connect(lambda m: self.notify.emit("error", m))
+        self.estimates: list[list[str]] = []
+        self.estimator = TaskRunner(self)
+        self.estimator.succeeded.connect(self._on_estimated)
+        self.estimator.failed.connect(lambda m: self.notify.emit("error", m))
         self._actions = self._build()
 
     def _build(self) -> list[QAction]:
@@ -124,6 +129,7 @@ class HistoryPane(PageMixin, QWidget):
         actions = make_actions(self, (
             ("Refresh runs", "F5", self.reload),
             ("Compare selected runs", "Ctrl+Shift+M", self.compare),
+            ("Client vs server estimates", "Ctrl+Alt+E", self.compare_with_server),
             ("Export runs as CSV…", "Ctrl+Alt+X", self.export_csv),
         ))
         for action in actions:
@@ -156,6 +162,7 @@ class HistoryPane(PageMixin, QWidget):
         self.loader.stop()
         self.saver.stop()
         self.comparer.stop()
+        self.estimator.stop()
         self.service.release()
 
     # ---- actions
@@ -192,6 +199,27 @@ class HistoryPane(PageMixin, QWidget):
             yield  # two queries: no progress to report
 
         self.comparer.start(task)
+
+    def compare_with_server(self, run_id: int | None = None) -> None:
+        """The selected load test's exact percentiles beside the server's histogram estimates
+        for the same minutes, with the bucket each estimate lies in."""
+        if run_id is None:
+            rows = {i.row() for i in self.runs_table.selectionModel().selectedRows()}
+            if len(rows) != 1:
+                self.notify.emit("warning", "Select one load test to compare with the server's "
+                                            "own estimates.")
+                return
+            run_id = self.runs[rows.pop()]["id"]
+        run = next(r for r in self.runs if r["id"] == run_id)
+        db = self.service.db
+
+        def task(_cancel):
+            from app.panes.monitor.estimates import estimate_rows
+
+            return run, *estimate_rows(db, run)
+            yield  # a few queries: no progress to report
+
+        self.estimator.start(task)
 
     def add_benchmark(self, result: dict) -> None:
         """Store an engine benchmark as a run, beside the load tests, and list it."""
@@ -233,9 +261,26 @@ class HistoryPane(PageMixin, QWidget):
         self.status.setText(f"{len(runs)} run(s)")
         self.loaded.emit()
 
+    def _on_estimated(self, result: tuple[dict, str | None, list[list[str]]]) -> None:
+        from app.panes.monitor.estimates import COLUMNS
+
+        run, source, rows = result
+        self.estimates = rows
+        if not rows:
+            self.notify.emit("warning", f"No server estimates are stored for run {run['id']}'s "
+                             "minutes: watch the server (Servers pane, or servescope record) "
+                             "while the load test runs.")
+            return
+        self.compare_table.setColumnCount(len(COLUMNS))
+        self.compare_table.setHorizontalHeaderLabels(
+            [f"Run {run['id']} vs {source}", *COLUMNS[1:]])
+        _fill(self.compare_table, rows)
+        self.estimated.emit()
+
     def _on_compared(self, pair: tuple[dict, dict]) -> None:
         a, b = pair
         self.comparison = compare_rows(a, b)
+        self.compare_table.setColumnCount(4)
         self.compare_table.setHorizontalHeaderLabels(
             ["Metric", f"Run {a['id']}", f"Run {b['id']}", "B − A"])
         _fill(self.compare_table, self.comparison)
