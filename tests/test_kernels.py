@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernels
-from kernels import AttentionMetadata, PrefillChunk, reference
+from kernels import AttentionMetadata, PrefillChunk, onednn, reference
 
 
 def test_dispatch_picks_onednn_for_cpu_float32_only():
@@ -108,3 +109,21 @@ def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, blo
     for got, want in zip(mass.prefill, chunk_masses, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert float(mass.decode.sum()) == pytest.approx(heads * len(decode_masses), rel=1e-5)
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this PyTorch build has no oneDNN linear ops")
+@pytest.mark.parametrize("rows", [1, 16, 17, 129, 513, 2049])
+def test_onednn_linear_at_row_buckets_gives_every_row_its_own_result(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    got = onednn.linear(x, onednn.prepare_linear(w), b)
+    assert got.shape == (rows, 48)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_row_buckets_bound_the_shapes_a_server_meets():
+    buckets = [onednn.padded_rows(m) for m in range(1, 4097)]
+    assert all(m <= p <= max(m + 7, m * 1.42) for m, p in enumerate(buckets, start=1))
+    assert buckets[:16] == list(range(1, 17))  # decode batches run unpadded
+    assert len(set(buckets[:2048])) <= 60
