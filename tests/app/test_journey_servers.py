@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication, QDialogButtonBox
@@ -147,6 +148,18 @@ def test_journey_servers_to_history(make_window, engine_server, qtbot, tmp_path)
     with qtbot.waitSignal(history.loaded, timeout=60_000):
         qtbot.mouseClick(dialog.start_button, Qt.MouseButton.LeftButton)
     qtbot.mouseClick(dialog.close_button, Qt.MouseButton.LeftButton)
+
+    # The Monitor: each p99 TTFT line drawn with the histogram bucket it lies in (a band), and
+    # the requests finished per second by their reason.
+    go_to(qtbot, window, "Monitor")
+    ttft, events = monitor.charts["ttft"], monitor.charts["events"]
+    qtbot.waitUntil(lambda: "local/ttft_s_p99" in ttft.bands, timeout=15_000)
+    band_ts, lo, hi = ttft.bands["local/ttft_s_p99"]
+    line_ts, line = ttft.data["local/ttft_s_p99"]
+    at = np.isin(line_ts, band_ts)
+    assert at.any() and np.all((lo <= line[at] + 1e-9) & (line[at] <= hi + 1e-9))
+    qtbot.waitUntil(lambda: any(k.startswith("local/requests_finished_reason_per_s[")
+                                for k in events.data), timeout=15_000)
 
     go_to(qtbot, window, "History")
     runs = history.runs_table

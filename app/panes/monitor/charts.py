@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QRectF, Qt, Signal
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QGraphicsItem,
     QHBoxLayout,
@@ -92,6 +93,10 @@ class ChartView(QWidget):
         self._configure_for_speed(item)
         self.curves: dict[str, pg.PlotCurveItem] = {}
         self.data: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # key -> (ts, lo, hi) in the chart's unit: the histogram bucket each p99 lies in.
+        self.bands: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._band_items: dict[str, tuple[pg.PlotCurveItem, pg.PlotCurveItem,
+                                          pg.FillBetweenItem]] = {}
         self.slo_line: pg.InfiniteLine | None = None
         if spec.slo is not None:
             pen = pg.mkPen(SLO_COLOUR, width=1, style=Qt.PenStyle.DashLine)
@@ -145,8 +150,11 @@ class ChartView(QWidget):
                 self.slo_line.setValue(value)
 
     def update_series(self, data: dict[str, tuple[np.ndarray, np.ndarray]],
-                      x_range: tuple[float, float] | None) -> None:
-        """Show ``data`` (series key -> raw timestamps and values); scales to the chart's unit."""
+                      x_range: tuple[float, float] | None,
+                      bands: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
+                      ) -> None:
+        """Show ``data`` (series key -> raw timestamps and values) and ``bands`` (a drawn
+        series' key -> timestamps, lower and upper ends); scales to the chart's unit."""
         self.data = {k: (ts, values * self.spec.scale) for k, (ts, values) in data.items()}
         for key in [k for k in self.curves if k not in self.data]:
             self.plot.removeItem(self.curves.pop(key))
@@ -156,9 +164,32 @@ class ChartView(QWidget):
                 curve = self._new_curve(key, PALETTE[len(self.curves) % len(PALETTE)])
                 self.curves[key] = curve
             curve.setData(*decimate_peaks(ts, values, self._max_points()))
+        self._update_bands(bands or {})
         if x_range is not None:
             self.plot.setXRange(*x_range, padding=0)
             self._fit_y(x_range)
+
+    def _update_bands(self, bands: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """A translucent band (the line's colour) between each series' lower and upper ends;
+        y is fitted to the lines only, so a wide last bucket cannot flatten them."""
+        self.bands = {k: (ts, lo * self.spec.scale, hi * self.spec.scale)
+                      for k, (ts, lo, hi) in bands.items() if k in self.curves and len(ts)}
+        for key in [k for k in self._band_items if k not in self.bands]:
+            for item in self._band_items.pop(key):
+                self.plot.removeItem(item)
+        for key, (ts, lo, hi) in self.bands.items():
+            if key not in self._band_items:
+                colour = QColor(self.curves[key].opts["pen"].color())
+                colour.setAlpha(60)
+                edges = (pg.PlotCurveItem(pen=pg.mkPen(None)), pg.PlotCurveItem(pen=pg.mkPen(None)))
+                fill = pg.FillBetweenItem(*edges, brush=pg.mkBrush(colour))
+                fill.setZValue(-1)  # behind the lines
+                for item in (*edges, fill):
+                    self.plot.addItem(item)
+                self._band_items[key] = (*edges, fill)
+            lower, upper, _ = self._band_items[key]
+            lower.setData(ts, lo)
+            upper.setData(ts, hi)
 
     def _fit_y(self, x_range: tuple[float, float]) -> None:
         """Set y to a stable range holding the points inside ``x_range``; unchanged if it is."""

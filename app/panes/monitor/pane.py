@@ -24,7 +24,14 @@ from PySide6.QtWidgets import (
 from app.navigation import PageMixin, make_actions
 from app.panes.monitor.charts import ChartView
 from app.panes.monitor.service import MonitorService
-from app.panes.monitor.state import CHARTS, WINDOWS, chart_series, merge_history
+from app.panes.monitor.state import (
+    CHARTS,
+    WINDOWS,
+    aligned,
+    band_keys,
+    chart_series,
+    merge_history,
+)
 from app.settings import Settings
 from app.workers import Progress, TaskRunner
 
@@ -186,13 +193,19 @@ class MonitorPane(PageMixin, QWidget):
             self._fetch_history(since, now)
         keys = sorted(set(hub.series_keys()) | set(self._history))
         for spec in CHARTS:
-            data = {}
-            for key in chart_series(spec, keys, self.source_filter()):
-                ts, values = hub.series(key, since=since)
-                if key in self._history:
-                    ts, values = merge_history(*self._history[key], ts, values)
-                data[key] = (ts, values)
-            self.charts[spec.chart_id].update_series(data, (since, now))
+            drawn = chart_series(spec, keys, self.source_filter())
+            data = {key: self._series(hub, key, since) for key in drawn}
+            # The bucket each histogram p99 lies in, as a band behind its line.
+            bands = {key: aligned(self._series(hub, lo, since), self._series(hub, hi, since))
+                     for key, (lo, hi) in band_keys(drawn, keys).items()}
+            self.charts[spec.chart_id].update_series(data, (since, now), bands)
+
+    def _series(self, hub, key: str, since: float) -> tuple:
+        """A series' live points, after the stored ones older than the live buffer."""
+        ts, values = hub.series(key, since=since)
+        if key in self._history:
+            ts, values = merge_history(*self._history[key], ts, values)
+        return ts, values
 
     def _update_status(self) -> None:
         parts = [self.service.gpu_message or "GPUs: —"]
@@ -228,7 +241,9 @@ class MonitorPane(PageMixin, QWidget):
         def task(cancel):
             from storage.queries import list_series, series_window
 
-            keys = [k for spec in CHARTS for k in chart_series(spec, list_series(db))]
+            stored = list_series(db)
+            keys = [k for spec in CHARTS for k in chart_series(spec, stored)]
+            keys += [k for pair in band_keys(keys, stored).values() for k in pair]
             out = {}
             for i, key in enumerate(keys):
                 if cancel.is_set():

@@ -53,6 +53,13 @@ CHARTS: tuple[ChartSpec, ...] = (
               (r"requests_running", r"requests_waiting")),
     ChartSpec("kv", "KV-cache usage", "%", (r"kv_cache_usage",), 100.0),
     ChartSpec("cost", "Cost per 1M tokens", "$", (r"usd_per_1m_tokens",)),
+    # What vLLM says of itself beyond the latencies (monitor.normalize's derived series).
+    ChartSpec("cache", "Prefix-cache hit rate / spec acceptance", "%",
+              (r"(prefix_cache_hit_rate|spec_acceptance_rate)",), 100.0),
+    ChartSpec("phases", "Queue / prefill / decode time p99", "ms",
+              (r"(queue|prefill|decode)_s_p99",), 1000.0),
+    ChartSpec("events", "Preemptions / finished requests by reason", "/s",
+              (r"(preemptions_per_s|requests_finished_reason_per_s\[.*\])",)),
 )
 
 
@@ -77,6 +84,21 @@ def chart_series(spec: ChartSpec, keys: Iterable[str], source: str | None = None
                 out += hits
                 break
     return out
+
+
+def band_keys(drawn: Iterable[str], keys: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """The bucket interval behind each drawn histogram p99 (``x_p99`` -> (``x_p99_lo``,
+    ``x_p99_hi``)) where both ends are stored; the last bucket has no upper end, and no band."""
+    have = set(keys)
+    return {k: (f"{k}_lo", f"{k}_hi") for k in drawn
+            if k.endswith("_p99") and f"{k}_lo" in have and f"{k}_hi" in have}
+
+
+def aligned(lo: tuple[np.ndarray, np.ndarray], hi: tuple[np.ndarray, np.ndarray]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ts, lo, hi) at the timestamps both ends share (one scrape stores both)."""
+    ts, i, j = np.intersect1d(lo[0], hi[0], assume_unique=True, return_indices=True)
+    return ts, lo[1][i], hi[1][j]
 
 
 def merge_history(db_ts: np.ndarray, db_values: np.ndarray, live_ts: np.ndarray,

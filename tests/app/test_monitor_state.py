@@ -1,0 +1,35 @@
+"""The Monitor pane's plain-Python state: which series a chart draws, and the p99 bands."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from app.panes.monitor.state import CHARTS, aligned, band_keys, chart_series
+
+SPECS = {spec.chart_id: spec for spec in CHARTS}
+KEYS = ["vllm/ttft_s_p50", "vllm/ttft_s_p99", "vllm/ttft_s_p99_lo", "vllm/ttft_s_p99_hi",
+        "vllm/ttft_s_p95", "vllm/ttft_s_p95_lo", "vllm/queue_s_p99", "vllm/prefill_s_p99",
+        "vllm/decode_s_p50", "vllm/prefix_cache_hit_rate", "vllm/spec_acceptance_rate",
+        "vllm/preemptions_per_s", "vllm/requests_finished_reason_per_s[reason=stop]",
+        "sglang/ttft_s_p99", "sglang/ttft_s_p99_lo", "engine/ttft_s_p99"]
+
+
+def test_the_vllm_series_have_their_charts() -> None:
+    assert chart_series(SPECS["ttft"], KEYS) == [
+        "engine/ttft_s_p99", "sglang/ttft_s_p99", "vllm/ttft_s_p50", "vllm/ttft_s_p95",
+        "vllm/ttft_s_p99"]  # the _lo/_hi ends are bands, not lines
+    assert chart_series(SPECS["phases"], KEYS) == ["vllm/prefill_s_p99", "vllm/queue_s_p99"]
+    assert chart_series(SPECS["cache"], KEYS) == ["vllm/prefix_cache_hit_rate",
+                                                  "vllm/spec_acceptance_rate"]
+    assert chart_series(SPECS["events"], KEYS) == [
+        "vllm/preemptions_per_s", "vllm/requests_finished_reason_per_s[reason=stop]"]
+
+
+def test_a_band_needs_both_ends_of_the_bucket() -> None:
+    drawn = chart_series(SPECS["ttft"], KEYS)
+    # sglang's p99 lies in the last bucket (no upper end); the engine's is exact (no bucket).
+    assert band_keys(drawn, KEYS) == {"vllm/ttft_s_p99": ("vllm/ttft_s_p99_lo",
+                                                          "vllm/ttft_s_p99_hi")}
+    ts, lo, hi = aligned((np.array([1.0, 2.0, 3.0]), np.array([0.1, 0.1, 0.25])),
+                         (np.array([2.0, 3.0]), np.array([0.25, 0.5])))
+    assert ts.tolist() == [2.0, 3.0] and lo.tolist() == [0.1, 0.25] and hi.tolist() == [0.25, 0.5]
