@@ -1,4 +1,4 @@
-"""Exports for a chosen plan: vLLM and SGLang commands, Kubernetes YAML, ranking CSV / JSON."""
+"""Exports for a chosen plan: vLLM and SGLang commands, Kubernetes YAML, ranking CSV."""
 
 from __future__ import annotations
 
@@ -117,10 +117,6 @@ def ranking_csv(plans: list[Plan]) -> str:
         writer.writeheader()
         writer.writerows(rows)
     return out.getvalue()
-
-
-def ranking_json(plans: list[Plan]) -> str:
-    return json.dumps([p.as_dict() for p in plans], indent=2)
 
 
 def _flat(row: dict) -> dict:

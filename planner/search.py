@@ -18,7 +18,7 @@ from planner.cost import (
     cost_per_million,
     hourly_replicas,
 )
-from planner.evaluate import InfeasibleError, memory_for, replica_for, token_prices
+from planner.evaluate import memory_for, replica_for, token_prices
 from planner.memory import MemoryPlan
 from planner.screen import capacity, estimate
 from planner.simulate import simulate
@@ -369,8 +369,3 @@ def _memory_relaxation(model: Model, w: Workload, catalog: Catalog, space: Searc
                           f"{d.gpus}x {d.gpu.name} (TP{d.tp} PP{d.pp})")
     return msg + "; no catalog GPU holds it even at int4 with 32 GPUs per replica"
 
-
-def plan_or_raise(result: SearchResult) -> Plan:
-    if not result.candidates:
-        raise InfeasibleError(result.infeasible)
-    return result.candidates[0]
