@@ -11,7 +11,7 @@ from app.panes.monitor.state import fmt
 
 METRICS = (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"))
 PERCENTILES = (50, 95, 99)
-# The server's first scrape after the run's last request still counts it.
+# The server's first scrape after the run's last request counts it: looked for this long.
 SLACK_S = 5.0
 COLUMNS = ("Metric", "Client (exact)", "Server estimate", "Its bucket", "Estimate − exact")
 
@@ -35,37 +35,47 @@ def server_name(db: Any, run: dict) -> str | None:
         return next((n for n in names if list_series(db, n)), None)
 
 
-def _last(db: Any, key: str, start_s: float, end_s: float) -> tuple[float | None, float | None]:
-    """(timestamp, value) of the last finite stored point of ``key`` in the span."""
+def _point(db: Any, key: str, start_s: float, end_s: float,
+           last: bool = True) -> tuple[float | None, float | None]:
+    """(timestamp, value) of the last (or first) finite stored point of ``key`` in the span."""
     from storage.queries import series_window
 
     ts, values = series_window(db, key, start_s, end_s, resolution="raw")
-    for t, v in zip(ts[::-1], values[::-1], strict=True):
+    pairs = zip(ts[::-1], values[::-1], strict=True) if last else zip(ts, values, strict=True)
+    for t, v in pairs:
         if math.isfinite(v):
             return float(t), float(v)
     return None, None
 
 
+def _estimate(db: Any, key: str, start_s: float, end_s: float
+              ) -> tuple[float | None, float | None]:
+    """The server's estimate for a run: its first scrape after the run ended (its window holds
+    the whole of a run shorter than that window), else its last one during the run."""
+    at, value = _point(db, key, end_s, end_s + SLACK_S, last=False)
+    return (at, value) if value is not None else _point(db, key, start_s, end_s)
+
+
 def estimate_rows(db: Any, run: dict) -> tuple[str | None, list[list[str]]]:
     """(source, rows): for each latency and percentile, the run's exact value, the server's
-    estimate at the run's end (over the server's last minute, which holds a run shorter than a
-    minute), the bucket it lies in and the gap; ([], None) when no estimate is stored."""
+    estimate just after the run (over its sliding window, a minute for vLLM-style sources),
+    the bucket it lies in and the gap; (None, []) when no estimate is stored."""
     source = server_name(db, run)
     if source is None:
         return None, []
     start = run["started_ms"] / 1000
-    end = (run.get("finished_ms") or run["started_ms"]) / 1000 + SLACK_S
+    end = (run.get("finished_ms") or run["started_ms"]) / 1000
     summary = run.get("summary") or {}
     rows = []
     for label, metric in METRICS:
         for p in PERCENTILES:
             key = f"{source}/{metric}_s_p{p}"
-            at, estimate = _last(db, key, start, end)
+            at, estimate = _estimate(db, key, start, end)
             exact = (summary.get(f"{metric}_ms") or {}).get(f"p{p}")
             if estimate is None:
                 continue
-            _, lo = _last(db, key + "_lo", at - 0.001, at + 0.001)
-            _, hi = _last(db, key + "_hi", at - 0.001, at + 0.001)
+            _, lo = _point(db, key + "_lo", at - 0.001, at + 0.001)
+            _, hi = _point(db, key + "_hi", at - 0.001, at + 0.001)
             rows.append([f"{label} p{p} (ms)", fmt(exact), fmt(estimate * 1000),
                          _bucket(lo, hi), "" if exact is None else fmt(estimate * 1000 - exact)])
     return source, rows

@@ -262,14 +262,18 @@ class HistoryPane(PageMixin, QWidget):
         self.loaded.emit()
 
     def _on_estimated(self, result: tuple[dict, str | None, list[list[str]]]) -> None:
-        from app.panes.monitor.estimates import COLUMNS
+        from app.panes.monitor.estimates import COLUMNS, SLACK_S
 
         run, source, rows = result
         self.estimates = rows
         if not rows:
-            self.notify.emit("warning", f"No server estimates are stored for run {run['id']}'s "
-                             "minutes: watch the server (Servers pane, or servescope record) "
-                             "while the load test runs.")
+            if time.time() < (run.get("finished_ms") or 0) / 1000 + SLACK_S:
+                self.notify.emit("info", f"The server's estimates for run {run['id']} are not "
+                                         "stored yet; try again in a few seconds.")
+            else:
+                self.notify.emit("warning", f"No server estimates are stored for run "
+                                 f"{run['id']}'s minutes: watch the server (Servers pane, or "
+                                 "servescope record) while the load test runs.")
             return
         self.compare_table.setColumnCount(len(COLUMNS))
         self.compare_table.setHorizontalHeaderLabels(
