@@ -6,9 +6,11 @@ import csv
 import io
 import json
 import shlex
+from types import SimpleNamespace
 
 from planner import kubernetes
 from planner.checkpoints import Weights, speculation_for, weights_for
+from planner.disagg import DisaggPlan
 from planner.kubernetes import VLLM_IMAGE
 from planner.search import Plan
 from planner.timing import SpecDecode
@@ -66,6 +68,22 @@ def vllm_command(plan: Plan, prefix_caching: bool = True) -> str:
         args += ["--speculative-config",
                  json.dumps(vllm_speculative_config(spec), separators=(",", ":"))]
     return shlex.join(args)
+
+
+# vLLM's NIXL connector moves the KV cache GPU to GPU (vllm/distributed/kv_transfer/kv_connector/
+# v1/nixl); "kv_both" lets an instance send and receive, as vLLM's disaggregation examples run
+# both sides. The proxy in front sends each request to a prefill instance with max_tokens 1, then
+# to a decode instance with the prefill's kv_transfer_params.
+NIXL_KV_TRANSFER = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+
+
+def disagg_vllm_commands(plan: DisaggPlan) -> dict[str, str]:
+    """`vllm serve` for one prefill and one decode instance of a disaggregated plan, each with
+    its own layout and the NIXL KV-transfer config."""
+    transfer = ["--kv-transfer-config", json.dumps(NIXL_KV_TRANSFER, separators=(",", ":"))]
+    dd = plan.deployment
+    return {role: shlex.join(shlex.split(vllm_command(SimpleNamespace(deployment=d))) + transfer)
+            for role, d in (("prefill", dd.prefill), ("decode", dd.decode))}
 
 
 def sglang_command(plan: Plan, prefix_caching: bool = True) -> str:

@@ -58,12 +58,14 @@ class _State:
     """Mutable per-request arrays of one simulation run."""
 
     def __init__(self, arrivals: np.ndarray, inputs: np.ndarray, outputs: np.ndarray,
-                 hit: float) -> None:
+                 hit: float, precomputed: np.ndarray | None = None) -> None:
         n = len(arrivals)
         self.arrival = arrivals.astype(float)
         self.prompt = inputs.astype(float)
         self.out = outputs.astype(float)
         self.computed = np.floor(inputs * hit)  # prefix-cache hits need no prefill
+        if precomputed is not None:  # prompt tokens whose KV cache arrives from elsewhere
+            self.computed = np.maximum(self.computed, np.asarray(precomputed, dtype=float))
         self.gen = np.zeros(n)
         self.reserved = np.zeros(n)
         self.first = np.full(n, np.nan)
@@ -173,9 +175,12 @@ def _retire(s: _State, running: list, t: float) -> tuple[list, float]:
 
 
 def run_replica(r: Replica, arrivals: np.ndarray, inputs: np.ndarray, outputs: np.ndarray,
-                closed_loop: int = 0) -> tuple[_State, int]:
-    """Simulate one replica; with `closed_loop` > 0 each finish releases the next request."""
-    s = _State(arrivals, inputs, outputs, r.prefix_hit)
+                closed_loop: int = 0,
+                precomputed: np.ndarray | None = None) -> tuple[_State, int]:
+    """Simulate one replica; with `closed_loop` > 0 each finish releases the next request.
+    `precomputed` counts, per request, prompt tokens already in the KV cache when it arrives
+    (a disaggregated decode replica receives them from the prefill pool)."""
+    s = _State(arrivals, inputs, outputs, r.prefix_hit, precomputed)
     order = deque(range(len(arrivals)))
     waiting: deque = deque()
     running: list = []
