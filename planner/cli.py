@@ -47,6 +47,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     se.add_argument("--budget-per-hour", type=float)
     se.add_argument("--spot-share", type=float, default=0.0)
     se.add_argument("--top", type=int, default=10, help="plans to print")
+    se.add_argument("--disaggregated", action="store_true",
+                    help="also search separate prefill and decode pools and rank the best "
+                         "against the best aggregated plan")
     se.set_defaults(func=run_search)
     return plan
 
@@ -97,15 +100,30 @@ def run_search(args: argparse.Namespace) -> int:
             return {**p.as_dict(), "vllm_command": vllm_command(p),
                     "sglang_command": sglang_command(p)}
 
-        return {"model": model.name, "candidates": [with_commands(p) for p in
-                                                    result.candidates[:args.top]],
+        out = {"model": model.name, "candidates": [with_commands(p) for p in
+                                                   result.candidates[:args.top]],
                 "pareto": [with_commands(p) for p in result.pareto],
                 "notes": result.notes, "evaluated": result.evaluated,
                 "fitting": result.fitting, "screened": result.screened,
                 "simulated": result.simulated, "folded": result.folded,
                 "seconds": round(result.seconds, 3),
                 "vllm_command": vllm_command(best), "sglang_command": sglang_command(best)}
+        if args.disaggregated:
+            out["comparison"] = _comparison(model, w, catalog, space, args)
+        return out
     return _run(args, work, _print_search)
+
+
+def _comparison(model, w: Workload, catalog: Catalog, space: SearchSpace,
+                args: argparse.Namespace) -> dict:
+    from planner.disagg import compare
+    from planner.export import disagg_vllm_commands
+
+    c = compare(model, w, catalog, space, cost_opts=CostOptions(spot_share=args.spot_share))
+    out = c.as_dict()
+    if c.disaggregated is not None:
+        out["disaggregated"]["vllm_commands"] = disagg_vllm_commands(c.disaggregated)
+    return out
 
 
 def _run(args: argparse.Namespace, work: Any, show: Any) -> int:
@@ -146,3 +164,8 @@ def _print_search(r: dict) -> None:
               f"TP{p['tp']} PP{p['pp']} seqs {p['max_seqs']}: ${p['cost_per_hour']:.2f}/h, "
               f"TTFT p99 {p['ttft_p99_ms']:.0f} ms, TPOT p99 {p['tpot_p99_ms']:.1f} ms")
     print(f"deploy: {r['vllm_command']}")
+    c = r.get("comparison")
+    if c:
+        print(f"aggregated or disaggregated: {c['winner']} ({c['reason']})")
+        for role, cmd in (c["disaggregated"] or {}).get("vllm_commands", {}).items():
+            print(f"  {role}: {cmd}")

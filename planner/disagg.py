@@ -28,9 +28,10 @@ from planner.simulate import SimResult, run_replica
 from planner.timing import Deployment, StepCost
 from planner.workload import Workload, requests
 
-# One 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s per direction): the DGX H100/H200 and DGX B200
-# reference designs (NVIDIA DGX H100 and DGX B200 datasheets: 8x single-port ConnectX-7 for the
-# compute fabric). KV moves GPU-to-GPU over RDMA (NIXL/UCX), each GPU sending its own shard.
+# One 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s per direction) on the compute fabric: NVIDIA's
+# DGX BasePOD reference architecture, "Core Components" (DGX H100, H200 and B200: eight
+# single-port ConnectX-7 VPI, up to 400 Gb/s InfiniBand/Ethernet). KV moves GPU to GPU over
+# RDMA (NIXL/UCX), each GPU sending its own shard.
 NIC_GBS = 50.0
 # aiconfigurator's system YAMLs: 10 us point-to-point latency (research note planner.md, sec. 2).
 TRANSFER_LATENCY_S = 10e-6
@@ -406,6 +407,17 @@ def _why_disaggregated(a: Plan | None, b: DisaggPlan, w: Workload, cal: Calibrat
 def _why_aggregated(a: Plan, b: DisaggPlan | None, w: Workload, cal: Calibration) -> str:
     if b is None:
         return "no disaggregated pair meets the SLOs; the aggregated plan does"
-    return (f"aggregated {a.deployment.gpus * a.replicas} GPUs against disaggregated "
-            f"{b.deployment.gpus}: prefill chunks cost decodes little here (or the split pools "
-            f"each round up to whole replicas), so sharing replicas is cheaper")
+    n_a, n_b = a.deployment.gpus * a.replicas, b.deployment.gpus
+    transfer = b.ttft_parts_ms["kv_transfer"]
+    if a.cost_per_hour == b.cost_per_hour:
+        return (f"a tie at {n_a} GPUs (${a.cost_per_hour:.2f}/hour) each way; aggregated is "
+                f"kept: one pool to run and no KV transfer ({transfer:.1f} ms of mean TTFT "
+                f"disaggregated)")
+    alone, mixed = interference(a.deployment, w, cal, max(1, min(
+        a.deployment.max_seqs, round(w.rate / a.replicas * w.output_len
+                                     * a.tpot_p99_ms / 1e3))))
+    return (f"aggregated {n_a} GPUs (${a.cost_per_hour:.2f}/hour) against disaggregated {n_b} "
+            f"(${b.cost_per_hour:.2f}/hour): a decode step carrying a prefill chunk takes "
+            f"{mixed * 1e3:.1f} ms against {alone * 1e3:.1f} ms without, which TPOT p99 <= "
+            f"{w.slo.tpot_p99_ms:g} ms tolerates, so a shared pool wastes less than two pools "
+            f"each rounded up to whole replicas")

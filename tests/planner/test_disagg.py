@@ -116,3 +116,22 @@ def test_each_pool_gets_its_own_vllm_command_with_the_nixl_connector(long_prompt
         assert argv[argv.index("--max-num-batched-tokens") + 1] == str(d.max_batched_tokens)
         config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+
+
+def test_plan_search_disaggregated_prints_the_comparison_and_both_pools_commands(capsys):
+    import argparse
+
+    from planner.cli import add_plan_parser
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    line = ("plan search --model Llama-3.1-70B --input-len 16384 --output-len 512 --rate 1 "
+            "--ttft-p99-ms 8000 --tpot-p99-ms 30 --gpus H100 --num-requests 200 --top 1 "
+            "--disaggregated --json")
+    args = parser.parse_args(shlex.split(line))
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    c = out["comparison"]
+    assert c["winner"] in ("aggregated", "disaggregated") and c["reason"]
+    assert set(c["disaggregated"]["vllm_commands"]) == {"prefill", "decode"}
+    assert c["aggregated"]["cost_per_hour"] == out["candidates"][0]["cost_per_hour"]
