@@ -11,7 +11,7 @@ from typing import Any
 from planner.catalog import KV_PRECISIONS, PRECISIONS, Catalog, CatalogError, load_catalog
 from planner.cost import CostOptions
 from planner.evaluate import InfeasibleError, evaluate, evaluation_dict
-from planner.export import sglang_command, vllm_command
+from planner.export import NotServable, sglang_command, vllm_command
 from planner.hf_import import model_from_hf_config
 from planner.search import SearchSpace, search
 from planner.timing import Deployment
@@ -29,6 +29,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     ev.add_argument("--gpu", required=True)
     ev.add_argument("--tp", type=int, default=1)
     ev.add_argument("--pp", type=int, default=1)
+    ev.add_argument("--dcp", type=int, default=1,
+                    help="decode context parallel size: TP ranks striping each KV cache")
     ev.add_argument("--replicas", type=int, default=1)
     ev.add_argument("--weights", choices=PRECISIONS, default="bf16")
     ev.add_argument("--kv", choices=KV_PRECISIONS, default="bf16")
@@ -73,7 +75,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     def work() -> dict:
         catalog = load_catalog()
         d = Deployment(_model(catalog, args.model), catalog.gpu(args.gpu), args.weights, args.kv,
-                       args.tp, args.pp, args.max_seqs)
+                       args.tp, args.pp, args.max_seqs, dcp=args.dcp)
         w = Workload(args.input_len, args.output_len, rate=args.rate,
                      concurrency=args.concurrency, offline=args.offline,
                      num_requests=args.num_requests)
@@ -98,7 +100,7 @@ def run_search(args: argparse.Namespace) -> int:
 
         def with_commands(p) -> dict:  # each plan runs on its own, not only the best
             return {**p.as_dict(), "vllm_command": vllm_command(p),
-                    "sglang_command": sglang_command(p)}
+                    "sglang_command": _sglang_or_none(p)}
 
         out = {"model": model.name, "candidates": [with_commands(p) for p in
                                                    result.candidates[:args.top]],
@@ -107,11 +109,19 @@ def run_search(args: argparse.Namespace) -> int:
                 "fitting": result.fitting, "screened": result.screened,
                 "simulated": result.simulated, "folded": result.folded,
                 "seconds": round(result.seconds, 3),
-                "vllm_command": vllm_command(best), "sglang_command": sglang_command(best)}
+                "vllm_command": vllm_command(best), "sglang_command": _sglang_or_none(best)}
         if args.disaggregated:
             out["comparison"] = _comparison(model, w, catalog, space, args)
         return out
     return _run(args, work, _print_search)
+
+
+def _sglang_or_none(plan) -> str | None:
+    """SGLang's command, or None where SGLang cannot run the plan (vLLM can: it was offered)."""
+    try:
+        return sglang_command(plan)
+    except NotServable:
+        return None
 
 
 def _comparison(model, w: Workload, catalog: Catalog, space: SearchSpace,

@@ -143,7 +143,7 @@ def _memory(d: Deployment, w: Workload, prefill: bool) -> MemoryPlan:
     context = max_context(replace(w, output_len=1, output_dist="fixed")) if prefill else \
         max_context(w)
     return plan_memory(d.model, d.gpu, d.weights, d.kv, d.tp, d.pp, context,
-                       d.max_batched_tokens)
+                       d.max_batched_tokens, d.dcp)
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,19 @@ def max_context(w: Workload) -> int:
     return int(w.input_len * scale[w.input_dist] + w.output_len * scale[w.output_dist])
 
 
+def check_context(model, w: Workload) -> None:
+    """Refuse a workload whose requests (mean prompt plus reply) outrun the model's context: no
+    server would accept them."""
+    need = w.input_len + w.output_len
+    if need > model.max_context:
+        raise ValueError(f"{model.name} has a {model.max_context}-token context; the workload's "
+                         f"requests need {need} tokens (input plus output): shorten the prompts "
+                         f"or the replies")
+
+
 def memory_for(d: Deployment, w: Workload) -> MemoryPlan:
     return plan_memory(d.model, d.gpu, d.weights, d.kv, d.tp, d.pp, max_context(w),
-                       d.max_batched_tokens)
+                       d.max_batched_tokens, d.dcp)
 
 
 def replica_for(d: Deployment, memory: MemoryPlan, calibration: Calibration) -> Replica:
@@ -57,6 +67,7 @@ def evaluate(d: Deployment, w: Workload, replicas: int = 1,
     """Memory fit, then a simulation of `replicas` replicas; raises InfeasibleError if it
     cannot fit."""
     calibration = calibration or Calibration()
+    check_context(d.model, w)
     memory = memory_for(d, w)
     if not memory.fits:
         raise InfeasibleError(f"{d.model.name} on {d.gpus}x {d.gpu.name} ({d.weights} weights, "
@@ -95,7 +106,7 @@ def evaluation_dict(ev: Evaluation) -> dict:
     """The JSON shape of `servescope plan evaluate --json`."""
     d = ev.deployment
     return {
-        "model": d.model.name, "gpu": d.gpu.name, "tp": d.tp, "pp": d.pp,
+        "model": d.model.name, "gpu": d.gpu.name, "tp": d.tp, "pp": d.pp, "dcp": d.dcp,
         "replicas": ev.replicas, "weights": d.weights, "kv": d.kv, "max_seqs": d.max_seqs,
         "fits": ev.memory.fits,
         "memory_gb": round(ev.memory.total_gb, 3),

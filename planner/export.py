@@ -62,6 +62,8 @@ def vllm_command(plan: Plan, prefix_caching: bool = True) -> str:
         args += ["--quantization", weights.quantization]
     if d.kv == "fp8":
         args += ["--kv-cache-dtype", "fp8"]
+    if d.dcp > 1:
+        args += ["--decode-context-parallel-size", str(d.dcp)]
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     spec = _spec(plan)
     if spec is not None:
@@ -89,6 +91,11 @@ def disagg_vllm_commands(plan: DisaggPlan) -> dict[str, str]:
 def sglang_command(plan: Plan, prefix_caching: bool = True) -> str:
     """An SGLang `launch_server` command line for one replica of the plan."""
     d = plan.deployment
+    # SGLang's decode context parallelism stripes MLA caches only (its docs,
+    # advanced_features/dcp: "--dcp-size N").
+    if d.dcp > 1 and not d.model.is_mla:
+        raise NotServable(f"SGLang's decode context parallelism covers MLA models only; "
+                          f"{d.model.name} with dcp {d.dcp} runs on vLLM")
     weights = _weights(plan)
     args = ["python", "-m", "sglang.launch_server", "--model-path", weights.model_id,
             "--tp-size", str(d.tp), "--pp-size", str(d.pp),
@@ -97,6 +104,8 @@ def sglang_command(plan: Plan, prefix_caching: bool = True) -> str:
         args += ["--quantization", weights.quantization]
     if d.kv in SGLANG_KV:
         args += ["--kv-cache-dtype", SGLANG_KV[d.kv]]
+    if d.dcp > 1:
+        args += ["--dcp-size", str(d.dcp)]
     if not prefix_caching:
         args.append("--disable-radix-cache")
     spec = _spec(plan)

@@ -56,13 +56,17 @@ def kv_bytes_per_token(model: Model, kv_precision: str) -> float:
     return 2.0 * model.layers * model.kv_heads * model.head_dim * KV_BYTES[kv_precision]
 
 
-def kv_bytes_per_token_per_gpu(model: Model, kv_precision: str, tp: int, pp: int) -> float:
+def kv_bytes_per_token_per_gpu(model: Model, kv_precision: str, tp: int, pp: int,
+                               dcp: int = 1) -> float:
     """One GPU's share: layers split by PP; heads split by TP until TP exceeds them (replicated).
-    MLA's latent has no heads to split, so every TP rank holds it whole."""
+    MLA's latent has no heads to split, so every TP rank holds it whole. Decode context
+    parallelism then stripes each sequence's tokens over `dcp` of the TP ranks that would hold
+    copies (vLLM 0.32: ModelConfig.get_num_kv_heads keeps max(1, kv_heads // TP) heads a rank,
+    AttentionSpec.max_num_blocks_per_req allots a request cdiv(len, block_size * dcp) blocks)."""
     total = kv_bytes_per_token(model, kv_precision) / pp
     if model.is_mla:
-        return total
-    return total / min(tp, model.kv_heads)
+        return total / dcp
+    return total / min(tp, model.kv_heads) / dcp
 
 
 def activation_bytes(model: Model, tokens: int, tp: int) -> float:
@@ -76,7 +80,7 @@ def activation_bytes(model: Model, tokens: int, tp: int) -> float:
 
 
 def plan_memory(model: Model, gpu: Gpu, weights: str, kv: str, tp: int = 1, pp: int = 1,
-                context: int = 4096, max_batched_tokens: int = 2048) -> MemoryPlan:
+                context: int = 4096, max_batched_tokens: int = 2048, dcp: int = 1) -> MemoryPlan:
     """Per-GPU memory split and how many sequences of `context` tokens the KV cache holds."""
     if tp < 1 or pp < 1:
         raise ValueError("tp and pp must be at least 1")
@@ -85,7 +89,7 @@ def plan_memory(model: Model, gpu: Gpu, weights: str, kv: str, tp: int = 1, pp: 
     reserve_gb = RUNTIME_RESERVE_GB + (NCCL_RESERVE_GB if tp * pp > 1 else 0.0)
     usable_gb = gpu.memory_gb * MEMORY_UTILIZATION
     kv_gb = usable_gb - weights_gb - activations_gb - reserve_gb
-    per_token = kv_bytes_per_token_per_gpu(model, kv, tp, pp)
+    per_token = kv_bytes_per_token_per_gpu(model, kv, tp, pp, dcp)
     kv_tokens = int(max(kv_gb, 0.0) * GB // per_token)
     max_sequences = kv_tokens // max(context, 1)
     reason = ""

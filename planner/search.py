@@ -18,11 +18,11 @@ from planner.cost import (
     cost_per_million,
     hourly_replicas,
 )
-from planner.evaluate import memory_for, replica_for, token_prices
+from planner.evaluate import check_context, memory_for, replica_for, token_prices
 from planner.memory import MemoryPlan
 from planner.screen import capacity, estimate
 from planner.simulate import simulate
-from planner.timing import Deployment, SpecDecode, StepCost
+from planner.timing import Deployment, SpecDecode, StepCost, dcp_problem
 from planner.workload import Workload
 
 Progress = Callable[[float, str], None]
@@ -43,6 +43,9 @@ class SearchSpace:
     pp: tuple[int, ...] = (1, 2, 4)
     max_seqs: tuple[int, ...] = (16, 32, 64, 128, 256)
     spec: tuple[SpecDecode | None, ...] = (None, SpecDecode())
+    # Decode context parallel sizes; only those vLLM accepts for the model and TP are tried
+    # (planner.timing.dcp_problem): for GQA models within one node that is rarely any.
+    dcp: tuple[int, ...] = (1, 2, 4, 8)
     max_batched_tokens: int = 2048
     prefix_hit: float = 0.0
 
@@ -72,7 +75,7 @@ class Plan:
         d = self.deployment
         return {"gpu": d.gpu.name, "tp": d.tp, "pp": d.pp, "replicas": self.replicas,
                 "gpus": d.gpus * self.replicas, "weights": d.weights, "kv": d.kv,
-                "max_seqs": d.max_seqs,
+                "max_seqs": d.max_seqs, "dcp": d.dcp,
                 "spec_decode": None if d.spec is None else {
                     "method": d.spec.method, "draft_len": d.spec.draft_len,
                     "acceptance": d.spec.acceptance, "draft": d.spec.draft or None},
@@ -109,12 +112,13 @@ def enumerate_deployments(model: Model, catalog: Catalog, space: SearchSpace) ->
     """Every combination in the space that is a valid layout (heads split evenly over TP)."""
     gpus = [catalog.gpu(n) for n in space.gpus] if space.gpus else list(catalog.gpus.values())
     out = []
-    for gpu, w, kv, tp, pp, seqs, spec in itertools.product(
-            gpus, space.weights, space.kv, space.tp, space.pp, space.max_seqs, space.spec):
-        if model.heads % tp or pp > model.layers:
+    for gpu, w, kv, tp, pp, seqs, spec, dcp in itertools.product(
+            gpus, space.weights, space.kv, space.tp, space.pp, space.max_seqs, space.spec,
+            space.dcp):
+        if model.heads % tp or pp > model.layers or dcp_problem(model, tp, dcp):
             continue
         out.append(Deployment(model, gpu, w, kv, tp, pp, seqs, space.max_batched_tokens, spec,
-                              space.prefix_hit))
+                              space.prefix_hit, dcp))
     return out
 
 
@@ -142,7 +146,7 @@ class _Screened:
 
 def shape(d: Deployment) -> tuple:
     """A deployment without its batch limit: plans differing only in max_seqs share it."""
-    return d.gpu.name, d.weights, d.kv, d.tp, d.pp, d.spec
+    return d.gpu.name, d.weights, d.kv, d.tp, d.pp, d.spec, d.dcp
 
 
 class _Screen:
@@ -159,13 +163,13 @@ class _Screen:
         self.over_budget = float("inf")
 
     def memory_of(self, d: Deployment) -> MemoryPlan:
-        key = (d.gpu.name, d.weights, d.kv, d.tp, d.pp)
+        key = (d.gpu.name, d.weights, d.kv, d.tp, d.pp, d.dcp)
         if key not in self.memory:
             self.memory[key] = memory_for(d, self.w)
         return self.memory[key]
 
     def _group(self, d: Deployment, memory: MemoryPlan) -> tuple[tuple, StepCost, int, float]:
-        key = (d.gpu.name, d.weights, d.kv, d.tp, d.pp, d.spec)
+        key = (d.gpu.name, d.weights, d.kv, d.tp, d.pp, d.spec, d.dcp)
         if key not in self.costs:
             cost = StepCost(replace(d, max_seqs=memory.max_sequences),
                             self.calibration.efficiency(d.gpu.name, d.weights))
@@ -260,6 +264,7 @@ def search(model: Model, w: Workload, catalog: Catalog, space: SearchSpace | Non
     """Rank deployments of `model` serving open-loop workload `w` within its SLOs and budget."""
     if w.rate is None:
         raise ValueError("search needs a workload with a request rate")
+    check_context(model, w)
     started = time.perf_counter()
     space, calibration = space or SearchSpace(), calibration or Calibration()
     opts = cost_opts or CostOptions()

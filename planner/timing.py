@@ -59,6 +59,32 @@ class SpecDecode:
         return (1.0 - a ** (g + 1)) / (1.0 - a)
 
 
+def dcp_problem(model: Model, tp: int, dcp: int) -> str:
+    """Why vLLM would refuse decode context parallelism of `dcp` at TP `tp`, or "" (its rules,
+    vllm/config/parallel.py and ModelConfig.verify_with_parallel_config, 0.32): DCP reuses
+    the TP ranks, so TP must divide by it; for GQA/MQA it only stripes copies of KV heads, so TP
+    must exceed the KV heads, DCP be at most TP / KV heads and divide the query heads per KV
+    head. MLA's latent is copied on every rank, so any divisor of TP will do."""
+    if dcp < 1:
+        return f"dcp must be at least 1, got {dcp}"
+    if dcp == 1:
+        return ""
+    if tp % dcp:
+        return f"decode context parallel size {dcp} must divide the tensor parallel size {tp}"
+    if model.is_mla:
+        return ""
+    if tp <= model.kv_heads:
+        return (f"decode context parallelism for {model.name} needs a tensor parallel size above "
+                f"its {model.kv_heads} KV heads (TP {tp}); raise TP or set dcp to 1")
+    if dcp > tp // model.kv_heads:
+        return (f"decode context parallel size {dcp} exceeds TP {tp} / {model.kv_heads} KV "
+                f"heads for {model.name}; use at most {tp // model.kv_heads}")
+    if (model.heads // model.kv_heads) % dcp:
+        return (f"decode context parallel size {dcp} must divide {model.name}'s "
+                f"{model.heads // model.kv_heads} query heads per KV head")
+    return ""
+
+
 @dataclass(frozen=True)
 class Deployment:
     """One replica's layout: model on GPUs at a precision, parallelism and batch limits."""
@@ -73,6 +99,7 @@ class Deployment:
     max_batched_tokens: int = 2048
     spec: SpecDecode | None = None
     prefix_hit: float = 0.0
+    dcp: int = 1  # decode context parallel: ranks of the TP group striping each KV cache
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.tp > MAX_TP:
@@ -84,6 +111,9 @@ class Deployment:
         if not 0.0 <= self.prefix_hit < 1.0:
             raise ValueError("prefix_hit must be in [0, 1)")
         BYTES_PER_PARAM[self.weights]  # noqa: B018 - raises KeyError on an unknown precision
+        why = dcp_problem(self.model, self.tp, self.dcp)
+        if why:
+            raise ValueError(why)
 
     @property
     def gpus(self) -> int:
@@ -122,7 +152,8 @@ class StepCost:
     __slots__ = ("d", "eff", "flops_per_token", "lm_head_flops", "attn_flops", "dense_bytes",
                  "expert_bytes", "kv_read", "flops_rate", "attn_rate", "bw", "comm_per_token",
                  "comm_fixed", "stage_layers", "spec_tokens", "draft_fraction", "pp",
-                 "handoff_fixed", "handoff_per_token", "overhead", "draft_seconds", "moe")
+                 "handoff_fixed", "handoff_per_token", "overhead", "draft_seconds", "moe",
+                 "dcp_fixed", "dcp_per_token")
 
     def __init__(self, d: Deployment, eff: Efficiency | None = None) -> None:
         m, g, self.d = d.model, d.gpu, d
@@ -135,7 +166,7 @@ class StepCost:
         routed = m.moe_layers * m.experts * m.expert_params if m.is_moe else 0.0
         self.dense_bytes = (m.params_b * 1e9 - routed) * bpp / d.gpus
         self.expert_bytes = m.moe_layers * m.expert_params * bpp / d.gpus
-        self.kv_read = kv_bytes_per_token_per_gpu(m, d.kv, d.tp, d.pp)
+        self.kv_read = kv_bytes_per_token_per_gpu(m, d.kv, d.tp, d.pp, d.dcp)
         self.flops_rate = g.compute_tflops(d.weights) * 1e12 * self.eff.flops * d.gpus
         # Attention (QK^T and PV over the cache) runs in 16-bit FMHA kernels whatever the weight
         # precision: FP8/INT8 weights speed up the linear layers only.
@@ -148,6 +179,17 @@ class StepCost:
         self.comm_fixed = reduces * allreduce_seconds(g, d.tp, 0.0, self.eff.link)
         self.comm_per_token = reduces * (allreduce_seconds(g, d.tp, 2.0 * m.hidden, self.eff.link)
                                          - allreduce_seconds(g, d.tp, 0.0, self.eff.link))
+        # Decode context parallelism, vLLM's default "ag_rs" exchange: per layer an all-gather
+        # of the queries over the DCP group and a reduce-scatter of the partial outputs (their
+        # log-sum-exp alongside), each half a ring all-reduce (GenZ collective_times.py).
+        # Queries and outputs are bf16, DCP x the rank's query heads wide.
+        self.dcp_fixed = self.dcp_per_token = 0.0
+        if d.dcp > 1:
+            width = 2.0 * d.dcp * m.heads / d.tp * (m.kv_lora_rank or m.head_dim)
+            self.dcp_fixed = self.stage_layers * allreduce_seconds(g, d.dcp, 0.0, self.eff.link)
+            self.dcp_per_token = self.stage_layers * (
+                allreduce_seconds(g, d.dcp, width, self.eff.link)
+                - allreduce_seconds(g, d.dcp, 0.0, self.eff.link))
         self.spec_tokens = d.spec.draft_len + 1 if d.spec else 1
         self.draft_fraction = d.spec.draft_len * d.spec.draft_cost if d.spec else 0.0
         # Constants of time(), which the search calls hundreds of thousands of times.
@@ -188,6 +230,8 @@ class StepCost:
         linear = max(gemm_flops / self.flops_rate, weights / self.bw * micro) / micro
         attention = max(attn_flops / self.attn_rate, kv / self.bw) / micro
         comm = self.comm_fixed + self.comm_per_token * tokens / micro
+        if self.dcp_fixed:  # every token's attention reads a striped cache, prompts' too
+            comm += self.dcp_fixed + self.dcp_per_token * tokens / micro
         stage = linear + attention + comm
         handoff = self.handoff_fixed + self.handoff_per_token * tokens / micro
         draft = self.draft_seconds if decode_seqs else 0.0

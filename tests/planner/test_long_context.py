@@ -1,0 +1,98 @@
+"""Long contexts: decode context parallelism (KV striped over TP ranks) under vLLM 0.32's rules,
+in the memory and step-time models, the search and the commands."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import replace
+
+import pytest
+
+from planner.catalog import load_catalog
+from planner.export import NotServable, sglang_command, vllm_command
+from planner.memory import kv_bytes_per_token_per_gpu, plan_memory
+from planner.search import SearchSpace, search
+from planner.timing import Deployment, StepCost, dcp_problem
+from planner.workload import Slo, Workload
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return load_catalog()
+
+
+def test_dcp_follows_vllms_rules(catalog):
+    """vLLM refuses DCP for GQA unless TP exceeds the KV heads (it stripes copies only), caps it
+    at TP / KV heads, and needs it to divide TP; MLA copies its latent on every rank."""
+    llama, ds = catalog.model("Llama-3.1-70B"), catalog.model("DeepSeek-V3")
+    assert "above its 8 KV heads" in dcp_problem(llama, 8, 2)
+    assert dcp_problem(ds, 8, 8) == "" and dcp_problem(ds, 4, 2) == ""
+    assert "must divide" in dcp_problem(ds, 8, 3)
+    with pytest.raises(ValueError, match="KV heads"):
+        Deployment(llama, catalog.gpu("H100 SXM"), tp=8, dcp=2)
+
+
+def test_dcp_stripes_the_per_gpu_kv_cache(catalog):
+    """DeepSeek-V3's MLA latent, 61 layers x (512 + 64) x 2 bytes a token, is whole on every TP
+    rank; DCP 8 leaves an eighth of it on each."""
+    ds = catalog.model("DeepSeek-V3")
+    assert kv_bytes_per_token_per_gpu(ds, "bf16", 8, 1) == 61 * 576 * 2
+    assert kv_bytes_per_token_per_gpu(ds, "bf16", 8, 1, dcp=8) == 61 * 576 * 2 / 8
+    h200 = catalog.gpu("H200")
+    one = plan_memory(ds, h200, "fp8", "bf16", tp=8, context=131072)
+    eight = plan_memory(ds, h200, "fp8", "bf16", tp=8, context=131072, dcp=8)
+    assert eight.kv_gb == one.kv_gb  # the same memory ...
+    assert eight.kv_tokens == pytest.approx(8 * one.kv_tokens, rel=1e-6)  # ... 8x the tokens
+    assert eight.max_sequences >= 8 * one.max_sequences
+
+
+def test_dcp_speeds_long_decode_and_costs_a_little_on_short(catalog):
+    """Each rank reads its stripe of the cache: at a 128K context the decode step is faster;
+    at 100 tokens the query/output exchange (an all-gather and a reduce-scatter a layer) makes
+    it slower, by no more than that exchange costs."""
+    ds, h200 = catalog.model("DeepSeek-V3"), catalog.gpu("H200")
+    plain = StepCost(Deployment(ds, h200, "fp8", "bf16", tp=8))
+    striped = StepCost(Deployment(ds, h200, "fp8", "bf16", tp=8, dcp=8))
+    assert striped.decode_seconds(16, 131072) < 0.8 * plain.decode_seconds(16, 131072)
+    short_plain, short_striped = plain.decode_seconds(16, 100), striped.decode_seconds(16, 100)
+    exchange = striped.dcp_fixed + 16 * striped.dcp_per_token
+    assert short_plain < short_striped <= short_plain + exchange
+
+
+def test_long_context_search_finds_a_cheaper_plan_with_dcp(catalog):
+    """128K-token documents asked about again and again (95% of each prompt cached): the KV
+    cache, not compute, bounds a replica, and striping it over the TP ranks halves the GPUs."""
+    w = Workload(131072, 1024, rate=0.5, slo=Slo(ttft_p99_ms=20000, tpot_p99_ms=100),
+                 num_requests=200)
+    space = SearchSpace(gpus=("H200",), weights=("fp8",), kv=("fp8",), tp=(8,), pp=(1,),
+                        spec=(None,), max_seqs=(16, 64), prefix_hit=0.95)
+    model = catalog.model("DeepSeek-V3")
+    with_dcp = search(model, w, catalog, space)
+    without = search(model, w, catalog, replace(space, dcp=(1,)))
+    best, base = with_dcp.candidates[0], without.candidates[0]
+    assert best.deployment.dcp > 1 and base.deployment.dcp == 1
+    assert best.cost_per_hour < base.cost_per_hour
+    assert best.ttft_p99_ms <= 20000 and best.tpot_p99_ms <= 100
+    assert best.as_dict()["dcp"] == best.deployment.dcp
+    argv = shlex.split(vllm_command(best))
+    assert argv[argv.index("--decode-context-parallel-size") + 1] == str(best.deployment.dcp)
+    assert "--dcp-size" in sglang_command(best)
+
+
+def test_sglang_refuses_dcp_for_a_gqa_model_by_name(catalog):
+    """SGLang stripes MLA caches only; a GQA plan with DCP names the model and where it runs."""
+    llama = catalog.model("Llama-3.1-70B")
+    wide = replace(llama, name="wide-gqa", kv_heads=4)  # TP 8 > 4 KV heads: DCP 2 is valid
+    d = Deployment(wide, catalog.gpu("H100 SXM"), tp=8, dcp=2)
+
+    class _Plan:
+        deployment = d
+
+    with pytest.raises(NotServable, match="covers MLA models only; wide-gqa"):
+        sglang_command(_Plan())
+
+
+def test_a_workload_longer_than_the_models_context_is_refused(catalog):
+    w = Workload(131072, 1024, rate=0.1, slo=Slo(60000, 100), num_requests=50)
+    with pytest.raises(ValueError, match="131072-token context"):
+        search(catalog.model("Llama-3.1-70B"), w, catalog, SearchSpace(gpus=("H100 SXM",)))
