@@ -161,6 +161,7 @@ class DisaggPlan:
     cost_per_1m_output: float
     ttft_parts_ms: dict[str, float]
     calibration: str
+    context: int = 0  # the longest request the decode pool's memory was sized for (tokens)
 
     def as_dict(self) -> dict:
         dd = self.deployment
@@ -202,7 +203,8 @@ def plan_disagg(dd: DisaggDeployment, w: Workload, calibration: Calibration,
                       sim.summary("e2e")["p99"], sim.throughput_tok_s, hourly,
                       cost_per_million(hourly, out_tok_s), inp, out,
                       {"prefill": res.prefill_s * 1e3, "kv_transfer": res.transfer_s * 1e3,
-                       "decode_first_step": res.decode_first_s * 1e3}, calibration.name)
+                       "decode_first_step": res.decode_first_s * 1e3}, calibration.name,
+                      _memory(dd.decode, w, prefill=False).context)
     return plan, res
 
 

@@ -50,6 +50,15 @@ def vllm_speculative_config(spec: SpecDecode) -> dict:
     return config
 
 
+def max_model_len(plan: Plan) -> int:
+    """The context to start the server with: what the plan's memory was sized for, when that
+    is below the model's own (vLLM refuses to start if its KV cache cannot hold one request
+    of --max-model-len, which defaults to the model's whole context); 0 to leave the default."""
+    memory = getattr(plan, "memory", None)
+    context = getattr(memory, "context", 0)
+    return context if 0 < context < plan.deployment.model.max_context else 0
+
+
 def vllm_command(plan: Plan, prefix_caching: bool = True) -> str:
     """A `vllm serve` command line for one replica of the plan (NotServable if none can run:
     the search offers no such plan)."""
@@ -64,6 +73,8 @@ def vllm_command(plan: Plan, prefix_caching: bool = True) -> str:
         args += ["--kv-cache-dtype", "fp8"]
     if d.dcp > 1:
         args += ["--decode-context-parallel-size", str(d.dcp)]
+    if max_model_len(plan):
+        args += ["--max-model-len", str(max_model_len(plan))]
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     spec = _spec(plan)
     if spec is not None:
@@ -84,7 +95,10 @@ def disagg_vllm_commands(plan: DisaggPlan) -> dict[str, str]:
     its own layout and the NIXL KV-transfer config."""
     transfer = ["--kv-transfer-config", json.dumps(NIXL_KV_TRANSFER, separators=(",", ":"))]
     dd = plan.deployment
-    return {role: shlex.join(shlex.split(vllm_command(SimpleNamespace(deployment=d))) + transfer)
+    memory = SimpleNamespace(context=plan.context)  # both pools take the same requests
+    return {role: shlex.join(shlex.split(vllm_command(SimpleNamespace(deployment=d,
+                                                                      memory=memory)))
+                             + transfer)
             for role, d in (("prefill", dd.prefill), ("decode", dd.decode))}
 
 
@@ -106,6 +120,8 @@ def sglang_command(plan: Plan, prefix_caching: bool = True) -> str:
         args += ["--kv-cache-dtype", SGLANG_KV[d.kv]]
     if d.dcp > 1:
         args += ["--dcp-size", str(d.dcp)]
+    if max_model_len(plan):
+        args += ["--context-length", str(max_model_len(plan))]
     if not prefix_caching:
         args.append("--disable-radix-cache")
     spec = _spec(plan)

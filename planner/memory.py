@@ -34,6 +34,7 @@ class MemoryPlan:
     max_sequences: int
     fits: bool
     reason: str = ""
+    context: int = 0  # the longest request the plan was sized for (tokens)
 
     @property
     def total_gb(self) -> float:
@@ -101,4 +102,5 @@ def plan_memory(model: Model, gpu: Gpu, weights: str, kv: str, tp: int = 1, pp: 
         reason = (f"KV cache holds {kv_tokens} tokens per replica, less than one {context}-token "
                   f"sequence")
     return MemoryPlan(weights_gb, activations_gb, reserve_gb, kv_gb, usable_gb, per_token,
-                      kv_tokens, max_sequences, fits=not reason, reason=reason)
+                      kv_tokens, max_sequences, fits=not reason, reason=reason,
+                      context=min(context, model.max_context))

@@ -114,6 +114,7 @@ def test_each_pool_gets_its_own_vllm_command_with_the_nixl_connector(long_prompt
         argv = shlex.split(commands[role])
         assert argv[argv.index("--tensor-parallel-size") + 1] == str(d.tp)
         assert argv[argv.index("--max-num-batched-tokens") + 1] == str(d.max_batched_tokens)
+        assert argv[argv.index("--max-model-len") + 1] == str(16384 + 512)
         config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 

@@ -77,6 +77,9 @@ def test_long_context_search_finds_a_cheaper_plan_with_dcp(catalog):
     argv = shlex.split(vllm_command(best))
     assert argv[argv.index("--decode-context-parallel-size") + 1] == str(best.deployment.dcp)
     assert "--dcp-size" in sglang_command(best)
+    # Started at the workload's context, not the model's 163,840 tokens, which its KV cache
+    # (sized for the workload) could not hold: vLLM would refuse to start.
+    assert argv[argv.index("--max-model-len") + 1] == str(131072 + 1024)
 
 
 def test_sglang_refuses_dcp_for_a_gqa_model_by_name(catalog):
