@@ -49,6 +49,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     se.add_argument("--budget-per-hour", type=float)
     se.add_argument("--spot-share", type=float, default=0.0)
     se.add_argument("--top", type=int, default=10, help="plans to print")
+    se.add_argument("--spot-market", metavar="PROVIDER",
+                    help="size a spot / on-demand pool of the best plan through simulated "
+                         "interruptions, with that provider's reclaim rate (catalogs/spot.toml)")
     se.add_argument("--disaggregated", action="store_true",
                     help="also search separate prefill and decode pools and rank the best "
                          "against the best aggregated plan")
@@ -112,8 +115,27 @@ def run_search(args: argparse.Namespace) -> int:
                 "vllm_command": vllm_command(best), "sglang_command": _sglang_or_none(best)}
         if args.disaggregated:
             out["comparison"] = _comparison(model, w, catalog, space, args)
+        if args.spot_market:
+            out["spot"] = _spot(best, w, args.spot_market)
         return out
     return _run(args, work, _print_search)
+
+
+def _spot(best, w: Workload, provider: str) -> dict:
+    from planner.spot import load_spot_markets, plan_spot
+
+    markets = load_spot_markets()
+    d = best.deployment
+    market = markets.get((d.gpu.name, provider.lower()))
+    if market is None:
+        known = ", ".join(f"{g} at {p}" for g, p in sorted(markets)) or "none"
+        raise ValueError(f"no spot interruption rate for {d.gpu.name} at {provider!r} in "
+                         f"catalogs/spot.toml (known: {known}); add one to your config dir's "
+                         f"catalogs/spot.toml")
+    one, on_demand = plan_spot(d, w, best.replicas, market)
+    together, _ = plan_spot(d, w, best.replicas, market, correlated=True)
+    return {"one_reclaimed": one.as_dict(), "all_spot_reclaimed_at_once": together.as_dict(),
+            "on_demand": on_demand.as_dict()}
 
 
 def _sglang_or_none(plan) -> str | None:
@@ -174,6 +196,15 @@ def _print_search(r: dict) -> None:
               f"TP{p['tp']} PP{p['pp']} seqs {p['max_seqs']}: ${p['cost_per_hour']:.2f}/h, "
               f"TTFT p99 {p['ttft_p99_ms']:.0f} ms, TPOT p99 {p['tpot_p99_ms']:.1f} ms")
     print(f"deploy: {r['vllm_command']}")
+    spot = r.get("spot")
+    if spot:
+        for key in ("on_demand", "one_reclaimed", "all_spot_reclaimed_at_once"):
+            p = spot[key]
+            print(f"  {key.replace('_', ' ')}: {p['spot_replicas']} spot + "
+                  f"{p['on_demand_replicas']} on demand, ${p['cost_per_hour']:.2f}/h, "
+                  f"${p['cost_per_1m_input_tokens']:.3f}/1M in, "
+                  f"${p['cost_per_1m_output_tokens']:.3f}/1M out, SLO attainment "
+                  f"{p['slo_attainment']['long_run']:.4%}")
     c = r.get("comparison")
     if c:
         print(f"aggregated or disaggregated: {c['winner']} ({c['reason']})")

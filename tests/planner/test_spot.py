@@ -126,3 +126,26 @@ def test_spot_market_for_another_gpu_is_refused_by_name(catalog):
     market = SpotMarket("L4", "aws", "g6f.xlarge", 0.05, 0.1, 120, "s", "2026-02-24", "n")
     with pytest.raises(ValueError, match="market is for L4.*runs on H100 SXM"):
         plan_spot(d, Workload(100, 10, rate=1, num_requests=20), 1, market)
+
+
+def test_plan_search_spot_market_prints_the_pools_or_says_what_is_missing(capsys):
+    import argparse
+    import json
+    import shlex
+
+    from planner.cli import add_plan_parser
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    base = ("plan search --model Llama-3.1-8B --input-len 1000 --output-len 200 --rate 3 "
+            "--ttft-p99-ms 2000 --tpot-p99-ms 60 --num-requests 300 --top 1 --json "
+            "--spot-market aws --gpus ")
+    args = parser.parse_args(shlex.split(base + "L4"))
+    assert args.func(args) == 0
+    spot = json.loads(capsys.readouterr().out)["spot"]
+    assert set(spot) == {"one_reclaimed", "all_spot_reclaimed_at_once", "on_demand"}
+    assert spot["one_reclaimed"]["cost_per_hour"] <= spot["on_demand"]["cost_per_hour"]
+    args = parser.parse_args(shlex.split(base + "4090"))
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "no spot interruption rate for RTX 4090 at 'aws'" in err
