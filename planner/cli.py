@@ -15,6 +15,7 @@ from planner.export import NotServable, sglang_command, vllm_command
 from planner.hf_import import model_from_hf_config
 from planner.search import SearchSpace, search
 from planner.timing import Deployment
+from planner.validation import basis
 from planner.workload import Slo, Workload
 
 USER_ERRORS = (CatalogError, KeyError, ValueError)
@@ -109,6 +110,7 @@ def run_search(args: argparse.Namespace) -> int:
                                                    result.candidates[:args.top]],
                 "pareto": [with_commands(p) for p in result.pareto],
                 "notes": result.notes, "evaluated": result.evaluated,
+                "basis": basis(best.calibration, best.simulated),
                 "fitting": result.fitting, "screened": result.screened,
                 "simulated": result.simulated, "folded": result.folded,
                 "seconds": round(result.seconds, 3),
@@ -175,6 +177,14 @@ def _run(args: argparse.Namespace, work: Any, show: Any) -> int:
     return 0
 
 
+def _print_band(basis_: dict) -> None:
+    for key in ("throughput_tok_s", "ttft_p99_ms", "tpot_p99_ms"):
+        band = basis_[key]["error_band"]
+        if band:
+            print(f"  {key}: median error {band['median_abs_error_pct']:.1f}% (largest "
+                  f"{band['max_abs_error_pct']:.0f}%) over {band['against']}")
+
+
 def _print_evaluation(r: dict) -> None:
     print(f"{r['model']} on {r['tp'] * r['pp']}x {r['gpu']} x{r['replicas']} replicas "
           f"({r['weights']} weights, {r['kv']} KV)")
@@ -187,6 +197,8 @@ def _print_evaluation(r: dict) -> None:
           f"output tokens (all cost); split by GPU time: "
           f"${r['cost_per_1m_input_tokens']:.3f} per 1M input, "
           f"${r['cost_per_1m_output_tokens']:.3f} per 1M output")
+    print(f"  rests on    {r['basis']['throughput_tok_s']['rests_on']}")
+    _print_band(r["basis"])
 
 
 def _print_search(r: dict) -> None:
@@ -196,6 +208,8 @@ def _print_search(r: dict) -> None:
               f"TP{p['tp']} PP{p['pp']} seqs {p['max_seqs']}: ${p['cost_per_hour']:.2f}/h, "
               f"TTFT p99 {p['ttft_p99_ms']:.0f} ms, TPOT p99 {p['tpot_p99_ms']:.1f} ms")
     print(f"deploy: {r['vllm_command']}")
+    print(f"rests on: {r['basis']['throughput_tok_s']['rests_on']}")
+    _print_band(r["basis"])
     spot = r.get("spot")
     if spot:
         for key in ("on_demand", "one_reclaimed", "all_spot_reclaimed_at_once"):

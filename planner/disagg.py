@@ -185,7 +185,17 @@ class DisaggPlan:
                 "cost_per_1m_tokens": round(self.cost_per_1m_tokens, 4),
                 "cost_per_1m_input_tokens": round(self.cost_per_1m_input, 4),
                 "cost_per_1m_output_tokens": round(self.cost_per_1m_output, 4),
-                "calibration": self.calibration}
+                "calibration": self.calibration, "basis": _basis(self.calibration)}
+
+
+def _basis(calibration: str) -> dict:
+    from planner.validation import basis
+
+    out = basis(calibration)
+    out["kv_transfer"] = {"rests_on": "KV bytes over one 400 Gb/s NIC per GPU at the link "
+                                      "efficiency", "error_band": None,
+                          "note": "not validated against a measured transfer"}
+    return out
 
 
 def plan_disagg(dd: DisaggDeployment, w: Workload, calibration: Calibration,

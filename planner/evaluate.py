@@ -127,7 +127,14 @@ def evaluation_dict(ev: Evaluation) -> dict:
         "cost_per_1m_output_tokens": round(ev.cost_per_1m_output, 4),
         "calibration": ev.calibration,
         "price_source": f"{d.gpu.price_source} ({d.gpu.price_date})",
+        "basis": _basis(ev.calibration),
     }
+
+
+def _basis(calibration: str) -> dict:
+    from planner.validation import basis  # the validation set is read on first use only
+
+    return basis(calibration)
 
 
 def _rounded(summary: dict[str, float]) -> dict[str, float]:

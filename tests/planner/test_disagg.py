@@ -136,3 +136,5 @@ def test_plan_search_disaggregated_prints_the_comparison_and_both_pools_commands
     assert c["winner"] in ("aggregated", "disaggregated") and c["reason"]
     assert set(c["disaggregated"]["vllm_commands"]) == {"prefill", "decode"}
     assert c["aggregated"]["cost_per_hour"] == out["candidates"][0]["cost_per_hour"]
+    assert out["basis"]["ttft_p99_ms"]["error_band"]["points"] >= 1
+    assert c["disaggregated"]["basis"]["kv_transfer"]["error_band"] is None
