@@ -269,12 +269,14 @@ def test_missing_path():
         load_checkpoint("/nonexistent/model.gguf")
 
 
-@pytest.mark.parametrize("kind", ["truncated", "random", "text"])
+@pytest.mark.parametrize("kind", ["truncated", "gguf-garbage", "random", "text"])
 def test_corrupt_gguf(kind, tmp_path, demo_gguf):
     path = tmp_path / f"{kind}.gguf"
     if kind == "truncated":
         with demo_gguf.open("rb") as src:
             path.write_bytes(src.read(demo_gguf.stat().st_size // 2))
+    elif kind == "gguf-garbage":
+        path.write_bytes(b"GGUF" + bytes(range(256)) * 8)
     elif kind == "random":
         path.write_bytes(np.random.default_rng(0).bytes(1 << 16))
     else:
@@ -282,7 +284,14 @@ def test_corrupt_gguf(kind, tmp_path, demo_gguf):
     with pytest.raises(ModelError) as info:
         load_checkpoint(path)
     message = str(info.value)
-    assert str(path) in message and "servescope models fetch" in message
+    assert str(path) in message
+    # The parser's own words (numpy's "index 0 is out of bounds", "GGUF magic invalid") are
+    # nothing a user can act on; a file that is no GGUF at all is not worth downloading again.
+    assert "index" not in message and "magic" not in message
+    if kind in ("truncated", "gguf-garbage"):
+        assert "servescope models fetch" in message
+    else:
+        assert "is not a GGUF file" in message and "download" not in message
 
 
 def test_unsupported_gguf_architecture(tmp_path):

@@ -54,7 +54,7 @@ _PERMUTED_ARCHITECTURES = ("llama",)
 
 def load_gguf(path: Path, dtype: torch.dtype, progress=None):
     """Read a GGUF file into a Checkpoint (tensors dequantized to `dtype`)."""
-    from engine.loader import Checkpoint
+    from engine.loader.checkpoint import Checkpoint
 
     reader = open_gguf(path)
     config = read_config(reader, path)
@@ -76,11 +76,23 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
 
 
 def corrupt(path: Path, exc: BaseException) -> ModelError:
-    """The one message for a damaged GGUF file."""
+    """One sentence for a file that is not GGUF at all, and one for a damaged GGUF file (the
+    parser's own text, e.g. numpy's "index 0 is out of bounds", means nothing to a user)."""
+    if not _has_gguf_magic(path):
+        return ModelError(f"{path} is not a GGUF file: give a .gguf model file or a Hugging Face "
+                          "model folder.")
     return ModelError(
-        f"{path} is not a readable GGUF file ({exc}): it is truncated or corrupt; download it "
-        "again (for the demo model run `servescope models fetch`)."
+        f"{path} starts like a GGUF file but cannot be read (cut short or damaged): copy or "
+        "download it again (for the demo model run `servescope models fetch`)."
     )
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def field(reader: gguf.GGUFReader, key: str, default=None):

@@ -22,7 +22,7 @@ _ALWAYS_BIASED = ("qwen2",)
 
 def load_hf(folder: Path, dtype: torch.dtype, progress=None):
     """Read a Hugging Face model folder into a Checkpoint."""
-    from engine.loader import Checkpoint
+    from engine.loader.checkpoint import Checkpoint
 
     if not folder.is_dir():
         raise ModelError(f"Model folder {folder} does not exist: check the path.")
