@@ -71,14 +71,12 @@ def streaming_past_context(model: str, ids: list[int], context: int) -> dict:
     held = []
     params = SamplingParams(temperature=0.0, max_tokens=len(ids) - prompt_len, ignore_eos=True,
                             kv_policy="streaming", kv_budget=budget)
-    rid = llm.add_request(ids[:prompt_len], params)
-    seq = llm._seqs[rid]
-    seq.forced_token_ids = ids[prompt_len:]
+    seq = llm.sequence(llm.add_request(ids[:prompt_len], params, forced_tokens=ids[prompt_len:]))
     while not seq.is_finished:
         llm.step()
         if not seq.is_finished:
             held.append(seq.kv_len)
-    lps = seq.forced_logprobs
+    lps = seq.forced.logprobs
     windows = [math.exp(-sum(lps[i : i + window]) / len(lps[i : i + window]))
                for i in range(0, len(lps) - window + 1, window)]
     return {"context_length": context, "text_tokens": len(ids), "text_over_context": len(ids) /

@@ -18,14 +18,12 @@ or compiled with the "aot_eager" backend, which traces without generating code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from engine.model import LlamaModel
 from kernels import AttentionMetadata
-
-if TYPE_CHECKING:
-    from engine.runner import ModelRunner, RunItem
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 256  # narrower key widths share one graph: the padding costs less than a capture
@@ -82,12 +80,23 @@ class _Step:
             static.decode_mask[:batch, :, :, :width].copy_(meta.decode_mask)
 
 
+class _Runner(Protocol):
+    """What the graphs need of the runner that owns them (engine/runner.py)."""
+
+    model: LlamaModel
+    kv_caches: list
+    null_slot: int
+    device: torch.device
+
+    def zero_null_slot(self) -> None: ...
+
+
 class DecodeGraphs:
     """Decode-only steps of a runner through captured graphs (or, with capture=False, through the
     same padded static tensors run eagerly: the CPU tests' way to check the padding), compiled
     first when `compile_backend` names a torch.compile backend ("inductor" on CUDA)."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int, max_width: int,
+    def __init__(self, runner: _Runner, max_batch: int, max_width: int,
                  capture: bool = True, compile_backend: str | None = None) -> None:
         if capture:
             check_device(runner.device)
@@ -109,10 +118,11 @@ class DecodeGraphs:
         self._steps: dict[tuple[int, int], _Step] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
-    def handles(self, items: list[RunItem], meta: AttentionMetadata, all_logits: bool) -> bool:
-        """Whether this step is one the graphs serve: single-token queries only, no statistics."""
+    def handles(self, batch: int, meta: AttentionMetadata, all_logits: bool) -> bool:
+        """Whether a step of `batch` sequences is one the graphs serve: single-token queries
+        only, no statistics."""
         return (not all_logits and not meta.want_mass and not meta.prefills
-                and meta.decode_slots is not None and len(items) <= self.batches[-1]
+                and meta.decode_slots is not None and batch <= self.batches[-1]
                 and meta.decode_slots.shape[1] <= self.max_width)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,

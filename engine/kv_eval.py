@@ -51,10 +51,7 @@ def evaluate_policies(llm, token_ids: list[int], prompt_len: int,
     for policy, budget in runs:
         params = SamplingParams(temperature=0.0, max_tokens=len(forced), ignore_eos=True,
                                 kv_policy=policy, kv_budget=budget)
-        rid = llm.add_request(prompt, params)
-        seq = llm._seqs[rid]
-        seq.forced_token_ids = forced
-        seqs.append(seq)
+        seqs.append(llm.sequence(llm.add_request(prompt, params, forced_tokens=forced)))
     peaks = [[0, 0] for _ in seqs]
     while any(not s.is_finished for s in seqs):
         llm.step()
@@ -63,17 +60,17 @@ def evaluate_policies(llm, token_ids: list[int], prompt_len: int,
                 peak[0] = max(peak[0], seq.kv_len)
                 peak[1] = max(peak[1], len(seq.block_table))
         if progress is not None:
-            progress(len(seqs[0].forced_logprobs), len(forced))
-    reference = seqs[0].forced_top1
+            progress(len(seqs[0].forced.logprobs), len(forced))
+    reference = seqs[0].forced.top1
     return [_score(policy, budget, seq, peak, reference if i else None)
             for i, ((policy, budget), seq, peak) in enumerate(zip(runs, seqs, peaks, strict=True))]
 
 
 def _score(policy: str, budget, seq, peak: list[int], reference: list[int] | None) -> PolicyScore:
-    logprobs = seq.forced_logprobs
+    logprobs = seq.forced.logprobs
     agreement = None
     if reference is not None:
-        agreement = sum(a == b for a, b in zip(seq.forced_top1, reference, strict=True)) / len(
+        agreement = sum(a == b for a, b in zip(seq.forced.top1, reference, strict=True)) / len(
             reference)
     state = seq.kv
     return PolicyScore(

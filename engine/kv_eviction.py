@@ -1,6 +1,6 @@
 """KV-cache eviction: keep only the cached tokens attention still uses, within a token budget.
 
-Policies (one interface, chosen per engine or per request):
+Policies (one class each, subclasses of Policy, chosen by name per engine or per request):
 
 - `streaming` (StreamingLLM): the first `sinks` tokens (attention sinks) and a recent window.
 - `h2o` (Heavy-Hitter Oracle): per layer and KV head, the tokens with the largest attention
@@ -37,12 +37,14 @@ so its cache peaks no higher than admission allowed for.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from engine.sequence import RequestError, Sequence
+from engine.features import Step, StepFeature
+from engine.sequence import RequestError, Sequence, Status
 
 POLICIES = ("none", "streaming", "h2o", "scissorhands", "snapkv")
 _ALIASES = {"streamingllm": "streaming", "heavy-hitter": "h2o", "off": "none"}
@@ -50,38 +52,134 @@ _ALIASES = {"streamingllm": "streaming", "heavy-hitter": "h2o", "off": "none"}
 
 @dataclass(frozen=True)
 class Policy:
-    """An eviction policy and its constants (the papers' defaults)."""
+    """An eviction policy, one class each (as kvpress's presses are): what it scores, when it
+    compacts and which cache indices it keeps. The constants are the papers' defaults."""
 
-    name: str
-    sinks: int = 4  # StreamingLLM's attention sinks
-    recent_fraction: float = 0.5  # H2O / Scissorhands: half recent window, half heavy hitters
-    window: int = 32  # SnapKV's observation window
-    pool: int = 7  # SnapKV's max-pool kernel
-    decay: float = 1.0 - 1.0 / 64  # Scissorhands: a history window of about 64 steps
-
-    @property
-    def needs_mass(self) -> bool:
-        return self.name in ("h2o", "scissorhands", "snapkv")
+    name: ClassVar[str]
+    needs_mass: ClassVar[bool] = False  # scores tokens by the attention they receive
+    repositions: ClassVar[bool] = False  # kept keys move to new positions (runs past the context)
+    holds_prompt: ClassVar[bool] = False  # keeps the whole prompt until the prompt ends
 
     def wants_mass(self, state: KVState) -> bool:
-        """Whether this step's attention statistics are needed (SnapKV: only until it snaps)."""
-        return self.needs_mass and not (self.name == "snapkv" and state.snapped)
+        """Whether this step's attention statistics are needed."""
+        return self.needs_mass
 
     def mass_rows(self, seq: Sequence, num_new: int) -> int | None:
-        """SnapKV sums only the queries of its observation window, the prompt's last `window`:
-        of a chunk of `num_new` tokens from `seq.num_computed_tokens` on, its last rows that
+        """How many of a chunk's last queries the statistics sum (None: all of them)."""
+        return None
+
+    def score(self, state: KVState, mass: torch.Tensor, seq: Sequence) -> None:
+        """Fold one step's attention mass ([layers, kv_heads, kv_len]) into state.scores."""
+
+    def target(self, seq: Sequence, state: KVState, movable: int, keep: int,
+               block: int) -> tuple[int, bool] | None:
+        """(movable tokens to keep, whether this is a one-off snapshot) when the sequence should
+        compact now; None to wait. Default: once it is a block over its budget (not kv_len <=
+        budget + a block: with a shared prefix longer than the budget that would compact at
+        every step instead of once per block)."""
+        return None if movable <= keep + block else (keep, False)
+
+    def select(self, state: KVState, start: int, end: int, keep: int, shape: tuple[int, int],
+               snapshot: bool) -> torch.Tensor:
+        """The cache indices each layer and KV head keeps, ascending ([layers, kv_heads, keep])."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Streaming(Policy):
+    """StreamingLLM: the first `sinks` tokens (attention sinks) and a recent window."""
+
+    name: ClassVar[str] = "streaming"
+    repositions: ClassVar[bool] = True
+    sinks: int = 4
+
+    def select(self, state, start, end, keep, shape, snapshot) -> torch.Tensor:
+        sinks = max(0, min(self.sinks - start, keep))
+        return _shared(torch.arange(start, start + sinks), end - (keep - sinks), end, shape)
+
+
+@dataclass(frozen=True)
+class H2O(Policy):
+    """Heavy-Hitter Oracle: per layer and KV head, the tokens with the most attention summed
+    over every query so far, plus a recent window."""
+
+    name: ClassVar[str] = "h2o"
+    needs_mass: ClassVar[bool] = True
+    recent_fraction: float = 0.5  # half recent window, half heavy hitters
+
+    def score(self, state, mass, seq) -> None:
+        state.scores += mass
+
+    def select(self, state, start, end, keep, shape, snapshot) -> torch.Tensor:
+        recent = min(keep, int(keep * self.recent_fraction))
+        return _heavy_and_recent(state.scores, start, end, keep, recent, shape)
+
+
+@dataclass(frozen=True)
+class Scissorhands(H2O):
+    """Per layer and KV head, the tokens whose attention was above average most persistently (an
+    exponential average of "was important", standing in for the paper's window of counts)."""
+
+    name: ClassVar[str] = "scissorhands"
+    decay: float = 1.0 - 1.0 / 64  # a history window of about 64 steps
+
+    def score(self, state, mass, seq) -> None:
+        important = (mass > mass.mean(dim=-1, keepdim=True)).float()
+        state.scores.mul_(self.decay).add_(important)
+
+
+@dataclass(frozen=True)
+class SnapKV(Policy):
+    """Once, at the end of the prompt: per layer and KV head, the prompt tokens the last `window`
+    prompt queries attended to most (max-pooled over neighbours); afterwards the compressed
+    prompt stays and generated tokens slide through a recent window."""
+
+    name: ClassVar[str] = "snapkv"
+    needs_mass: ClassVar[bool] = True
+    holds_prompt: ClassVar[bool] = True
+    window: int = 32  # the observation window
+    pool: int = 7  # the max-pool kernel
+
+    def wants_mass(self, state: KVState) -> bool:
+        return not state.snapped
+
+    def mass_rows(self, seq: Sequence, num_new: int) -> int | None:
+        """Of a chunk of `num_new` tokens from `seq.num_computed_tokens` on, its last rows that
         fall in the window (the window may span chunks: the prompt may end in a tiny one)."""
-        if self.name != "snapkv":
-            return None
         end = seq.num_computed_tokens + num_new
         prompt_len = len(seq.prompt_token_ids)
         if end > prompt_len:  # a recompute chunk past the prompt: its own last queries
             return min(self.window, num_new)
         return min(num_new, max(0, end - (prompt_len - self.window)))
 
-    @property
-    def repositions(self) -> bool:
-        return self.name == "streaming"
+    def score(self, state, mass, seq) -> None:
+        # Chunks before the window bring zeros; at the prompt's end the window's summed
+        # attention is max-pooled over neighbours.
+        state.scores += mass
+        if seq.num_computed_tokens >= len(seq.prompt_token_ids):
+            n = state.scores.shape[-1]
+            state.scores = F.max_pool1d(state.scores, self.pool, stride=1,
+                                        padding=self.pool // 2)[..., :n]
+
+    def target(self, seq, state, movable, keep, block) -> tuple[int, bool] | None:
+        if state.snapped:
+            return super().target(seq, state, movable, keep, block)
+        if seq.num_computed_tokens < len(seq.prompt_token_ids):
+            return None  # it waits for the end of the prompt and its observation window
+        # The snapshot: the prompt gets half the budget, generated tokens the other half.
+        state.snapped = True
+        state.prompt_kept = min(movable, keep // 2)
+        return state.prompt_kept, True
+
+    def select(self, state, start, end, keep, shape, snapshot) -> torch.Tensor:
+        if not snapshot:
+            kept = state.prompt_kept
+            return _shared(torch.arange(start, start + kept), end - (keep - kept), end, shape)
+        return _heavy_and_recent(state.scores, start, end, keep, min(self.window, keep), shape)
+
+
+_POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Streaming, H2O, Scissorhands, SnapKV)}
+
 
 def parse_policy(name: str | None) -> Policy | None:
     """A policy by name (None or "none" = no eviction); a clear error for anything else."""
@@ -91,7 +189,7 @@ def parse_policy(name: str | None) -> Policy | None:
     if key not in POLICIES:
         raise RequestError(f"Unknown KV eviction policy '{name}': choose one of "
                            f"{', '.join(POLICIES)}.")
-    return None if key == "none" else Policy(key)
+    return None if key == "none" else _POLICIES[key]()
 
 
 def resolve_budget(budget: int | float | None, total_tokens: int, block_size: int) -> int:
@@ -123,28 +221,52 @@ class KVState:
     budget: int
     scores: torch.Tensor | None = None  # [layers, kv_heads, kv_len] float32
     snapped: bool = False  # SnapKV has compressed the prompt
+    prompt_kept: int = 0  # SnapKV: prompt tokens its snapshot kept
     evicted: int = 0
     compactions: int = 0
-    extra: dict = field(default_factory=dict)
 
     def restart(self) -> KVState:
         """A fresh state for a preempted sequence that will be recomputed from its first token."""
         return KVState(self.policy, self.budget)
 
 
-class KVEvictor:
-    """Observes attention statistics and compacts sequences' caches; owned by the LLM."""
+class KVEvictor(StepFeature):
+    """Observes attention statistics and compacts sequences' caches (a step feature of the
+    engine core: requests may choose a policy even where the engine has none)."""
 
     def __init__(self, runner, block_manager) -> None:
         self.runner = runner
         self.bm = block_manager
         self.tokens_evicted = 0
 
+    # ---- step hooks ----
+    def wants_mass(self, scheduled: list) -> bool:
+        return any(s.seq.kv is not None and s.seq.kv.policy.wants_mass(s.seq.kv)
+                   for s in scheduled)
+
+    def after_append(self, step: Step) -> int:
+        """After acceptance: fold in attention statistics, compact sequences over budget."""
+        masses = step.result.mass
+        evicted = 0
+        for i, s in enumerate(step.scheduled):
+            seq = s.seq
+            if seq.kv is None or seq.is_finished or seq.status is not Status.RUNNING:
+                continue
+            self.observe(seq, None if masses is None else masses[i])
+            evicted += self.maybe_compact(seq)
+        return evicted
+
+    def on_preempt(self, seq: Sequence) -> None:
+        """Recomputed from its first token: nothing evicted yet, positions from 0."""
+        seq.num_evicted = seq.position_offset = 0
+        if seq.kv is not None:
+            seq.kv = seq.kv.restart()
+
     def observe(self, seq: Sequence, mass: torch.Tensor | None) -> None:
         """Fold one step's attention mass ([layers, kv_heads, >= kv_len]) into the scores."""
         state: KVState = seq.kv
         n = seq.kv_len
-        if not state.policy.needs_mass or (state.policy.name == "snapkv" and state.snapped):
+        if not state.policy.wants_mass(state):
             return
         scores = state.scores
         if scores is None or scores.shape[-1] < n:
@@ -152,22 +274,8 @@ class KVEvictor:
             pad = torch.zeros(*self._score_shape(), grow)
             scores = pad if scores is None else torch.cat((scores, pad), dim=-1)
         state.scores = scores[..., :n]
-        if mass is None:
-            return
-        mass = mass[..., :n].float().cpu()
-        name = state.policy.name
-        if name == "h2o":
-            state.scores += mass
-        elif name == "scissorhands":
-            important = (mass > mass.mean(dim=-1, keepdim=True)).float()
-            state.scores.mul_(state.policy.decay).add_(important)
-        elif name == "snapkv":
-            # Chunks before the window bring zeros; at the prompt's end the window's summed
-            # attention is max-pooled over neighbours.
-            state.scores += mass
-            if seq.num_computed_tokens >= len(seq.prompt_token_ids):
-                p = state.policy.pool
-                state.scores = F.max_pool1d(state.scores, p, stride=1, padding=p // 2)[..., :n]
+        if mass is not None:
+            state.policy.score(state, mass[..., :n].float().cpu(), seq)
 
     def maybe_compact(self, seq: Sequence) -> int:
         """Bring the sequence back to its budget if it went a block over; tokens evicted."""
@@ -175,20 +283,13 @@ class KVEvictor:
         protected = seq.num_cached_blocks * self.bm.block_size
         keep = max(state.budget - protected, 0)
         movable = seq.kv_len - protected
-        snapshot = state.policy.name == "snapkv" and not state.snapped
-        if snapshot:
-            if seq.num_computed_tokens < len(seq.prompt_token_ids):
-                return 0  # SnapKV waits for the end of the prompt and its observation window
-            # The snapshot: the prompt gets half the budget, generated tokens the other half.
-            state.snapped = True
-            state.extra["prompt_kept"] = min(movable, keep // 2)
-            keep = state.extra["prompt_kept"]
-        elif movable <= keep + self.bm.block_size:
-            # (Not kv_len <= budget + a block: with a shared prefix longer than the budget that
-            # would compact at every step instead of once per block.)
+        plan = state.policy.target(seq, state, movable, keep, self.bm.block_size)
+        if plan is None:
             return 0
+        keep, snapshot = plan
         if movable > keep:
-            chosen = self._select(seq, protected, keep, snapshot)  # [layers, kv_heads, keep]
+            chosen = state.policy.select(state, protected, seq.kv_len, keep, self._score_shape(),
+                                         snapshot)
             self._move(seq, protected, chosen)
         if state.snapped:
             state.scores = None  # SnapKV's statistics served their one snapshot
@@ -205,29 +306,6 @@ class KVEvictor:
         state.compactions += 1
         self.tokens_evicted += evicted
         return evicted
-
-    # ---- selection ----
-    def _select(self, seq: Sequence, start: int, keep: int,
-                snapshot: bool = False) -> torch.Tensor:
-        """The cache indices each layer and KV head keeps, ascending ([layers, kv_heads, keep]);
-        `snapshot`: SnapKV's one compression of the prompt."""
-        state, policy = seq.kv, seq.kv.policy
-        end = seq.kv_len
-        shape = self._score_shape()
-        if policy.name == "streaming":
-            sinks = max(0, min(policy.sinks - start, keep))
-            return _shared(torch.arange(start, start + sinks), end - (keep - sinks), end, shape)
-        if policy.name == "snapkv":
-            kept = state.extra["prompt_kept"]
-            if not snapshot:  # afterwards the compressed prompt stays and generated tokens slide
-                return _shared(torch.arange(start, start + kept), end - (keep - kept), end, shape)
-            recent = min(policy.window, keep)
-        else:
-            recent = min(keep, int(keep * policy.recent_fraction))
-        heavy = keep - recent
-        top = state.scores[..., start : end - recent].topk(heavy, dim=-1).indices + start
-        tail = torch.arange(end - recent, end).expand(*shape, recent)
-        return torch.cat((top.sort(dim=-1).values, tail), dim=-1)
 
     # ---- moving the kept tokens ----
     def _move(self, seq: Sequence, start: int, chosen: torch.Tensor) -> None:
@@ -253,6 +331,15 @@ class KVEvictor:
     def _score_shape(self) -> tuple[int, int]:
         c = self.runner.model.config
         return c.num_layers, c.num_kv_heads
+
+
+def _heavy_and_recent(scores: torch.Tensor, start: int, end: int, keep: int, recent: int,
+                      shape: tuple[int, int]) -> torch.Tensor:
+    """Per layer and head, the `keep - recent` best-scored indices from `start` on, plus the
+    last `recent`."""
+    top = scores[..., start : end - recent].topk(keep - recent, dim=-1).indices + start
+    tail = torch.arange(end - recent, end).expand(*shape, recent)
+    return torch.cat((top.sort(dim=-1).values, tail), dim=-1)
 
 
 def _shared(head: torch.Tensor, tail_from: int, end: int, shape: tuple[int, int]) -> torch.Tensor:

@@ -23,6 +23,7 @@ from array import array
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
+from engine.features import Step, StepFeature
 from engine.sequence import Sequence
 
 
@@ -38,13 +39,23 @@ class PrefixCacheCounters:
         return None if not self.queries else self.hits / self.queries
 
 
-class PrefixCache:
-    """Matches new sequences against cached blocks and indexes blocks as they fill."""
+class PrefixCache(StepFeature):
+    """Matches new sequences against cached blocks (the scheduler asks, on admission) and
+    indexes blocks as they fill (a step feature of the engine core)."""
 
     def __init__(self, block_manager: BlockManager, identity: str = "") -> None:
         self.bm = block_manager
         self.counters = PrefixCacheCounters()
         self.root = hashlib.sha256(b"servescope-prefix-v1\0" + identity.encode()).digest()
+
+    def after_forward(self, step: Step) -> None:
+        # A sequence under an eviction policy keeps its blocks private (it may move them).
+        for s in step.scheduled:
+            if s.seq.kv is None:
+                self.register(s.seq)
+
+    def on_preempt(self, seq: Sequence) -> None:
+        seq.num_cached_blocks = 0
 
     def match(self, seq: Sequence) -> int:
         """Share the longest cached prefix with a sequence that holds no blocks; tokens reused.

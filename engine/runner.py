@@ -30,11 +30,22 @@ class RunItem:
     def from_scheduled(cls, s: ScheduledSeq) -> RunItem:
         seq, computed = s.seq, s.seq.num_computed_tokens
         real = s.num_new_tokens - s.num_draft
-        tokens = seq.all_token_ids[computed : computed + real] + seq.draft_token_ids[: s.num_draft]
+        tokens = seq.all_token_ids[computed : computed + real] + seq.draft_tokens[: s.num_draft]
         mass_rows = None if seq.kv is None else seq.kv.policy.mass_rows(seq, len(tokens))
         # The last real token and every draft: the model's distribution at each.
         return cls(tokens, seq.kv_len, seq.block_table, 1 + s.num_draft if s.samples else 0,
                    seq.position_offset, mass_rows)
+
+
+@dataclass
+class StepResult:
+    """What one forward pass produced, for the rows that need logits (every row with
+    all_logits), in item order."""
+
+    logits: torch.Tensor  # [rows, vocab] float32
+    hidden: torch.Tensor  # [rows, hidden]: the states behind the logits (a hidden-state draft)
+    # With want_mass: each item's attention statistics over its context (KV eviction), on the CPU.
+    mass: list[torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -60,8 +71,13 @@ class ModelRunner:
         self.kv_scale = (torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
                          if quantized else None)
         self.kv_caches = [self._layer_caches(i) for i in range(c.num_layers)]
-        self.last_mass: list[torch.Tensor] | None = None
-        self.decode_graphs: DecodeGraphs | None = None  # set by LLM(cuda_graphs=True)
+        self.decode_graphs: DecodeGraphs | None = None  # see use_decode_graphs
+
+    def use_decode_graphs(self, max_batch: int, max_width: int, capture: bool = True,
+                          compile_backend: str | None = None) -> None:
+        """Run decode-only steps through CUDA graphs (capture) and/or torch.compile from now on;
+        with neither, through the same padded static tensors eagerly (the CPU tests' check)."""
+        self.decode_graphs = DecodeGraphs(self, max_batch, max_width, capture, compile_backend)
 
     def _layer_caches(self, layer: int) -> tuple:
         if self.kv_scale is None:
@@ -84,32 +100,29 @@ class ModelRunner:
         return values + scales.numel() * scales.element_size()
 
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False,
-            want_mass: bool = False) -> torch.Tensor:
-        """Run the step; logits ([rows, V] float32) for the sequences that sample, in order.
-
-        With `all_logits` every token's logits are returned instead (used by prompt_logits).
-        With `want_mass`, `last_mass` holds each sequence's attention statistics afterwards.
-        """
+            want_mass: bool = False) -> StepResult:
+        """Run the step: logits for the sequences that sample, in order (with `all_logits`,
+        every token's: prompt_logits); with `want_mass`, each sequence's attention statistics."""
         return self.run_items([RunItem.from_scheduled(s) for s in scheduled], all_logits,
                               want_mass)
 
     @torch.inference_mode()
     def run_items(self, items: list[RunItem], all_logits: bool = False,
-                  want_mass: bool = False) -> torch.Tensor:
+                  want_mass: bool = False) -> StepResult:
         """The forward pass over any batch of run items (the target's step or a draft's)."""
         input_ids, positions, rows = self._inputs(items)
         meta = self._metadata(items)
         meta.want_mass = want_mass
         masses: list = []
-        if self.decode_graphs is not None and self.decode_graphs.handles(items, meta, all_logits):
-            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.handles(len(items), meta, all_logits):
+            hidden = graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, masses)
-        self.last_mass = _per_item_mass(items, masses) if want_mass else None
         if not all_logits:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
-        self.last_hidden = hidden  # one row per logits row, for a hidden-state draft
-        return self.model.logits(hidden)
+        return StepResult(self.model.logits(hidden), hidden,
+                          _per_item_mass(items, masses) if want_mass else None)
 
     @torch.inference_mode()
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor | None) -> None:

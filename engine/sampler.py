@@ -18,17 +18,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         # One uniform draw per request from its own generator: the token a seed picks does not
         # depend on which other requests share the batch.
         u = torch.cat([torch.rand(1, generator=generator_for(seqs[i])) for i in rows])
-        for row, token in zip(rows, _inverse_cdf(probs, u), strict=True):
+        for row, token in zip(rows, inverse_cdf(probs, u), strict=True):
             tokens[row] = token
     return tokens
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One token from an (unnormalised) distribution [V], with one uniform from `gen`."""
-    return _inverse_cdf(probs.unsqueeze(0), torch.rand(1, generator=gen))[0]
+    return inverse_cdf(probs.unsqueeze(0), torch.rand(1, generator=gen))[0]
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     cdf = probs.cumsum(dim=-1)
     picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
     return picked.clamp_(max=probs.shape[-1] - 1).tolist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -61,9 +62,12 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefix_cache=None) -> None:
+                 max_num_batched_tokens: int, prefix_cache=None,
+                 on_preempt: Callable[[Sequence], None] | None = None) -> None:
         self.block_manager = block_manager
         self.prefix_cache = prefix_cache
+        # The features' resets for a preempted sequence (engine/features.py: on_preempt).
+        self.on_preempt = on_preempt
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -90,7 +94,7 @@ class Scheduler:
             seq = self.running[i]
             n = _chunk(seq, budget)
             # Drafts ride along as extra query tokens when the budget has room for them.
-            drafts = len(seq.draft_token_ids) if n == seq.num_uncomputed_tokens == 1 else 0
+            drafts = len(seq.draft_tokens) if n == seq.num_uncomputed_tokens == 1 else 0
             drafts = min(drafts, budget - n)
             if seq.max_chunk_tokens is not None:
                 drafts = min(drafts, seq.max_chunk_tokens - n)
@@ -136,12 +140,8 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_evicted = seq.position_offset = 0
-        if seq.kv is not None:
-            seq.kv = seq.kv.restart()
-        seq.draft_token_ids = []
-        seq.draft_computed = 0
-        seq.num_cached_blocks = 0
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

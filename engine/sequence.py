@@ -168,12 +168,8 @@ class Sequence:
         self.read_offset = 0
         self.emitted_text_len = 0
         self.emitted_token_len = 0
-        self.draft_token_ids: list[int] = []  # proposed, not yet verified
-        self.draft_probs: list | None = None  # the draft model's distributions, when sampled
-        self.draft_computed = 0  # tokens whose keys the draft model has cached
+        self.spec = None  # SpecState (engine/spec/state.py), made by the spec feature
         self.num_cached_blocks = 0  # leading blocks indexed by the prefix cache
-        self.spec_rate = 1.0  # running acceptance estimate, optimistic at first
-        self.spec_cooldown = 0
         # KV eviction (engine/kv_eviction.py): computed tokens no longer cached, the position of
         # cache index 0 for new tokens (position = cache index + offset), and the policy state.
         self.num_evicted = 0
@@ -183,12 +179,7 @@ class Sequence:
         # its cache's peak by the prompt's chunk; a preempted sequence recomputes its outputs
         # too, and must do so in chunks no larger.
         self.max_chunk_tokens: int | None = None
-        # Teacher forcing (engine/kv_eval.py): the tokens to append instead of sampled ones,
-        # and the model's log-probability and top-1 token at each.
-        self.forced_token_ids: list[int] | None = None
-        self.forced_logprobs: list[float] = []
-        self.forced_top1: list[int] = []
-        self.spec_hidden = None  # the target's last hidden state, for a hidden-state draft
+        self.forced = None  # ForcedTokens (engine/teacher_forcing.py): evaluation only
         self.error: str | None = None  # why the engine failed this request alone (llm.py)
 
     @property
@@ -198,6 +189,11 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def draft_tokens(self) -> list[int]:
+        """Drafts proposed for the next step, not yet verified (speculative decoding)."""
+        return [] if self.spec is None else self.spec.tokens
 
     @property
     def kv_len(self) -> int:

@@ -42,10 +42,10 @@ def _steps(vocab: int) -> list[list[RunItem]]:
 def test_padded_decode_buckets_give_the_plain_logits(model):
     plain = ModelRunner(model, BlockManager(16, 16))
     graphed = ModelRunner(model, BlockManager(16, 16))
-    graphed.decode_graphs = DecodeGraphs(graphed, max_batch=8, max_width=512, capture=False)
+    graphed.use_decode_graphs(max_batch=8, max_width=512, capture=False)
     for items in _steps(model.config.vocab_size):
-        want = plain.run_items(items)
-        got = graphed.run_items(items)
+        want = plain.run_items(items).logits
+        got = graphed.run_items(items).logits
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert bool((graphed.kv[:, :, graphed.null_slot] == 0).all())
     # Three decodes padded to the batch-4 bucket, keys 41-43 wide padded to 256.
@@ -56,14 +56,14 @@ def test_graphs_serve_only_plain_decode_steps(model):
     runner = ModelRunner(model, BlockManager(16, 16))
     graphs = DecodeGraphs(runner, max_batch=2, max_width=64, capture=False)
     prefill, decode = _steps(model.config.vocab_size)[:2]
-    assert not graphs.handles(prefill, runner._metadata(prefill), all_logits=False)
+    assert not graphs.handles(len(prefill), runner._metadata(prefill), all_logits=False)
     meta = runner._metadata(decode)
-    assert not graphs.handles(decode, meta, all_logits=False)  # 3 rows, largest bucket 2
-    assert graphs.handles(decode[:2], runner._metadata(decode[:2]), all_logits=False)
-    assert not graphs.handles(decode[:2], runner._metadata(decode[:2]), all_logits=True)
+    assert not graphs.handles(len(decode), meta, all_logits=False)  # 3 rows, largest bucket 2
+    assert graphs.handles(2, runner._metadata(decode[:2]), all_logits=False)
+    assert not graphs.handles(2, runner._metadata(decode[:2]), all_logits=True)
     meta = runner._metadata(decode[:2])
     meta.want_mass = True
-    assert not graphs.handles(decode[:2], meta, all_logits=False)
+    assert not graphs.handles(2, meta, all_logits=False)
     assert graphs.batches == [1, 2]
 
 
@@ -81,13 +81,13 @@ def test_torch_compile_on_the_cpu_is_refused_before_loading():
 def test_compiled_decode_steps_give_the_plain_logits_and_cache(model, kv_cache_dtype):
     plain = ModelRunner(model, BlockManager(16, 16), kv_cache_dtype)
     compiled = ModelRunner(model, BlockManager(16, 16), kv_cache_dtype)
-    compiled.decode_graphs = DecodeGraphs(compiled, max_batch=4, max_width=512, capture=False,
-                                          compile_backend="aot_eager")
+    compiled.use_decode_graphs(max_batch=4, max_width=512, capture=False,
+                               compile_backend="aot_eager")
     steps = _steps(model.config.vocab_size)
     steps.append(steps[-1][:1])  # a batch of one: another bucket (and graph: size 1 is special)
     for items in steps:
-        want = plain.run_items(items)
-        got = compiled.run_items(items)
+        want = plain.run_items(items).logits
+        got = compiled.run_items(items).logits
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     # The compiled store wrote the same K/V (and scales) into the real cache.
     lengths, tables = [5, 40, 17], [[0, 1, 2], [3, 4, 5, 6], [7, 8]]  # as _steps makes them

@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-import engine.llm as llm_module
+import engine.output_processor as output_module
 from engine import LLM, SamplingParams
 from engine.server import serve
 
@@ -27,14 +27,14 @@ def llm(demo_gguf):
 @pytest.fixture()
 def poisoned(monkeypatch):
     """The detokenizer fails for request 'bad' once it has produced three tokens."""
-    real = llm_module.append_token_text
+    real = output_module.append_token_text
 
     def append(tokenizer, seq):
         if seq.request_id.endswith("bad") and len(seq.output_token_ids) >= 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
         return real(tokenizer, seq)
 
-    monkeypatch.setattr(llm_module, "append_token_text", append)
+    monkeypatch.setattr(output_module, "append_token_text", append)
 
 
 def _run(llm, ids: list[str]) -> dict:

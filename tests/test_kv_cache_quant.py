@@ -182,11 +182,9 @@ def test_move_kv_carries_scales_and_rerotates_dequantized_keys(small_model, name
 
 
 def test_padded_decode_buckets_on_a_quantized_cache_give_the_plain_logits(small_model):
-    from engine.cuda_graphs import DecodeGraphs
-
     plain = ModelRunner(small_model, BlockManager(16, 16), "int8")
     graphed = ModelRunner(small_model, BlockManager(16, 16), "int8")
-    graphed.decode_graphs = DecodeGraphs(graphed, max_batch=4, max_width=256, capture=False)
+    graphed.use_decode_graphs(max_batch=4, max_width=256, capture=False)
     gen = torch.Generator().manual_seed(5)
     tokens = [torch.randint(small_model.config.vocab_size, (n,), generator=gen).tolist()
               for n in (9, 30)]
@@ -195,7 +193,7 @@ def test_padded_decode_buckets_on_a_quantized_cache_give_the_plain_logits(small_
     steps += [[RunItem(t[len(t) - k : len(t) - k + 1], len(t) - k, b, 1)
                for t, b in zip(tokens, tables, strict=True)] for k in (2, 1)]
     for items in steps:
-        torch.testing.assert_close(graphed.run_items(items), plain.run_items(items),
+        torch.testing.assert_close(graphed.run_items(items).logits, plain.run_items(items).logits,
                                    atol=1e-4, rtol=1e-4)
         assert not bool(graphed.kv[:, :, graphed.null_slot].any())
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.kv_eval import evaluate_policies
-from engine.kv_eviction import KVEvictor, KVState, Policy, parse_policy, resolve_budget
+from engine.kv_eviction import KVEvictor, KVState, SnapKV, parse_policy, resolve_budget
 from engine.llm import LLM
 from engine.model import LlamaModel
 from engine.prefix_cache import PrefixCache
@@ -114,12 +114,12 @@ def test_h2o_keeps_each_heads_heaviest_tokens_and_the_recent_window():
     seq = Sequence("a", list(range(20)), SamplingParams(max_tokens=4), 0.0)
     bm.append_slots(seq, 20)
     seq.num_computed_tokens = 20
-    seq.kv = KVState(Policy("h2o"), budget=8)
+    seq.kv = KVState(parse_policy("h2o"), budget=8)
     scores = torch.zeros(1, 2, 20)
     scores[0, 0, [2, 5, 9, 11]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
     scores[0, 1, [0, 7, 8, 13]] = torch.tensor([1.0, 2.0, 3.0, 4.0])
     seq.kv.scores = scores
-    chosen = evictor._select(seq, 0, 8)
+    chosen = seq.kv.policy.select(seq.kv, 0, seq.kv_len, 8, evictor._score_shape(), False)
     assert chosen[0, 0].tolist() == [2, 5, 9, 11, 16, 17, 18, 19]
     assert chosen[0, 1].tolist() == [0, 7, 8, 13, 16, 17, 18, 19]
     runner.kv.copy_(torch.randn_like(runner.kv))
@@ -141,8 +141,9 @@ def test_streaming_keeps_sinks_and_window_and_repositions():
     seq = Sequence("a", list(range(30)), SamplingParams(max_tokens=4), 0.0)
     bm.append_slots(seq, 30)
     seq.num_computed_tokens = 30
-    seq.kv = KVState(Policy("streaming"), budget=12)
-    assert evictor._select(seq, 0, 12)[0, 0].tolist() == [0, 1, 2, 3] + list(range(22, 30))
+    seq.kv = KVState(parse_policy("streaming"), budget=12)
+    kept = seq.kv.policy.select(seq.kv, 0, seq.kv_len, 12, evictor._score_shape(), False)
+    assert kept[0, 0].tolist() == [0, 1, 2, 3] + list(range(22, 30))
     assert evictor.maybe_compact(seq) == 18
     assert seq.kv_len == 12 and seq.position_offset == 0 and bm.num_used_blocks == 3
 
@@ -170,7 +171,7 @@ def test_block_pool_never_leaks_under_sharing_eviction_preemption_and_aborts(
             evicting = i % 2 == 0
             prompt = stem[: 8 + i] + [1000 + len(seqs)] * (i % 3)
             seq = Sequence(str(len(seqs)), prompt, SamplingParams(max_tokens=6 + i), 0.0)
-            seq.kv = KVState(Policy(policy), budget) if evicting else None
+            seq.kv = KVState(parse_policy(policy), budget) if evicting else None
             seqs.append(seq)
             sched.add(seq)
         elif op == "abort":
@@ -365,10 +366,11 @@ def _prefilled(runner, bm, evictor, rid: str, prompt: list[int], kv: KVState | N
     seq.kv = kv
     bm.append_slots(seq, len(prompt))
     rows = None if kv is None else kv.policy.mass_rows(seq, len(prompt))
-    runner.run_items([RunItem(prompt, 0, seq.block_table, 1, mass_rows=rows)], want_mass=True)
+    result = runner.run_items([RunItem(prompt, 0, seq.block_table, 1, mass_rows=rows)],
+                              want_mass=True)
     seq.num_computed_tokens = len(prompt)
     if kv is not None:
-        evictor.observe(seq, runner.last_mass[0])
+        evictor.observe(seq, result.mass[0])
     return seq
 
 
@@ -386,7 +388,7 @@ def test_next_token_after_compaction_equals_a_dense_forward_over_the_kept_tokens
     prompt = torch.randint(64, (22,), generator=gen).tolist()
     other = torch.randint(64, (9,), generator=gen).tolist()
     # SnapKV with a 2-query window: of the 4 prompt tokens it keeps, 2 are heavy hitters.
-    rule = Policy(policy, window=2) if policy == "snapkv" else Policy(policy)
+    rule = SnapKV(window=2) if policy == "snapkv" else parse_policy(policy)
     a = _prefilled(runner, bm, evictor, "a", prompt, KVState(rule, budget=8))
     plain = _prefilled(runner, bm, evictor, "c", other, None)
     if policy in ("h2o", "scissorhands"):  # as if after a history in which heads disagree
@@ -397,8 +399,9 @@ def test_next_token_after_compaction_equals_a_dense_forward_over_the_kept_tokens
     probe = Sequence("p", prompt, SamplingParams(), 0.0)
     probe.num_computed_tokens, probe.kv, probe.block_table = 22, state_before, a.block_table
     if policy == "snapkv":
-        state_before.snapped, state_before.extra["prompt_kept"] = True, keep
-    kept = evictor._select(probe, 0, keep, snapshot=policy == "snapkv")
+        state_before.snapped, state_before.prompt_kept = True, keep
+    kept = state_before.policy.select(state_before, 0, probe.kv_len, keep,
+                                      evictor._score_shape(), snapshot=policy == "snapkv")
     assert evictor.maybe_compact(a) == 22 - keep and a.kv_len == keep
     if policy != "streaming":  # the layers and heads keep different tokens
         assert len({tuple(r) for r in kept.reshape(-1, keep).tolist()}) > 1
@@ -411,22 +414,23 @@ def test_next_token_after_compaction_equals_a_dense_forward_over_the_kept_tokens
     items = [RunItem(other[:6], 0, fresh.block_table, 1),
              RunItem([token], a.kv_len, a.block_table, 1, a.position_offset),
              RunItem([token_c], plain.kv_len, plain.block_table, 1)]
-    logits = runner.run_items(items, want_mass=True)
+    result = runner.run_items(items, want_mass=True)
+    logits = result.logits
     if policy == "streaming":
         key_pos, q_pos = torch.arange(keep).expand_as(kept), keep
     else:
         key_pos, q_pos = kept, len(prompt)
     want, probs = _dense_last_token(runner.model, prompt, token, kept, key_pos, q_pos)
     torch.testing.assert_close(logits[1], want, atol=1e-5, rtol=1e-5)
-    mass = runner.last_mass[1]  # [layers, kv_heads, keep + 1], the evicted sequence's own
+    mass = result.mass[1]  # [layers, kv_heads, keep + 1], the evicted sequence's own
     assert mass.shape == (2, 2, keep + 1)
     torch.testing.assert_close(mass, torch.stack(probs), atol=1e-5, rtol=1e-5)
     all_kept = torch.arange(len(other)).expand(2, 2, len(other))
     want_c, probs_c = _dense_last_token(runner.model, other, token_c, all_kept, all_kept,
                                         len(other))
     torch.testing.assert_close(logits[2], want_c, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(runner.last_mass[2], torch.stack(probs_c), atol=1e-5, rtol=1e-5)
-    assert runner.last_mass[0].shape == (2, 2, 6)
+    torch.testing.assert_close(result.mass[2], torch.stack(probs_c), atol=1e-5, rtol=1e-5)
+    assert result.mass[0].shape == (2, 2, 6)
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "scissorhands", "streaming"])
@@ -445,7 +449,7 @@ def test_a_budget_below_the_shared_prefix_keeps_running(policy):
         cache.register(s.seq)
     sched.finish(first, "length")
     seq = Sequence("a", prompt + [30], SamplingParams(max_tokens=12), 0.0)
-    seq.kv = KVState(Policy(policy), budget=8)
+    seq.kv = KVState(parse_policy(policy), budget=8)
     sched.add(seq)
     gen = torch.Generator().manual_seed(0)
     for step in range(12):
@@ -471,7 +475,7 @@ def test_a_preempted_streaming_request_past_the_context_recomputes_within_it(dem
     small = LLM(str(demo_gguf), device="cpu", max_model_len=128, kv_cache_tokens=512)
     rid = small.add_request("Count: one, two, three,", SamplingParams(
         temperature=0, max_tokens=150, ignore_eos=True, kv_policy="streaming", kv_budget=64))
-    seq = small._seqs[rid]
+    seq = small.sequence(rid)
     while len(seq.output_token_ids) < 135:
         small.step()
     small.scheduler.preempt(seq)  # what the scheduler does when the pool runs dry
@@ -489,7 +493,7 @@ def test_rejected_drafts_blocks_are_freed_after_eviction(demo_gguf, text_ids):
                max_model_len=1024, block_size=4)
     rid = spec.add_request(text_ids[:40] * 2, SamplingParams(
         temperature=0, max_tokens=40, ignore_eos=True, kv_policy="h2o", kv_budget=48))
-    seq = spec._seqs[rid]
+    seq = spec.sequence(rid)
     checked = 0
     while not seq.is_finished:
         _, stats = spec.step()
@@ -510,12 +514,12 @@ def test_snapkv_observes_its_whole_window_when_the_prompt_ends_in_a_tiny_chunk()
         runner, bm = _tiny_runner(32, 4, layers=2)
         evictor = KVEvictor(runner, bm)
         seq = Sequence("a", prompt, SamplingParams(), 0.0)
-        seq.kv = KVState(Policy("snapkv", window=8), budget=32)
+        seq.kv = KVState(SnapKV(window=8), budget=32)
         for n in chunks:
             bm.append_slots(seq, n)
-            runner.run([ScheduledSeq(seq, n)], want_mass=True)
+            result = runner.run([ScheduledSeq(seq, n)], want_mass=True)
             seq.num_computed_tokens += n
-            evictor.observe(seq, runner.last_mass[0])
+            evictor.observe(seq, result.mass[0])
         return seq.kv.scores
 
     whole = snapshot_scores([40])

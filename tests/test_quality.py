@@ -31,3 +31,13 @@ def test_cli_and_model_cache_do_not_import_torch():
     result = _run(sys.executable, "-c", code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_no_module_reaches_itself_through_its_imports():
+    import grimp
+
+    graph = grimp.build_graph("app", "engine", "kernels", "planner", "monitor", "storage")
+    cycles = sorted({tuple(sorted((m, b))) for m in graph.modules
+                     for b in graph.find_modules_directly_imported_by(m)
+                     if graph.chain_exists(importer=b, imported=m)})
+    assert cycles == []

@@ -1,12 +1,26 @@
-"""The engine's speculative-decoding state: proposals per sequence, adaptive length, counters."""
+"""Speculative decoding as a step feature: proposals per sequence, batched verification,
+adaptive draft length and vLLM's counters.
+
+Proposers share one interface, `propose(requests)` filling each sequence's drafts: prompt lookup
+(n-gram, below), a draft model (draft.py), a hidden-state draft (hidden_draft.py); "lookup
+first" wraps a model proposer. The scheduler gives a decoding sequence's drafts their KV slots
+as extra query tokens; verification runs over the whole step at once (verify.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import torch
+
+from engine.block_manager import BlockManager
+from engine.features import Step, StepFeature
 from engine.sequence import Sequence
 from engine.spec.config import SpecConfig
 from engine.spec.ngram import propose_ngram
+from engine.spec.state import SpecState
+from engine.spec.verify import Drafted, verify_all
 
 # Acceptance is tracked per sequence as an exponential moving average; below OFF_BELOW the
 # sequence stops drafting for COOLDOWN steps (drafts that are rejected only cost verification).
@@ -45,43 +59,142 @@ class SpecCounters:
             self.accepted_per_pos[pos] += 1
 
 
-class SpecDecoder:
-    """Proposes drafts for decoding sequences and learns how long they should be."""
+class Proposer(Protocol):
+    """Drafts tokens for decoding sequences: fills `spec_state(seq).tokens` with up to k."""
 
-    def __init__(self, config: SpecConfig, draft=None, max_model_len: int | None = None) -> None:
+    def propose(self, requests: list[tuple[Sequence, int]]) -> None: ...
+
+    def remember(self, sampling: list, new_tokens: list[list[int]],
+                 hidden: torch.Tensor) -> None:
+        """The target's hidden states of the step just run (a hidden-state draft keeps them)."""
+
+    def after_verify(self, seq: Sequence, old_num_tokens: int, proposed: int,
+                     accepted: int) -> None:
+        """Which drafts were accepted (a draft model's cache is valid up to there)."""
+
+
+def spec_state(seq: Sequence) -> SpecState:
+    """The sequence's speculative state, made on first use."""
+    if seq.spec is None:
+        seq.spec = SpecState()
+    return seq.spec
+
+
+class LookupProposer:
+    """Prompt lookup: the continuation of the latest earlier occurrence of the last n-gram."""
+
+    def __init__(self, config: SpecConfig) -> None:
         self.config = config
-        self.draft = draft  # a DraftModel for method "draft"
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> None:
+        c = self.config
+        for seq, k in requests:
+            spec_state(seq).tokens = (propose_ngram(seq.all_token_ids, k, c.ngram_max, c.ngram_min)
+                                      if k else [])
+
+    def remember(self, sampling, new_tokens, hidden) -> None:
+        pass
+
+    def after_verify(self, seq, old_num_tokens, proposed, accepted) -> None:
+        pass
+
+
+class LookupFirst:
+    """Prompt lookup in front of a model proposer: free where the reply repeats itself or the
+    prompt, and its matches run long, so it may propose more than the model's k; the model
+    drafts only where lookup found nothing."""
+
+    def __init__(self, lookup: LookupProposer, model: Proposer, room) -> None:
+        self.lookup, self.model, self.room = lookup, model, room
+        self._model_drafted: set[str] = set()  # request ids the model drafted this step
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> None:
+        for_model = []
+        for seq, k in requests:
+            self.lookup.propose([(seq, min(max(k, LOOKUP_TOKENS), self.room(seq)) if k else 0)])
+            if not spec_state(seq).tokens:
+                for_model.append((seq, k))
+        self.model.propose(for_model)
+        self._model_drafted = {seq.request_id for seq, _ in for_model if spec_state(seq).tokens}
+
+    def remember(self, sampling, new_tokens, hidden) -> None:
+        self.model.remember(sampling, new_tokens, hidden)
+
+    def after_verify(self, seq: Sequence, old_num_tokens: int, proposed: int,
+                     accepted: int) -> None:
+        # A lookup draft leaves the model's cache where it was; it catches up later.
+        if seq.request_id in self._model_drafted:
+            self.model.after_verify(seq, old_num_tokens, proposed, accepted)
+
+
+class SpecDecoder(StepFeature):
+    """Proposes drafts before each step, verifies them after it and learns how long they
+    should be."""
+
+    def __init__(self, config: SpecConfig, draft: Proposer | None = None,
+                 max_model_len: int | None = None,
+                 block_manager: BlockManager | None = None) -> None:
+        self.config = config
+        self.draft = draft  # a model proposer (DraftModel, HiddenDraft) for method "draft"
+        lookup = LookupProposer(config)
+        if draft is None:
+            self.proposer: Proposer = lookup
+        elif config.lookup:
+            self.proposer = LookupFirst(lookup, draft, self._room)
+        else:
+            self.proposer = draft
         self.counters = SpecCounters()
         self.max_model_len = max_model_len  # drafts never reach positions past the context
-        self._model_drafted: set[str] = set()  # request ids the draft model drafted this step
+        self.block_manager = block_manager  # rejected drafts' slots are trimmed off
 
-    def propose_all(self, seqs: list[Sequence]) -> None:
-        """Set `draft_token_ids` (possibly empty) of every sequence about to decode."""
-        if self.draft is None:
-            for seq in seqs:
-                seq.draft_token_ids = self.propose(seq)
+    # ---- step hooks ----
+    def before_schedule(self, running: list[Sequence]) -> None:
+        decoding = []
+        for seq in running:
+            spec_state(seq).clear_drafts()
+            if seq.num_uncomputed_tokens == 1:
+                decoding.append(seq)
+        self.propose_all(decoding)
+
+    def choose(self, step: Step, logits: torch.Tensor, rows: list[int],
+               chosen: list[list[int] | None]) -> None:
+        """Verify every drafted sequence of the step in one batch."""
+        drafted = [i for i, s in enumerate(step.sampling) if s.num_draft]
+        if not drafted:
             return
-        c, for_model = self.config, []
-        for seq in seqs:
-            k = self.draft_length(seq)
-            # Lookup first when asked: free where the reply repeats itself or the prompt, and
-            # its matches run long, so it may propose more than the draft model's k.
-            lookup = propose_ngram(seq.all_token_ids, min(max(k, LOOKUP_TOKENS), self._room(seq)),
-                                   c.ngram_max, c.ngram_min) if c.lookup and k else []
-            if lookup:
-                seq.draft_token_ids = lookup
-            else:
-                for_model.append((seq, k))
-        self.draft.propose(for_model)
-        self._model_drafted = {seq.request_id for seq, k in for_model if seq.draft_token_ids}
+        items = []
+        for i in drafted:
+            s = step.sampling[i]
+            state = spec_state(s.seq)
+            q = state.probs[: s.num_draft] if state.probs else None
+            items.append(Drafted(s.seq, logits[rows[i] : rows[i] + 1 + s.num_draft],
+                                 state.tokens[: s.num_draft],
+                                 None if q is None else torch.stack(q)))
+        for i, tokens in zip(drafted, verify_all(items), strict=True):
+            chosen[i] = tokens
+            self.record(step.sampling[i].seq, step.sampling[i].num_draft, len(tokens) - 1)
 
-    def propose(self, seq: Sequence) -> list[int]:
-        """Prompt-lookup draft tokens for one sequence (possibly none)."""
-        k = self.draft_length(seq)
-        if k == 0:
-            return []
-        c = self.config
-        return propose_ngram(seq.all_token_ids, k, c.ngram_max, c.ngram_min)
+    def after_forward(self, step: Step) -> None:
+        """Count accepted drafts as computed, trim the rejected ones' slots, clear drafts."""
+        self.proposer.remember(step.sampling, step.tokens, step.result.hidden)
+        for s, tokens in zip(step.sampling, step.tokens, strict=True):
+            seq, state = s.seq, spec_state(s.seq)
+            if s.num_draft:
+                seq.num_computed_tokens += len(tokens) - 1
+                self.proposer.after_verify(seq, seq.num_tokens, len(state.tokens),
+                                           len(tokens) - 1)
+                self.block_manager.trim(seq, seq.kv_len + 1)  # cached, not computed: eviction
+            state.clear_drafts()
+
+    def on_preempt(self, seq: Sequence) -> None:
+        state = spec_state(seq)
+        state.clear_drafts()
+        state.draft_computed = 0
+
+    # ---- proposing ----
+    def propose_all(self, seqs: list[Sequence]) -> None:
+        """Set the drafts (possibly none) of every sequence about to decode."""
+        self.proposer.propose([(seq, self.draft_length(seq)) for seq in seqs])
 
     def draft_length(self, seq: Sequence) -> int:
         """The configured maximum, scaled down as the sequence's acceptance falls, and cut to
@@ -99,14 +212,15 @@ class SpecDecoder:
         k_max = self.config.num_draft_tokens
         if not self.config.adaptive:
             return k_max
-        if seq.spec_cooldown > 0:
-            seq.spec_cooldown -= 1
+        state = spec_state(seq)
+        if state.cooldown > 0:
+            state.cooldown -= 1
             return 0
-        if seq.spec_rate < OFF_BELOW:
-            seq.spec_cooldown = COOLDOWN
-            seq.spec_rate = FULL_AT / 2  # try again after the cooldown, with short drafts
+        if state.rate < OFF_BELOW:
+            state.cooldown = COOLDOWN
+            state.rate = FULL_AT / 2  # try again after the cooldown, with short drafts
             return 0
-        return max(1, min(k_max, round(k_max * seq.spec_rate / FULL_AT)))
+        return max(1, min(k_max, round(k_max * state.rate / FULL_AT)))
 
     def summary(self) -> dict:
         """The configuration and counters as plain values (for --json and the bench result)."""
@@ -120,20 +234,8 @@ class SpecDecoder:
                 "acceptance_rate": c.acceptance_rate,
                 "mean_accepted_length": c.mean_accepted_length}
 
-    def after_step(self, sampling: list, new_tokens: list[list[int]], hidden) -> None:
-        """Hand a hidden-state draft the target's hidden states of the step just run."""
-        if hasattr(self.draft, "remember"):
-            self.draft.remember(sampling, new_tokens, hidden)
-
-    def after_verify(self, seq: Sequence, old_num_tokens: int, drafted: int,
-                     accepted: int) -> None:
-        """Let a draft model know which of its cached keys are still valid."""
-        if self.draft is not None and seq.request_id in self._model_drafted:
-            # A lookup draft leaves the draft model's cache where it was; it catches up later.
-            self.draft.after_verify(seq, old_num_tokens, drafted, accepted)
-
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Count a verification and update the sequence's acceptance estimate."""
         self.counters.add(proposed, accepted)
-        rate = accepted / proposed
-        seq.spec_rate = EMA_DECAY * seq.spec_rate + (1 - EMA_DECAY) * rate
+        state = spec_state(seq)
+        state.rate = EMA_DECAY * state.rate + (1 - EMA_DECAY) * accepted / proposed

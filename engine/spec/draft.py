@@ -2,8 +2,8 @@
 
 The draft's paged cache mirrors the target's: same slots, same block tables, so a sequence's
 blocks hold both models' keys and values and preemption or trimming frees both at once. Each
-sequence remembers how far the draft has computed (`draft_computed`); the next proposal first
-catches up on the tokens accepted since, then drafts one token per forward pass.
+sequence's SpecState remembers how far the draft has computed (`draft_computed`); the next
+proposal first catches up on the tokens accepted since, then drafts one token per forward pass.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from engine.model import LlamaModel
 from engine.runner import ModelRunner, RunItem
 from engine.sampler import draw, filtered_probs, generator_for
 from engine.sequence import Sequence
+from engine.spec.decoder import spec_state
 
 
 class DraftModel:
@@ -37,21 +38,22 @@ class DraftModel:
         """Fill each sequence's draft (up to k tokens) and, for sampled requests, draft_probs."""
         active = [(seq, k) for seq, k in requests if k > 0 and self._reserve(seq, k)]
         for seq, _ in active:
-            seq.draft_token_ids, seq.draft_probs = [], []
-        items = [RunItem(seq.all_token_ids[seq.draft_computed :], seq.draft_computed,
-                         seq.block_table, 1) for seq, _ in active]
+            spec_state(seq).tokens, spec_state(seq).probs = [], []
+        items = [RunItem(seq.all_token_ids[spec_state(seq).draft_computed :],
+                         spec_state(seq).draft_computed, seq.block_table, 1) for seq, _ in active]
         while active:
-            logits = self.runner.run_items(items)
+            logits = self.runner.run_items(items).logits
             for (seq, _), row in zip(active, logits, strict=True):
                 self._pick(seq, row)
-            active = [(seq, k) for seq, k in active if len(seq.draft_token_ids) < k]
-            items = [RunItem([seq.draft_token_ids[-1]], seq.num_tokens - 1 +
-                             len(seq.draft_token_ids), seq.block_table, 1) for seq, _ in active]
+            active = [(seq, k) for seq, k in active if len(spec_state(seq).tokens) < k]
+            items = [RunItem([spec_state(seq).tokens[-1]], seq.num_tokens - 1 +
+                             len(spec_state(seq).tokens), seq.block_table, 1)
+                     for seq, _ in active]
 
     def after_verify(self, seq: Sequence, old_num_tokens: int, proposed: int,
                      accepted: int) -> None:
         """The draft's keys are valid up to the last accepted draft it took as input."""
-        seq.draft_computed = old_num_tokens + min(accepted, proposed - 1)
+        spec_state(seq).draft_computed = old_num_tokens + min(accepted, proposed - 1)
 
     def _reserve(self, seq: Sequence, k: int) -> bool:
         # The same blocks the scheduler will ask for (computed + 1 + k), so it allocates none.
@@ -60,13 +62,17 @@ class DraftModel:
         self.block_manager.append_slots(seq, 1 + k)
         return True
 
+    def remember(self, sampling, new_tokens, hidden) -> None:
+        """Nothing: the draft model reads its own cache."""
+
     def _pick(self, seq: Sequence, logits: torch.Tensor) -> None:
+        state = spec_state(seq)
         if seq.params.greedy:
-            seq.draft_token_ids.append(int(logits.argmax()))
+            state.tokens.append(int(logits.argmax()))
             return
         q = filtered_probs(logits.unsqueeze(0), [seq.params])[0]
-        seq.draft_token_ids.append(draw(q, generator_for(seq)))
-        seq.draft_probs.append(q)
+        state.tokens.append(draw(q, generator_for(seq)))
+        state.probs.append(q)
 
 
 def make_draft(path: str, target_tokenizer, target_vocab: int, device: torch.device,

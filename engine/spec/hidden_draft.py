@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from engine.config import ModelError
 from engine.model import LlamaModel
 from engine.sequence import Sequence
+from engine.spec.decoder import spec_state
 
 FORMAT = "servescope-hidden-draft"
 TENSORS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "embed_norm.weight",
@@ -109,10 +110,11 @@ class HiddenDraft:
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> None:
         """Fill each sequence's draft (up to k tokens) from its remembered hidden state."""
-        active = [(seq, k) for seq, k in requests if k > 0 and seq.spec_hidden is not None]
+        active = [(seq, k) for seq, k in requests
+                  if k > 0 and spec_state(seq).hidden is not None]
         if not active:
             return
-        s = torch.stack([seq.spec_hidden for seq, _ in active])
+        s = torch.stack([spec_state(seq).hidden for seq, _ in active])
         tokens = torch.tensor([seq.all_token_ids[-1] for seq, _ in active],
                               device=self.head.device)
         drafts = []
@@ -123,7 +125,7 @@ class HiddenDraft:
                 drafts.append(tokens)
         table = torch.stack(drafts, dim=1).tolist()
         for (seq, k), row in zip(active, table, strict=True):
-            seq.draft_token_ids = row[:k]
+            spec_state(seq).tokens = row[:k]
 
     def remember(self, sampling: list, new_tokens: list[list[int]],
                  hidden: torch.Tensor) -> None:
@@ -131,7 +133,7 @@ class HiddenDraft:
         chose its newest token: the step's rows are 1 + num_draft per sequence, in order."""
         start = 0
         for s, tokens in zip(sampling, new_tokens, strict=True):
-            s.seq.spec_hidden = hidden[start + len(tokens) - 1].float()
+            spec_state(s.seq).hidden = hidden[start + len(tokens) - 1].float()
             start += 1 + s.num_draft
 
     def after_verify(self, seq: Sequence, old_num_tokens: int, proposed: int,

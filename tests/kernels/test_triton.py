@@ -375,8 +375,9 @@ def test_demo_model_layers_give_the_reference_logits_with_triton_kernels(demo_ch
         runner = ModelRunner(model, BlockManager(8, 16))
         logits[backend], masses[backend] = [], []
         for items in steps:
-            logits[backend].append(runner.run_items(items, all_logits=True, want_mass=True))
-            masses[backend].append(runner.last_mass)
+            result = runner.run_items(items, all_logits=True, want_mass=True)
+            logits[backend].append(result.logits)
+            masses[backend].append(result.mass)
     for got, want in zip(logits["triton"], logits["reference"], strict=True):
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
     for got, want in zip(masses["triton"], masses["reference"], strict=True):
