@@ -111,16 +111,3 @@ def sum_by_le(series: Iterable[Buckets]) -> Buckets:
         for le, count in buckets:
             total[le] = total.get(le, 0.0) + count
     return sorted(total.items())
-
-
-def window_quantiles(before: Mapping[str, Mapping[float, float]],
-                     after: Mapping[str, Mapping[float, float]],
-                     qs: Iterable[float] = (0.5, 0.95, 0.99)) -> dict[float, float]:
-    """Quantiles of the observations made between two scrapes of a histogram family.
-
-    Each mapping goes from a label-set key (without `le`) to that series' cumulative buckets.
-    Series absent before the window count from zero; series gone after it are ignored.
-    """
-    deltas = [bucket_deltas(before.get(key, {}), buckets) for key, buckets in after.items()]
-    merged = sum_by_le(deltas)
-    return {q: histogram_quantile(q, merged) for q in qs}
