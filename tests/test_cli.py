@@ -73,6 +73,7 @@ def test_bench_quick_json(demo_gguf, tmp_path):
     assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
     assert set(out["throughput_tokens_per_s"]) == {"1", "4"}
     assert out["machine"]["cpus"] >= 1
+    assert (out["weights"], out["kv_cache_dtype"]) == ("float", "auto")
     saved = (tmp_path / "bench_results.jsonl").read_text().splitlines()
     assert json.loads(saved[-1])["ttft_ms"] == out["ttft_ms"]
 
