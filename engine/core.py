@@ -57,11 +57,11 @@ class EngineCore:
     """Owns the requests in flight and runs their steps; LLM (engine/llm.py) is its facade."""
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, scheduler: Scheduler,
-                 output: OutputProcessor, features: list[StepFeature]) -> None:
+                 features: list[StepFeature], tokenizer, max_model_len: int) -> None:
         self.runner = runner
         self.block_manager = block_manager
         self.scheduler = scheduler
-        self.output = output
+        self.output = OutputProcessor(tokenizer, max_model_len, self.finish)
         self.features = features
         scheduler.on_preempt = self._reset_features
         self.seqs: dict[str, Sequence] = {}
@@ -91,6 +91,12 @@ class EngineCore:
     def finish(self, seq: Sequence, reason: str, now: float) -> None:
         self.scheduler.finish(seq, reason)
         seq.metrics.finished = now
+
+    def abort_all(self) -> None:
+        """End every request in flight now (closing the engine)."""
+        for rid in list(self.seqs):
+            self.abort(rid)
+        self._apply_aborts()
 
     # ---- the step ----
     def step(self) -> tuple[list[Sequence], StepStats]:

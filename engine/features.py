@@ -9,6 +9,7 @@ so the scheduler never resets another feature's fields by hand.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -32,8 +33,9 @@ class Step:
     def scheduled(self) -> list[ScheduledSeq]:
         return self.plan.scheduled
 
-    @property
+    @cached_property
     def sampling(self) -> list[ScheduledSeq]:
+        """The scheduled sequences that sample this step (the plan is fixed: computed once)."""
         return [s for s in self.plan.scheduled if s.samples]
 
 

@@ -37,6 +37,7 @@ so its cache peaks no higher than admission allowed for.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -51,7 +52,7 @@ _ALIASES = {"streamingllm": "streaming", "heavy-hitter": "h2o", "off": "none"}
 
 
 @dataclass(frozen=True)
-class Policy:
+class Policy(ABC):
     """An eviction policy, one class each (as kvpress's presses are): what it scores, when it
     compacts and which cache indices it keeps. The constants are the papers' defaults."""
 
@@ -68,7 +69,7 @@ class Policy:
         """How many of a chunk's last queries the statistics sum (None: all of them)."""
         return None
 
-    def score(self, state: KVState, mass: torch.Tensor, seq: Sequence) -> None:
+    def score(self, state: KVState, mass: torch.Tensor, seq: Sequence) -> None:  # noqa: B027
         """Fold one step's attention mass ([layers, kv_heads, kv_len]) into state.scores."""
 
     def target(self, seq: Sequence, state: KVState, movable: int, keep: int,
@@ -79,10 +80,10 @@ class Policy:
         every step instead of once per block)."""
         return None if movable <= keep + block else (keep, False)
 
+    @abstractmethod
     def select(self, state: KVState, start: int, end: int, keep: int, shape: tuple[int, int],
                snapshot: bool) -> torch.Tensor:
         """The cache indices each layer and KV head keeps, ascending ([layers, kv_heads, keep])."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from engine.devices import (
 from engine.kv_eviction import KVEvictor, parse_policy, resolve_budget
 from engine.kv_options import parse_kv_cache_dtype
 from engine.model import LlamaModel
-from engine.output_processor import OutputProcessor, delta
+from engine.output_processor import delta
 from engine.prefix_cache import PrefixCache
 from engine.quantize import parse_weights
 from engine.runner import ModelRunner
@@ -116,10 +116,8 @@ class LLM:
                     if f is not None]
         scheduler = Scheduler(self.block_manager, max_num_seqs, self.max_num_batched_tokens,
                               self.prefix_cache)
-        self.core = EngineCore(self.runner, self.block_manager, scheduler,
-                               OutputProcessor(self.tokenizer, self.max_model_len, self._finish),
-                               features)
-        self.scheduler = scheduler
+        self.core = EngineCore(self.runner, self.block_manager, scheduler, features,
+                               self.tokenizer, self.max_model_len)
 
     def _admission(self) -> Admission:
         from engine.spec.draft import DraftModel
@@ -144,6 +142,10 @@ class LLM:
         return SpecDecoder(config, draft, self.max_model_len, self.block_manager)
 
     # ---- properties the app and the benchmarks read ----
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
     @property
     def last_stats(self) -> StepStats | None:
         return self.core.last_stats
@@ -287,16 +289,11 @@ class LLM:
 
     def close(self) -> None:
         """Free the weights and the KV cache."""
-        for rid in list(self.core.seqs):
-            self.abort(rid)
-        self.core._apply_aborts()
+        self.core.abort_all()
         self.model = None
         self.runner = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
-        self.core.finish(seq, reason, now)
 
 
 def _is_token_list(p) -> bool:

@@ -9,8 +9,8 @@ as extra query tokens; verification runs over the whole step at once (verify.py)
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -59,17 +59,19 @@ class SpecCounters:
             self.accepted_per_pos[pos] += 1
 
 
-class Proposer(Protocol):
-    """Drafts tokens for decoding sequences: fills `spec_state(seq).tokens` with up to k."""
+class Proposer(ABC):
+    """Drafts tokens for decoding sequences: fills `spec_state(seq).tokens` with up to k. The
+    other hooks are optional; by default they do nothing."""
 
+    @abstractmethod
     def propose(self, requests: list[tuple[Sequence, int]]) -> None: ...
 
-    def remember(self, sampling: list, new_tokens: list[list[int]],
+    def remember(self, sampling: list, new_tokens: list[list[int]],  # noqa: B027 (optional)
                  hidden: torch.Tensor) -> None:
         """The target's hidden states of the step just run (a hidden-state draft keeps them)."""
 
-    def after_verify(self, seq: Sequence, old_num_tokens: int, proposed: int,
-                     accepted: int) -> None:
+    def after_verify(self, seq: Sequence, old_num_tokens: int,  # noqa: B027 (optional)
+                     proposed: int, accepted: int) -> None:
         """Which drafts were accepted (a draft model's cache is valid up to there)."""
 
 
@@ -80,7 +82,7 @@ def spec_state(seq: Sequence) -> SpecState:
     return seq.spec
 
 
-class LookupProposer:
+class LookupProposer(Proposer):
     """Prompt lookup: the continuation of the latest earlier occurrence of the last n-gram."""
 
     def __init__(self, config: SpecConfig) -> None:
@@ -92,14 +94,8 @@ class LookupProposer:
             spec_state(seq).tokens = (propose_ngram(seq.all_token_ids, k, c.ngram_max, c.ngram_min)
                                       if k else [])
 
-    def remember(self, sampling, new_tokens, hidden) -> None:
-        pass
 
-    def after_verify(self, seq, old_num_tokens, proposed, accepted) -> None:
-        pass
-
-
-class LookupFirst:
+class LookupFirst(Proposer):
     """Prompt lookup in front of a model proposer: free where the reply repeats itself or the
     prompt, and its matches run long, so it may propose more than the model's k; the model
     drafts only where lookup found nothing."""

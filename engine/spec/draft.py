@@ -16,10 +16,10 @@ from engine.model import LlamaModel
 from engine.runner import ModelRunner, RunItem
 from engine.sampler import draw, filtered_probs, generator_for
 from engine.sequence import Sequence
-from engine.spec.decoder import spec_state
+from engine.spec.decoder import Proposer, spec_state
 
 
-class DraftModel:
+class DraftModel(Proposer):
     """Proposes tokens with a second, cheaper model; its probabilities go to verification."""
 
     def __init__(self, path: str, target_tokenizer, target_vocab: int, device: torch.device,
@@ -61,9 +61,6 @@ class DraftModel:
             return False
         self.block_manager.append_slots(seq, 1 + k)
         return True
-
-    def remember(self, sampling, new_tokens, hidden) -> None:
-        """Nothing: the draft model reads its own cache."""
 
     def _pick(self, seq: Sequence, logits: torch.Tensor) -> None:
         state = spec_state(seq)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from engine.config import ModelError
 from engine.model import LlamaModel
 from engine.sequence import Sequence
-from engine.spec.decoder import spec_state
+from engine.spec.decoder import Proposer, spec_state
 
 FORMAT = "servescope-hidden-draft"
 TENSORS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "embed_norm.weight",
@@ -76,7 +76,7 @@ def draft_step(s: torch.Tensor, token_embeddings: torch.Tensor, w: dict[str, tor
                         w["fc2.bias"])
 
 
-class HiddenDraft:
+class HiddenDraft(Proposer):
     """Proposes tokens from each sequence's last target hidden state (see the module doc)."""
 
     def __init__(self, path: str, target: LlamaModel, target_tokenizer) -> None:
@@ -135,7 +135,3 @@ class HiddenDraft:
         for s, tokens in zip(sampling, new_tokens, strict=True):
             spec_state(s.seq).hidden = hidden[start + len(tokens) - 1].float()
             start += 1 + s.num_draft
-
-    def after_verify(self, seq: Sequence, old_num_tokens: int, proposed: int,
-                     accepted: int) -> None:
-        """Nothing is cached per sequence beyond the hidden state `remember` replaces."""
