@@ -70,8 +70,13 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"{self.url!r} is not an http(s) URL; use e.g. http://host:8000")
+        if parts.scheme.lower() == "ssh":
+            from monitor.ssh.target import parse_target  # here: monitor.ssh imports this module
+
+            parse_target(self.url)  # a server on a remote box's loopback, through SSH
+        elif parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"{self.url!r} is not an http(s) or ssh:// URL; use e.g. "
+                             "http://host:8000 or ssh://user@gpu-box/8000")
         if not self.name or "/" in self.name:
             raise ValueError(f"server name {self.name!r} must be non-empty and without '/'")
         if self.interval_s <= 0 or self.timeout_s <= 0 or self.max_bytes <= 0:
