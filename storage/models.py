@@ -125,3 +125,21 @@ class SavedPlan(Base):
     name: Mapped[str] = mapped_column(String(200))
     created_ms: Mapped[int] = mapped_column(BigInteger)
     plan: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class VerdictRow(Base):
+    """A diagnosis verdict (monitor.diagnosis): a named cause on a server or GPU over a span,
+    its evidence (series, window, values) and what to try; one row per episode."""
+
+    __tablename__ = "verdicts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rule: Mapped[str] = mapped_column(String(80))
+    kind: Mapped[str] = mapped_column(String(40))
+    source: Mapped[str] = mapped_column(String(200), index=True)
+    gpu: Mapped[str] = mapped_column(String(80), default="")
+    title: Mapped[str] = mapped_column(Text)
+    advice: Mapped[str] = mapped_column(Text, default="")
+    start_ms: Mapped[int] = mapped_column(BigInteger)
+    end_ms: Mapped[int] = mapped_column(BigInteger, index=True)
+    evaluated_ms: Mapped[int] = mapped_column(BigInteger)
+    evidence: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)

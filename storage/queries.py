@@ -9,7 +9,17 @@ import numpy as np
 import sqlalchemy as sa
 
 from storage.db import Database
-from storage.models import Alert, RequestRow, Rollup1h, Rollup1m, Run, SavedPlan, Series, Source
+from storage.models import (
+    Alert,
+    RequestRow,
+    Rollup1h,
+    Rollup1m,
+    Run,
+    SavedPlan,
+    Series,
+    Source,
+    VerdictRow,
+)
 from storage.models import Sample as SampleRow
 
 PERCENTILES = (50, 95, 99)
@@ -174,3 +184,59 @@ def list_plans(db: Database) -> list[dict]:
     stmt = sa.select(t).order_by(t.c.created_ms.desc(), t.c.id.desc())
     with db.engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(stmt)]
+
+
+def samples_span(db: Database, source: str | None = None) -> tuple[float, float] | None:
+    """The first and last raw sample time (s) of every series (or one source's), or None."""
+    t = SampleRow.__table__
+    stmt = sa.select(sa.func.min(t.c.ts_ms), sa.func.max(t.c.ts_ms))
+    if source is not None:
+        stmt = (stmt.join(Series.__table__, Series.id == t.c.series_id)
+                .join(Source.__table__, Source.id == Series.source_id)
+                .where(Source.name == source))
+    with db.engine.connect() as conn:
+        first, last = conn.execute(stmt).one()
+    return None if first is None else (first / 1000.0, last / 1000.0)
+
+
+def save_verdicts(db: Database, verdicts: list[dict],
+                  evaluated_s: float | None = None) -> list[int]:
+    """Store diagnosis verdicts (monitor.diagnosis.Verdict.to_dict()); a verdict of the same rule
+    on the same server or GPU whose stored span it overlaps or touches extends that row (one row
+    per episode) instead of adding one. Returns the rows' ids."""
+    t = VerdictRow.__table__
+    evaluated_ms = int((time.time() if evaluated_s is None else evaluated_s) * 1000)
+    ids = []
+    with db.engine.begin() as conn:
+        for v in verdicts:
+            start_ms, end_ms = int(v["start"] * 1000), int(v["end"] * 1000)
+            fields = {"title": v["title"], "advice": v["advice"], "kind": v["kind"],
+                      "evidence": v["evidence"], "evaluated_ms": evaluated_ms}
+            same = (t.c.rule == v["rule"]) & (t.c.source == v["source"]) & (t.c.gpu == v["gpu"])
+            row = conn.execute(sa.select(t.c.id, t.c.start_ms, t.c.end_ms)
+                               .where(same, t.c.end_ms >= start_ms, t.c.start_ms <= end_ms)
+                               .order_by(t.c.end_ms.desc()).limit(1)).first()
+            if row is None:
+                ids.append(conn.execute(sa.insert(t).values(
+                    rule=v["rule"], source=v["source"], gpu=v["gpu"], start_ms=start_ms,
+                    end_ms=end_ms, **fields)).inserted_primary_key[0])
+                continue
+            conn.execute(sa.update(t).where(t.c.id == row.id).values(
+                start_ms=min(row.start_ms, start_ms), end_ms=max(row.end_ms, end_ms), **fields))
+            ids.append(row.id)
+    return ids
+
+
+def list_verdicts(db: Database, source: str | None = None) -> list[dict]:
+    """Stored verdicts, newest episode first, in Verdict.to_dict()'s shape plus id and
+    evaluated (s)."""
+    t = VerdictRow.__table__
+    stmt = sa.select(t).order_by(t.c.end_ms.desc(), t.c.id.desc())
+    if source is not None:
+        stmt = stmt.where(t.c.source == source)
+    with db.engine.connect() as conn:
+        rows = conn.execute(stmt).all()
+    return [{"id": r.id, "rule": r.rule, "kind": r.kind, "source": r.source, "gpu": r.gpu,
+             "title": r.title, "advice": r.advice, "start": r.start_ms / 1000.0,
+             "end": r.end_ms / 1000.0, "evaluated": r.evaluated_ms / 1000.0,
+             "evidence": r.evidence} for r in rows]
