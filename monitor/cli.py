@@ -283,6 +283,113 @@ def _table(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _diagnosis_window(args: argparse.Namespace, db) -> tuple[float, float]:
+    """The window to judge: --window seconds up to --end (default: the last sample), or the
+    whole recording; a database without samples is one sentence."""
+    from storage.queries import samples_span
+
+    span = samples_span(db, args.source)
+    if span is None:
+        which = f" of source {args.source!r}" if args.source else ""
+        raise UserError(f"The database {db.url} holds no samples{which} to diagnose; record "
+                        "some first (servescope record --db ... --server URL).")
+    end = span[1] if args.end is None else args.end
+    start = span[0] if args.window is None else end - args.window
+    if end <= start:
+        raise UserError(f"The database {db.url} holds samples of one instant only "
+                        f"({end:.3f}); a diagnosis needs a span of time.")
+    return start, end
+
+
+def _diagnosis_text(result, stored: list[int]) -> str:
+    lines = []
+    for v in result.verdicts:
+        where = v.source + (f" GPU {v.gpu}" if v.gpu else "")
+        lines.append(f"{where}: {v.title}")
+        lines += [f"    evidence: {e.sentence()}" for e in v.evidence]
+        lines.append(f"    try: {v.advice}")
+    if not result.verdicts:
+        lines.append(result.summary())
+    if stored:
+        lines.append(f"stored {len(stored)} verdict(s)")
+    return "\n".join(lines)
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    """Judge the stored series with monitor.diagnosis' rules; store and print the verdicts."""
+    from monitor.diagnosis import StoredSeries, evaluate, verdicts_csv
+    from storage.db import open_database
+    from storage.queries import list_verdicts, save_verdicts
+
+    try:
+        if args.window is not None and args.window <= 0:
+            raise UserError("--window must be positive")
+        _database_must_exist(args.db)
+        db = open_database(args.db)
+    except (UserError, StorageError) as exc:
+        return _fail(args, str(exc))
+    try:
+        if args.history:
+            rows = list_verdicts(db, args.source)
+            print(json.dumps({"db": db.url, "verdicts": rows}) if args.json else
+                  "\n".join(f"{r['source']}: {r['title']}" for r in rows) or "no verdicts stored")
+            return 0
+        start, end = _diagnosis_window(args, db)
+        result = evaluate(StoredSeries(db, args.source), start, end)
+        verdicts = [v.to_dict() for v in result.verdicts]
+        stored = [] if args.no_store else save_verdicts(db, verdicts)
+        if args.csv:
+            with open(args.csv, "w", encoding="utf-8", newline="") as f:
+                f.write(verdicts_csv(verdicts))
+    except UserError as exc:
+        return _fail(args, str(exc))
+    except OSError as exc:
+        return _fail(args, f"Could not write {args.csv}: {exc.strerror or exc}.")
+    finally:
+        db.close()
+    if args.json:
+        print(json.dumps({"db": db.url, "start": start, "end": end, "series": result.series,
+                          "verdicts": verdicts, "not_evaluated": result.not_evaluated,
+                          "summary": result.summary(), "stored": stored}))
+    else:
+        print(_diagnosis_text(result, stored))
+    return 0
+
+
+def _database_must_exist(url: str | None) -> None:
+    """A SQLite file that is not there is a mistake here (opening would create it empty)."""
+    from sqlalchemy.engine import make_url
+
+    from storage.db import default_url
+
+    parsed = make_url(url or default_url())
+    local = parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:")
+    if local and not os.path.exists(parsed.database):
+        raise UserError(f"There is no database at {parsed.database}; give the --db a "
+                            "recording wrote (servescope record --db ...).")
+
+
+def _add_diagnose_parser(subparsers) -> None:
+    d = subparsers.add_parser(
+        "diagnose", help="name the bottleneck or cause in stored series",
+        description="Judge the stored series with the diagnosis rules (memory- or compute-bound "
+                    "GPUs, KV-cache pressure, a long request holding the batch, throttling, ECC, "
+                    "throughput drops, queue growth, cost per token): each verdict with its "
+                    "evidence and what to try, stored in the database. Exit status: 0 when "
+                    "judged (with or without verdicts), 2 for a mistake or a database without "
+                    "samples.")
+    d.add_argument("--db", help="SQLAlchemy URL (default: SQLite in the user's data folder)")
+    d.add_argument("--source", help="judge only this source's series")
+    d.add_argument("--window", type=float, help="seconds to judge, ending at --end "
+                                                 "(default: the whole recording)")
+    d.add_argument("--end", type=float, help="unix time the window ends (default: last sample)")
+    d.add_argument("--no-store", action="store_true", help="print only; store no verdict")
+    d.add_argument("--history", action="store_true", help="list the stored verdicts instead")
+    d.add_argument("--csv", metavar="FILE", help="also write the verdicts as CSV")
+    d.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    d.set_defaults(func=cmd_diagnose)
+
+
 def add_monitor_parsers(subparsers) -> None:
     """Add `record` and `loadtest` to servescope's sub-command parsers."""
     rec = subparsers.add_parser(
@@ -345,6 +452,7 @@ def add_monitor_parsers(subparsers) -> None:
     server.add_argument("--engine", help="its engine and version, e.g. 'vLLM 0.8.5'")
     lt.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     lt.set_defaults(func=cmd_loadtest)
+    _add_diagnose_parser(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:
