@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLineEdit,
     QPushButton,
+    QSpinBox,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
@@ -27,6 +28,7 @@ from app.panes.monitor.loadtest import LoadTestDialog
 from app.panes.monitor.service import MonitorService, test_connection
 from app.panes.monitor.state import API_METRICS, API_PROMETHEUS, ServerEntry, fmt
 from app.workers import TaskRunner
+from monitor.ssh import SSH_REASONS, is_ssh_url, parse_target, ssh_url
 from monitor.types import REASONS
 
 COLUMNS = ("Name", "URL", "Kind", "Status", "Why", "Scrapes", "Last error", "$/hour", "Token")
@@ -34,14 +36,28 @@ STATUS_REFRESH_MS = 1000
 
 
 class ServerDialog(QDialog):
-    """Name, URL, how it is read (its /metrics or a Prometheus server's API, with a job),
-    token reference and price of one server."""
+    """Name, URL (http(s), or ssh:// with the port the server listens on over there), how it is
+    read (its /metrics or a Prometheus server's API, with a job), token reference and price of
+    one server."""
 
     def __init__(self, entry: ServerEntry | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Edit server" if entry else "Add server")
         self.name = QLineEdit(entry.name if entry else "")
         self.url = QLineEdit(entry.url if entry else "http://127.0.0.1:8000")
+        self.url.setToolTip("http(s)://host:port, or ssh://[user@]host[:port] (a host of your "
+                            "~/.ssh/config works) for a server on that box's loopback")
+        self.remote_port = QSpinBox(minimum=0, maximum=65535)
+        self.remote_port.setSpecialValueText("—")
+        self.remote_port.setToolTip("For ssh:// URLs: the port the server listens on, on the "
+                                    "remote box (forwarded through SSH)")
+        if entry and is_ssh_url(entry.url):
+            target = parse_target(entry.url)
+            if target.url == ssh_url(target.box, target.remote_port) and target.gpus:
+                self.url.setText(target.box)  # a plain one: the box here, the port below
+                self.remote_port.setValue(target.remote_port)
+        self.url.textChanged.connect(self._on_url)
+        self._on_url()
         self.token_ref = QLineEdit(entry.token_ref if entry else "")
         self.token_ref.setPlaceholderText("env:VARIABLE holding the bearer token (optional)")
         self.price = QDoubleSpinBox(decimals=3, maximum=100_000, prefix="$ ", suffix=" /h")
@@ -59,7 +75,8 @@ class ServerDialog(QDialog):
         self.api.currentIndexChanged.connect(self._on_api)
         self._on_api()
         form = QFormLayout(self)
-        for label, widget in (("Name", self.name), ("URL", self.url), ("Reads", self.api),
+        for label, widget in (("Name", self.name), ("URL", self.url),
+                              ("Remote port", self.remote_port), ("Reads", self.api),
                               ("Job", self.job), ("Token", self.token_ref),
                               ("Price", self.price)):
             form.addRow(label, widget)
@@ -72,11 +89,20 @@ class ServerDialog(QDialog):
     def _on_api(self) -> None:
         self.job.setEnabled(self.api.currentData() == API_PROMETHEUS)
 
+    def _on_url(self) -> None:
+        self.remote_port.setEnabled(is_ssh_url(self.url.text()))
+
+    def _url(self) -> str:
+        url = self.url.text().strip()
+        if not is_ssh_url(url):
+            return url
+        return ssh_url(url, self.remote_port.value() or None)
+
     def entry(self) -> ServerEntry:
         """The entry the fields describe; ValueError names what is wrong."""
         price = self.price.value()
         api = self.api.currentData()
-        return ServerEntry(self.name.text().strip(), self.url.text().strip(),
+        return ServerEntry(self.name.text().strip(), self._url(),
                            self.token_ref.text().strip(), price if price > 0 else None, api,
                            self.job.text().strip() if api == API_PROMETHEUS else "")
 
@@ -189,6 +215,11 @@ class ServersPane(PageMixin, QWidget):
         name = self.selected()
         if name is None:
             return None
+        if is_ssh_url(self.service.servers[name].url):
+            self.notify.emit("error", f"{name} is reached through SSH, and load tests need an "
+                                      "HTTP URL: forward its port with ssh -L and load-test "
+                                      "http://127.0.0.1:PORT.")
+            return None
         dialog = LoadTestDialog(self.service.servers[name], self.service, self)
         dialog.notify.connect(self.notify)
         dialog.run_stored.connect(self.run_stored)
@@ -275,7 +306,7 @@ def _why(status) -> str:
     scrape threads update it)."""
     if status is None or not getattr(status, "reason", None):
         return ""
-    meaning = REASONS.get(status.reason, "")
+    meaning = REASONS.get(status.reason) or SSH_REASONS.get(status.reason, "")
     since = ""
     if status.since:
         since = f" since {time.strftime('%H:%M:%S', time.localtime(status.since))}"

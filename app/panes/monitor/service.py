@@ -310,14 +310,17 @@ def server_config(entry: ServerEntry, interval_s: float = 1.0) -> Any:
 
 def make_source(entry: ServerEntry, config: Any, backfill_s: float = 0.0) -> Any:
     """The source reading ``entry``: its /metrics, or a Prometheus server's API (the first
-    poll of which backfills ``backfill_s`` seconds so the charts do not start empty)."""
+    poll of which backfills ``backfill_s`` seconds so the charts do not start empty), through
+    SSH when its URL is ssh://."""
+    from monitor.ssh import server_source
+
     if entry.api == API_PROMETHEUS:
         from monitor.promapi import PromApiSource, default_queries
 
-        return PromApiSource(config, default_queries(entry.job), backfill_s=backfill_s)
-    from monitor.remote import PrometheusSource
-
-    return PrometheusSource(config)
+        queries = default_queries(entry.job)
+        return server_source(config, lambda c: PromApiSource(c, queries, backfill_s=backfill_s))
+    # An ssh:// entry is read through an SSH tunnel, with its box's GPUs (monitor.ssh).
+    return server_source(config)
 
 
 def test_connection(entry: ServerEntry) -> SourceStatus:
