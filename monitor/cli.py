@@ -37,7 +37,8 @@ def _server_configs(args: argparse.Namespace) -> list:
 
     configs = []
     for i, spec in enumerate(args.server or []):
-        name, _, url = spec.rpartition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        # NAME= ends at the first "=" (a URL's query may hold more: ssh://box/8000?gpus=off).
+        name, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
         try:
             configs.append(ServerConfig(name or f"server{i + 1}", url, token=_token(args),
                                         interval_s=args.interval, timeout_s=args.timeout))
@@ -50,7 +51,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     """Sample the chosen sources into the database until --duration or Ctrl+C."""
     from monitor.nvml import NvmlSource
     from monitor.recording import Recording
-    from monitor.remote import PrometheusSource
+    from monitor.ssh import server_source
     from storage.db import open_database
 
     try:
@@ -60,7 +61,7 @@ def cmd_record(args: argparse.Namespace) -> int:
             raise UserError("--slo-window must be positive")
         if args.interval <= 0 or args.timeout <= 0:
             raise UserError("--interval and --timeout must be positive")
-        sources = [PrometheusSource(c) for c in _server_configs(args)] + _prom_api(args)
+        sources = [server_source(c) for c in _server_configs(args)] + _prom_api(args)
         if args.gpus:
             sources.append(NvmlSource(interval_s=args.interval))
         if not sources:
@@ -402,7 +403,10 @@ def add_monitor_parsers(subparsers) -> None:
     rec.add_argument("--db", help="SQLAlchemy URL (default: SQLite in the user's data folder)")
     rec.add_argument("--gpus", action="store_true", help="sample local NVIDIA GPUs")
     rec.add_argument("--server", action="append", metavar="[NAME=]URL",
-                     help="a server's base or /metrics URL; repeat for several")
+                     help="a server's base or /metrics URL, or ssh://[user@]host[:port]/PORT "
+                          "for PORT on that box's loopback through SSH (your ~/.ssh/config, "
+                          "known_hosts and agent; its GPUs by nvidia-smi unless ?gpus=off); "
+                          "repeat for several")
     rec.add_argument("--prom-url", help="a Prometheus server to query (fleet-wide vLLM series)")
     rec.add_argument("--token-env", help="environment variable holding a bearer token")
     rec.add_argument("--slo-ttft-ms", type=float, help="alert when a server's p99 TTFT is above")
