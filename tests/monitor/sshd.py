@@ -1,9 +1,10 @@
 """A real OpenSSH server on 127.0.0.1 for the SSH tests: its own host key, a user key made for
 it, a known_hosts and an ssh_config naming it, and an nvidia-smi script on one port's PATH.
 
-sshd listens on two ports: on ``port`` the session's PATH starts with a folder holding an
+sshd listens on three ports: on ``port`` the session's PATH starts with a folder holding an
 executable `nvidia-smi` (a script printing rows in nvidia-smi's CSV query format, for two
-H100s); on ``bare_port`` the PATH has no nvidia-smi at all."""
+H100s); on ``old_port`` the same script as an older driver's, which knows the clock event
+reasons by their pre-R535 name only; on ``bare_port`` the PATH has no nvidia-smi at all."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ VALUES = {{
     "clocks_event_reasons.active": ("0x0000000000000000", "0x0000000000000004"),
     "clocks_throttle_reasons.active": ("0x0000000000000000", "0x0000000000000004"),
 }}
+if {old_driver}:  # before R535 the clock event reasons were "throttle reasons" only
+    del VALUES["clocks_event_reasons.active"]
 fields = query.split(",")
 for f in fields:
     if f not in VALUES:
@@ -87,25 +90,27 @@ class Sshd:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.user = getpass.getuser()
-        self.port, self.bare_port = free_port(), free_port()
+        self.port, self.bare_port, self.old_port = free_port(), free_port(), free_port()
         self.host_key = root / "host_ed25519"
         self.user_key = root / "user_ed25519"
         self.other_key = root / "other_ed25519"
         host_pub = keygen(self.host_key)
         (root / "authorized_keys").write_text(" ".join(keygen(self.user_key)) + "\n")
         keygen(self.other_key)
-        bin_dir, empty = root / "bin", root / "empty"
-        bin_dir.mkdir()
+        bin_dir, old_bin, empty = root / "bin", root / "old-bin", root / "empty"
         empty.mkdir()
-        smi = bin_dir / "nvidia-smi"
-        smi.write_text(NVIDIA_SMI.format(python=sys.executable))
-        smi.chmod(0o755)
+        for folder, old in ((bin_dir, False), (old_bin, True)):
+            folder.mkdir()
+            smi = folder / "nvidia-smi"
+            smi.write_text(NVIDIA_SMI.format(python=sys.executable, old_driver=old))
+            smi.chmod(0o755)
         system = ":".join(d for d in ("/usr/bin", "/bin") if not Path(d, "nvidia-smi").exists())
         self.config = root / "sshd_config"
         self.config.write_text(textwrap.dedent(f"""\
             ListenAddress 127.0.0.1
             Port {self.port}
             Port {self.bare_port}
+            Port {self.old_port}
             HostKey {self.host_key}
             AuthorizedKeysFile {root / 'authorized_keys'}
             PidFile none
@@ -119,29 +124,38 @@ class Sshd:
               SetEnv PATH={bin_dir}:/usr/bin:/bin
             Match LocalPort {self.bare_port}
               SetEnv PATH={empty}{':' + system if system else ''}
+            Match LocalPort {self.old_port}
+              SetEnv PATH={old_bin}:/usr/bin:/bin
             """))
         self.known_hosts = root / "known_hosts"
         self.known_hosts.write_text("".join(f"[127.0.0.1]:{p} {' '.join(host_pub)}\n"
-                                            for p in (self.port, self.bare_port)))
+                                            for p in self.ports))
         self.ssh_config = self.write_client_config(root / "ssh_config")
         self.proc: subprocess.Popen | None = None
         self.log = root / "sshd.log"
 
+    @property
+    def ports(self) -> tuple[int, int, int]:
+        return self.port, self.bare_port, self.old_port
+
     def write_client_config(self, path: Path, key: Path | None = None,
-                            known_hosts: Path | None = None) -> Path:
-        """An ssh_config with the aliases "box" (nvidia-smi on PATH) and "bare" (none)."""
+                            known_hosts: Path | None = None, agent_only: bool = False) -> Path:
+        """An ssh_config with the aliases "box" (nvidia-smi on PATH), "bare" (none) and "old"
+        (an older driver's); ``agent_only``: no key file named, the agent's keys are offered."""
+        identity = "" if agent_only else (f"  IdentityFile {key or self.user_key}\n"
+                                          "  IdentitiesOnly yes\n")
         path.write_text(textwrap.dedent(f"""\
             Host box
               Port {self.port}
             Host bare
               Port {self.bare_port}
+            Host old
+              Port {self.old_port}
             Host *
               HostName 127.0.0.1
               User {self.user}
-              IdentityFile {key or self.user_key}
-              IdentitiesOnly yes
               UserKnownHostsFile {known_hosts or self.known_hosts}
-            """))
+            """) + identity)
         return path
 
     def start(self) -> Sshd:
@@ -158,8 +172,8 @@ class Sshd:
             if self.proc.poll() is not None:
                 raise SshdUnavailable(f"sshd exited: {self.log.read_text().strip()[-300:]}")
             try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                socket.create_connection(("127.0.0.1", self.bare_port), 0.2).close()
+                for port in self.ports:
+                    socket.create_connection(("127.0.0.1", port), 0.2).close()
                 return self
             except OSError:
                 time.sleep(0.05)

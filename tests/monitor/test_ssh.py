@@ -4,6 +4,7 @@ real `servescope serve` of the demo model, with an nvidia-smi script on the remo
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from monitor.remote import PrometheusSource, ServerConfig
 from monitor.ssh import SshSource, parse_target, ssh_url
 from monitor.ssh.smi import parse_row, query
 from monitor.ssh.tunnel import SSH_CONFIG_ENV
-from tests.monitor.sshd import free_port, shared_engine_server, start_sshd
+from tests.monitor.sshd import free_port, keygen, shared_engine_server, start_sshd
 
 MIB = 2**20
 
@@ -197,6 +198,51 @@ def test_a_box_without_nvidia_smi_has_no_gpu_series_and_says_why(sshd, engine):
     assert (status.state, status.reason) == ("up", "no_nvidia_smi")
     assert status.last_error.startswith("nvidia-smi is not on the PATH of ssh://bare")
     assert samples and not [s for s in samples if s.series.startswith(("bare/0/", "bare/1/"))]
+
+
+def test_an_older_driver_is_asked_for_its_throttle_reasons_by_their_old_name(sshd, engine):
+    port = int(engine.url.rsplit(":", 1)[1])
+    source = SshSource(ServerConfig("old", f"ssh://old/{port}", interval_s=0.5))
+    try:
+        status = source.test_connection()
+        fields = list(source.connection.gpu.fields)
+        time.sleep(0.6)
+        values = {s.series: s.value for s in source.poll(time.time()).samples}
+    finally:
+        source.close()
+    assert (status.state, status.reason) == ("up", None)
+    assert "2 GPU(s) from nvidia-smi" in status.message
+    assert fields[-1] == "clocks_throttle_reasons.active"
+    assert values["old/1/throttle_reasons"] == 4.0 and values["old/0/util_pct"] >= 0
+
+
+def test_a_key_held_only_by_the_agent_logs_in(sshd, engine, tmp_path, monkeypatch):
+    """No key file named anywhere, the private key deleted once the agent holds it: the login
+    can only have come from the user's agent (SSH_AUTH_SOCK)."""
+    port = int(engine.url.rsplit(":", 1)[1])
+    key = tmp_path / "agent_ed25519"
+    with (sshd.root / "authorized_keys").open("a") as keys:
+        keys.write(" ".join(keygen(key)) + "\n")
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        wait_for(sock.exists, 10, "the agent")
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+        subprocess.run(["ssh-add", "-q", str(key)], check=True, capture_output=True)
+        key.unlink()
+        key.with_suffix(".pub").unlink()
+        monkeypatch.setenv(SSH_CONFIG_ENV, str(sshd.write_client_config(tmp_path / "cfg",
+                                                                        agent_only=True)))
+        source = SshSource(ServerConfig("agent", f"ssh://box/{port}?gpus=off", interval_s=0.5))
+        try:
+            status = source.test_connection()
+        finally:
+            source.close()
+    finally:
+        agent.terminate()
+        agent.wait(5)
+    assert (status.state, status.kind, status.reason) == ("up", "vllm", None)
 
 
 def test_record_reads_ssh_servers(sshd, engine, tmp_path, capsys):
