@@ -65,6 +65,7 @@ class SshSource:
         self._next_try = 0.0
         self._ssh_failed = 0
         self._exporter_gpus = False
+        self._refusal: str | None = None  # ssh's word on the last scrape's refused connection
 
     def poll(self, now: float) -> Poll:
         if now < self._next_try:
@@ -77,15 +78,16 @@ class SshSource:
             except SshError as exc:
                 self._fail(now, exc.reason, str(exc))
                 return Poll()
-        started = time.time()
+        started, attempts = time.time(), self.inner.status.scrapes
         poll = self.inner.poll(now)
         if any(s.series.split("/", 1)[1].startswith(EXPORTER_GPU_SERIES) for s in poll.samples):
             self._exporter_gpus = True
         poll.samples += self._gpu_samples()
-        refusal = None
-        if self.inner.status.state == "down" and self.inner.status.reason in ("error", "connect"):
-            refusal = self.connection.refused(started)
-        self._merge(now, refusal)
+        inner = self.inner.status
+        if inner.scrapes != attempts:  # a scrape was tried (not skipped in its back-off)
+            failed = inner.state == "down" and inner.reason in ("error", "connect")
+            self._refusal = self.connection.refused(started) if failed else None
+        self._merge(now)
         return poll
 
     def _connect(self) -> None:
@@ -129,7 +131,7 @@ class SshSource:
                       message=f"retrying in {delay:g} s", scrapes=inner.scrapes + self._ssh_failed,
                       failed_scrapes=inner.failed_scrapes + self._ssh_failed)
 
-    def _merge(self, now: float, refusal: str | None) -> None:
+    def _merge(self, now: float) -> None:
         """This source's status: the scrape's, with what SSH and nvidia-smi add to it."""
         self.failures, self._next_try = 0, 0.0
         inner = self.inner.status
@@ -138,11 +140,11 @@ class SshSource:
         fields["scrapes"] = inner.scrapes + self._ssh_failed
         fields["failed_scrapes"] = inner.failed_scrapes + self._ssh_failed
         gpu = self.connection.gpu if self.connection is not None else None
-        if refusal is not None:
+        if self._refusal is not None and inner.state == "down":
             fields["reason"] = "remote_port_closed"
             fields["last_error"] = (f"Nothing listens on port {self.target.remote_port} of "
-                                    f"{self.target.box} ({refusal}); is the server running "
-                                    "there?")
+                                    f"{self.target.box} ({self._refusal}); is the server "
+                                    "running there?")
         elif inner.state == "up" and gpu is not None and gpu.state in ("missing", "failed"):
             fields["reason"] = "no_nvidia_smi" if gpu.state == "missing" else "nvidia_smi_failed"
             fields["last_error"] = gpu.message
@@ -169,7 +171,7 @@ class SshSource:
                and time.monotonic() < deadline):
             time.sleep(0.05)
         if self.connection is not None and self.status.state == "up":
-            self._merge(time.time(), None)
+            self._merge(time.time())
         return self.status
 
     def close(self) -> None:

@@ -174,9 +174,11 @@ def test_each_ssh_failure_is_one_sentence(sshd, tmp_path, monkeypatch, case, rea
     url, known_hosts = failing_config(sshd, tmp_path, case)
     monkeypatch.setenv(SSH_CONFIG_ENV, str(tmp_path / "cfg"))
     before = known_hosts.read_text() if known_hosts else None
-    source = SshSource(ServerConfig("box", url, interval_s=0.5))
+    source = SshSource(ServerConfig("box", url, interval_s=5))
     try:
         status = source.test_connection()
+        source.poll(time.time())  # within the back-off: still the same reason
+        assert source.status.reason == reason and source.status.failed_scrapes == 1
     finally:
         source.close()
     assert (status.state, status.reason) == ("down", reason)
