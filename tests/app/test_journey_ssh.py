@@ -73,8 +73,27 @@ def test_journey_gpu_boxes_over_ssh(make_window, sshd, engine, qtbot, monkeypatc
     assert bare["Status"] == "up"
     assert bare["Last error"].startswith("nvidia-smi is not on the PATH of ssh://bare")
 
-    # Load tests need an HTTP URL: the pane says so rather than failing later.
+    # Test connection: a fresh tunnel of its own, and the banner says what came through it.
     click_row(qtbot, servers.table, table_names(servers).index("gpubox"))
+    with qtbot.waitSignal(servers.tester.succeeded, timeout=20_000):
+        qtbot.mouseClick(button(servers, "Test connection"), Qt.MouseButton.LeftButton)
+    assert any(n.message.startswith("gpubox is up: a vllm server (")
+               and "through ssh://box; 2 GPU(s) from nvidia-smi" in n.message
+               for n in window.notifications.notifications())
+
+    # Edit server shows the box and its remote port apart again (then Cancel).
+    shown: dict[str, object] = {}
+
+    def look(dialog) -> None:
+        shown.update(url=dialog.url.text(), port=dialog.remote_port.value())
+        dialog.reject()
+
+    answerer = DialogAnswerer(look)
+    qtbot.mouseClick(button(servers, "Edit server"), Qt.MouseButton.LeftButton)
+    answerer.stop()
+    assert shown == {"url": "ssh://box", "port": port}
+
+    # Load tests need an HTTP URL: the pane says so rather than failing later.
     qtbot.mouseClick(button(servers, "Load test"), Qt.MouseButton.LeftButton)
     assert any("reached through SSH" in n.message
                for n in window.notifications.notifications())
