@@ -133,9 +133,12 @@ class Connection:
             os.unlink(self.socket_path)
         cmd = ssh_command(self.target, self.socket_path, self.interval_s, ssh,
                           os.environ.get(SSH_CONFIG_ENV) or None)
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, errors="replace",
-                                      bufsize=1, start_new_session=True)
+        try:
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, errors="replace",
+                                          bufsize=1, start_new_session=True)
+        except OSError as exc:  # not executable, out of processes or file descriptors
+            raise SshError("ssh", f"{ssh} could not be started ({exc.strerror or exc}).") from exc
         self._threads = [threading.Thread(target=self._read_stdout, daemon=True,
                                           name=f"servescope-ssh-out-{self.target.host}"),
                          threading.Thread(target=self._read_stderr, daemon=True,
