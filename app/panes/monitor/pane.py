@@ -17,12 +17,14 @@ from PySide6.QtWidgets import (
     QPushButton,
     QScrollArea,
     QSizePolicy,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
-from app.navigation import PageMixin, make_actions
+from app.navigation import PageMixin, make_actions, on_click
 from app.panes.monitor.charts import ChartView
+from app.panes.monitor.diagnosis import DiagnosisView
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import (
     CHARTS,
@@ -92,6 +94,12 @@ class MonitorPane(PageMixin, QWidget):
         self._history_runner.failed.connect(lambda m: self.notify.emit("error", m))
         self._timer = QTimer(self, interval=REFRESH_MS)
         self._timer.timeout.connect(self.refresh)
+        self.diagnosis = DiagnosisView(service)
+        self.diagnosis.notify.connect(self.notify)
+        # Diagnose now from the menu or its shortcut shows what it found.
+        on_click(self.diagnosis.actions[0].triggered,
+                 lambda: self.tabs.setCurrentWidget(self.diagnosis))
+        self.tabs = QTabWidget()
         self._build()
         self._connect()
         self._actions = self._make_actions()
@@ -116,7 +124,9 @@ class MonitorPane(PageMixin, QWidget):
         layout.addLayout(bar)
         layout.addWidget(self.status_label)
         layout.addWidget(self.alert_banner)
-        layout.addWidget(scroll, 1)
+        self.tabs.addTab(scroll, "Charts")
+        self.tabs.addTab(self.diagnosis, "Diagnosis")
+        layout.addWidget(self.tabs, 1)
         self._apply_slo()
 
     def _connect(self) -> None:
@@ -132,13 +142,14 @@ class MonitorPane(PageMixin, QWidget):
         return make_actions(self, (
             ("Pause / resume charts", "Ctrl+Shift+P", self.pause_button.toggle),
             ("Export TTFT chart as PNG…", "Ctrl+Alt+P", lambda: self._export("ttft", "png")),
-        ))
+        )) + self.diagnosis.actions
 
     # ---- Pane protocol
     def start(self) -> None:
         """Open the database, start the hub and begin refreshing the charts."""
         self.service.start()
         self._timer.start()
+        self.diagnosis.start()
         self.refresh()
 
     def database_status(self) -> str:
@@ -164,6 +175,7 @@ class MonitorPane(PageMixin, QWidget):
         """Stop the refresh timer and the history query; the last pane stops the hub."""
         self._timer.stop()
         self._history_runner.stop()
+        self.diagnosis.shutdown()
         self.service.release()
 
     # ---- refresh
