@@ -1,60 +1,176 @@
-"""OpenAI response objects for one request: completion or chat, whole or as stream chunks."""
+"""OpenAI response objects for one request: completion or chat, whole or as stream chunks, with
+log-probabilities in each API's own shape (chat: `logprobs.content[]`; completions: `tokens`,
+`token_logprobs`, `top_logprobs`, `text_offset`) and vLLM's `prompt_logprobs`."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.sequence import StreamDelta
+
+# OpenAI's stand-in for a log-probability of -inf, which JSON cannot carry.
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class ReplyOptions:
+    """What a request asked to see beyond the text."""
+
+    logprobs: int | None = None  # top alternatives per token (None: no logprobs at all)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field
+    echo: bool = False  # completions: the prompt before the reply, its tokens scored too
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""
+    prompt_scores: list[TokenLogprob | None] | None = None  # from the engine loop's Admitted
 
 
 class Reply:
     """Builds the response bodies of one request (one id and creation time for all of them)."""
 
-    def __init__(self, model: str, chat: bool) -> None:
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, tokenizer=None,
+                 options: ReplyOptions | None = None) -> None:
+        self.model, self.chat, self.tokenizer = model, chat, tokenizer
+        self.options = options or ReplyOptions()
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._offset = 0  # completions' text_offset of the next token
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}
 
+    # ---- streaming ----
     def opening(self) -> list[dict]:
-        if not self.chat:
+        o = self.options
+        if self.chat:
+            return [self._envelope("chat.completion.chunk", [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]) | self._prompt_field()]
+        if not o.echo:
             return []
-        return [self._envelope("chat.completion.chunk", [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])]
+        choice = {"index": 0, "text": o.prompt_text, "logprobs": self._echo_logprobs(),
+                  "finish_reason": None}
+        if o.prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs()
+        return [self._envelope("text_completion", [choice])]
 
     def chunk(self, delta: StreamDelta) -> dict:
+        text, scores = self._visible(delta.text, delta.logprobs)
         if self.chat:
             return self._envelope("chat.completion.chunk", [
-                {"index": 0, "delta": {"content": delta.text}, "finish_reason":
+                {"index": 0, "delta": {"content": text},
+                 "logprobs": self._chat_logprobs(scores), "finish_reason":
                  delta.finish_reason}])
         return self._envelope("text_completion", [
-            {"index": 0, "text": delta.text, "logprobs": None,
+            {"index": 0, "text": text, "logprobs": self._completion_logprobs(scores),
              "finish_reason": delta.finish_reason}])
 
     def usage_chunk(self, output) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(kind, []) | {"usage": usage(output)}
+        return self._envelope(kind, []) | {"usage": self.usage(output)}
 
+    # ---- whole ----
     def whole(self, deltas: list[StreamDelta]) -> dict:
         output = deltas[-1].output
-        text = "".join(d.text for d in deltas)
+        text, scores = self._visible("".join(d.text for d in deltas),
+                                     [s for d in deltas for s in (d.logprobs or [])])
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._chat_logprobs(scores),
                       "finish_reason": output.finish_reason}
-            return self._envelope("chat.completion", [choice]) | {"usage": usage(output)}
-        choice = {"index": 0, "text": text, "logprobs": None,
+            body = self._envelope("chat.completion", [choice]) | self._prompt_field()
+            return body | {"usage": self.usage(output)}
+        o = self.options
+        echoed = self._echo_logprobs() if o.echo else None  # first: it sets the offsets
+        logprobs = self._completion_logprobs(scores)
+        if o.echo:
+            text = o.prompt_text + text
+            logprobs = _join(echoed, logprobs)
+        choice = {"index": 0, "text": text, "logprobs": logprobs,
                   "finish_reason": output.finish_reason}
-        return self._envelope("text_completion", [choice]) | {"usage": usage(output)}
+        if o.prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs()
+        return self._envelope("text_completion", [choice]) | {"usage": self.usage(output)}
+
+    def usage(self, output) -> dict:
+        prompt = len(output.prompt_token_ids)
+        completion = 0 if self.options.echo_only else len(output.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    # ---- log-probabilities ----
+    def _visible(self, text: str, scores: list | None) -> tuple[str, list | None]:
+        """Echo without generation shows nothing of the one token the engine had to make."""
+        if self.options.echo_only:
+            return "", [] if scores is not None else None
+        return text, scores
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_logprobs(self, scores: list[TokenLogprob] | None) -> dict | None:
+        if self.options.logprobs is None or scores is None:
+            return None
+        return {"content": [self._chat_entry(s.token_id, s.logprob) | {"top_logprobs": [
+            self._chat_entry(t, lp) for t, lp in s.top]} for s in scores]}
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        token = self._token(token_id)
+        return {"token": token, "logprob": max(logprob, MIN_LOGPROB),
+                "bytes": list(token.encode("utf-8"))}
+
+    def _completion_logprobs(self, scores: list[TokenLogprob | None] | None) -> dict | None:
+        if self.options.logprobs is None or scores is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for s in scores:
+            token = self._token(s.token_id)
+            out["tokens"].append(token)
+            out["text_offset"].append(self._offset)
+            self._offset += len(token)
+            out["token_logprobs"].append(max(s.logprob, MIN_LOGPROB))
+            # The chosen token with the top alternatives, as OpenAI's completions do.
+            top = {self._token(t): max(lp, MIN_LOGPROB) for t, lp in s.top}
+            out["top_logprobs"].append({token: max(s.logprob, MIN_LOGPROB)} | top)
+        return out
+
+    def _echo_logprobs(self) -> dict | None:
+        """The prompt's tokens in the completions shape (the first has no log-probability)."""
+        o = self.options
+        if o.logprobs is None:
+            return None
+        first = self._token(o.prompt_ids[0])
+        out = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None],
+               "text_offset": [0]}
+        self._offset = len(first)
+        rest = self._completion_logprobs(o.prompt_scores[1:])
+        return _join(out, rest)
+
+    def _prompt_logprobs(self) -> list:
+        """vLLM's prompt_logprobs: per prompt token, None for the first, else a map from token
+        id to its logprob, rank and text, the prompt's own token first."""
+        def entry(s: TokenLogprob) -> dict:
+            ranked = {s.token_id: (s.logprob, s.rank)}
+            for rank, (t, lp) in enumerate(s.top, start=1):
+                ranked.setdefault(t, (lp, rank))
+            return {str(t): {"logprob": max(lp, MIN_LOGPROB), "rank": r,
+                             "decoded_token": self._token(t)} for t, (lp, r) in ranked.items()}
+
+        return [None if s is None else entry(s) for s in self.options.prompt_scores]
+
+    def _prompt_field(self) -> dict:
+        return {"prompt_logprobs": self._prompt_logprobs()} if self.options.prompt_logprobs \
+            else {}
 
 
-def usage(output) -> dict:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+def _join(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:

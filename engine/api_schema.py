@@ -19,8 +19,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed's sign
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_PROMPT_TOKEN_IDS = 1 << 20
-UNSUPPORTED = ("tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-               "prediction")
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limit
+MAX_LOGIT_BIAS = 1024  # entries in one logit_bias map
+MAX_N = 16  # choices per request
 
 
 def _encodable(text: str) -> str:
@@ -53,20 +54,54 @@ def _valid_budget(value):
     return budget
 
 
+def _bias_keys(value: dict[str, float]) -> dict[int, float]:
+    """logit_bias keys are token ids written as JSON object keys (so strings)."""
+    out = {}
+    for key, bias in value.items():
+        if not key.strip().isdigit():
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        out[int(key)] = bias
+    return out
+
+
+def _refused(why: str, allowed: tuple = ()):
+    """An OpenAI parameter of a feature this server does not have: unset (or one of the
+    `allowed` neutral values) passes, anything else is a 400 naming it, never ignored."""
+
+    def check(value):
+        if value is None or any(value == a and type(value) is type(a) for a in allowed):
+            return value
+        raise ValueError(f"not supported by this server ({why}): leave it unset")
+
+    return AfterValidator(check)
+
+
+def _text_only(modalities: list[str]) -> list[str]:
+    if any(m != "text" for m in modalities):
+        raise ValueError("only text output is supported (no audio): leave it unset or "
+                         "['text']")
+    return modalities
+
+
 Text = Annotated[str, AfterValidator(_encodable)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                      Field(max_length=MAX_LOGIT_BIAS), AfterValidator(_bias_keys)]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: Annotated[bool, _refused("usage is sent once, at the end")] = False
 
 
 class _Sampling(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI's, plus vLLM's top_k and
-    ignore_eos, plus servescope's per-request KV eviction)."""
+    """Fields shared by completions and chat completions (OpenAI's, plus vLLM's top_k,
+    ignore_eos and prompt_logprobs, plus servescope's per-request KV eviction)."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -79,40 +114,19 @@ class _Sampling(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Any = None
-    user: str | None = None
-    logit_bias: dict | None = None
-    # OpenAI parameters of features this server does not have: refused, never ignored.
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    parallel_tool_calls: Any = None
-    audio: Any = None
-    prediction: Any = None
-    modalities: list[Literal["text"]] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    prompt_logprobs: LogprobCount | None = None
+    # Identifiers for the caller's own bookkeeping and cache routing; they never change a
+    # reply, here or at OpenAI (the prefix cache needs no key).
+    user: Text | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = None
     kv_policy: Annotated[Text, AfterValidator(_known_policy)] | None = None
     kv_budget: Annotated[int | float | str, AfterValidator(_valid_budget)] | None = None
-
-    @model_validator(mode="after")
-    def _unsupported(self):
-        # logprobs is false/null when unused (chat: a bool, completions: a count or null).
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not returned by this server yet: leave 'logprobs' "
-                             "unset")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ValueError(f"{name} is not supported by this server yet: leave it at 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server yet: leave it unset")
-        for name in UNSUPPORTED:
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported by this server (no tool calling or "
-                                 "audio): leave it unset")
-        return self
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -132,9 +146,12 @@ class CompletionRequest(_Sampling):
              | Annotated[list[Text], Field(min_length=1, max_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=1)])
-    echo: Literal[False] = False
-    suffix: None = None
-    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    # 0 only with echo: the prompt scored, nothing generated (the monitor's quality canary).
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    echo: bool = False
+    logprobs: LogprobCount | None = None
+    suffix: Annotated[Any, _refused("no fill-in-the-middle", ("",))] = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
     def prompt_value(self) -> str | list[int]:
         """The single prompt: a string or a list of token ids."""
@@ -157,6 +174,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[Any, _refused("this model has no tool calling", ([],))] = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -166,22 +185,61 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema: the schema replies must validate against."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Annotated[Text, Field(max_length=64)] = "response"
+    description: Text | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """What the reply must be: free text, any JSON object, or JSON valid against a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs 'json_schema': {'name': ..., "
+                             "'schema': {...}}")
+        return self
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions: a conversation, rendered through the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
-    tools: Annotated[list, Field(max_length=0)] | None = None
-    response_format: dict | None = None
-
-    @model_validator(mode="after")
-    def _plain_text_only(self):
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than text is not supported yet: leave "
-                             "'response_format' unset")
-        return self
+    top_logprobs: LogprobCount | None = None
+    response_format: ResponseFormat | None = None
+    # Tools are checked against the model's chat template by the server (engine/server.py).
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI parameters of features this server does not have: refused, never ignored.
+    functions: Annotated[Any, _refused("deprecated function calling: use 'tools'")] = None
+    function_call: Annotated[Any, _refused("deprecated function calling: use 'tools'")] = None
+    audio: Annotated[Any, _refused("no audio output")] = None
+    modalities: Annotated[list[str], AfterValidator(_text_only)] | None = None
+    prediction: Annotated[Any, _refused("no predicted outputs")] = None
+    web_search_options: Annotated[Any, _refused("no web search")] = None
+    moderation: Annotated[Any, _refused("no moderation")] = None
+    reasoning_effort: Annotated[Any, _refused("the model has no reasoning mode")] = None
+    verbosity: Annotated[Any, _refused("the model has no verbosity setting")] = None
+    store: Annotated[Any, _refused("replies are not stored", (False,))] = None
+    metadata: Annotated[Any, _refused("replies are not stored, so there is nothing to tag",
+                                      ({},))] = None
+    service_tier: Literal["auto", "default"] | None = None
+    prompt_cache_retention: Literal["in_memory"] | None = None
+    prompt_cache_options: Annotated[Any, _refused("the prefix cache has no options")] = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -78,6 +78,7 @@ class EngineCore:
             raise RequestError(f"Request id '{seq.request_id}' is already in use: pick another "
                                "id.")
         self.seqs[seq.request_id] = seq
+        self.output.add(seq)
         self.scheduler.add(seq)
 
     def new_request_id(self) -> str:
@@ -121,8 +122,11 @@ class EngineCore:
                 s.seq.num_computed_tokens += s.num_new_tokens - s.num_draft
             for f in self.features:
                 f.after_forward(step)
-            for s, tokens in zip(step.sampling, step.tokens, strict=True):
-                generated += self.output.append(s.seq, tokens, step.now)
+            logits = step.result.logits
+            for s, tokens, row in zip(step.sampling, step.tokens, step.rows, strict=False):
+                # The rows the tokens were chosen from: their log-probabilities, if asked.
+                rows = logits[row : row + len(tokens)]
+                generated += self.output.append(s.seq, tokens, step.now, rows)
                 accepted += len(tokens) - 1
                 updated.append(s.seq)
             evicted = sum(f.after_append(step) for f in self.features)
@@ -146,8 +150,7 @@ class EngineCore:
 
     def _choose_tokens(self, step: Step, logits: torch.Tensor) -> list[list[int]]:
         """New tokens per sampling sequence: what a feature chose, else one sampled."""
-        sampling = step.sampling
-        rows = list(itertools.accumulate((1 + s.num_draft for s in sampling), initial=0))
+        sampling, rows = step.sampling, step.rows
         chosen: list[list[int] | None] = [None] * len(sampling)
         for f in self.features:
             f.choose(step, logits, rows, chosen)

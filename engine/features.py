@@ -8,6 +8,7 @@ so the scheduler never resets another feature's fields by hand.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -37,6 +38,11 @@ class Step:
     def sampling(self) -> list[ScheduledSeq]:
         """The scheduled sequences that sample this step (the plan is fixed: computed once)."""
         return [s for s in self.plan.scheduled if s.samples]
+
+    @cached_property
+    def rows(self) -> list[int]:
+        """Each sampling sequence's first logits row (a drafted one has 1 + num_draft rows)."""
+        return list(itertools.accumulate((1 + s.num_draft for s in self.sampling), initial=0))
 
 
 class StepFeature:

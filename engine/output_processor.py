@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from engine.detokenizer import append_token_text, final_text
+from engine.grammar import new_matcher
+from engine.logprobs import token_logprobs
 from engine.sequence import Sequence, StreamDelta
 
 Finish = Callable[[Sequence, str, float], None]
@@ -20,9 +24,22 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._finish = finish  # the core's: takes the sequence out of the scheduler's queues
 
-    def append(self, seq: Sequence, tokens: list[int], now: float) -> int:
-        """Append tokens in order until one ends the sequence; how many were appended."""
+    def add(self, seq: Sequence) -> None:
+        """A new request: the grammar matcher its tokens will advance, if it asked for one."""
+        if seq.params.grammar is not None:
+            seq.grammar = new_matcher(seq.params.grammar, self.tokenizer)
+
+    def append(self, seq: Sequence, tokens: list[int], now: float,
+               logits: torch.Tensor | None = None) -> int:
+        """Append tokens in order until one ends the sequence; how many were appended.
+        `logits` ([len(tokens), V], the rows the tokens were chosen from) give their
+        log-probabilities when the request asked for them."""
+        scored = None
+        if seq.logprobs is not None and logits is not None:
+            scored = token_logprobs(logits, tokens, seq.params.logprobs)
         for count, token in enumerate(tokens, start=1):
+            if scored is not None:
+                seq.logprobs.append(scored[count - 1])
             self._append_token(seq, token, now)
             if seq.is_finished:
                 return count
@@ -30,6 +47,8 @@ class OutputProcessor:
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.output_token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         m = seq.metrics
         m.token_times.append(now)
         if m.first_token is None:
@@ -68,6 +87,8 @@ def delta(seq: Sequence) -> StreamDelta:
     visible = max(seq.emitted_text_len, len(seq.text) - hold)
     out = StreamDelta(seq.request_id, seq.text[seq.emitted_text_len : visible],
                       seq.output_token_ids[seq.emitted_token_len :])
+    if seq.logprobs is not None:
+        out.logprobs = seq.logprobs[seq.emitted_token_len :]
     seq.emitted_text_len = visible
     seq.emitted_token_len = len(seq.output_token_ids)
     if seq.is_finished:

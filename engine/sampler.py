@@ -1,4 +1,6 @@
-"""Token sampling: greedy, temperature, top-k and top-p, reproducible per request seed."""
+"""Token sampling: logits processed per request (logit_bias, presence and frequency
+penalties, a grammar's mask), then greedy, temperature, top-k and top-p, reproducible per
+request seed."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from engine.sequence import Sequence
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """Pick one token per row of `logits` ([S, V], float32) under each sequence's params."""
+    logits = processed_logits(logits, seqs)
     tokens = logits.argmax(dim=-1).tolist()
     rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if rows:
@@ -21,6 +24,35 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         for row, token in zip(rows, inverse_cdf(probs, u), strict=True):
             tokens[row] = token
     return tokens
+
+
+def processed_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The logits each request's bias, penalties and grammar make of the model's; a copy
+    when any row changes, so the raw logits stay for log-probabilities."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.processes_logits]
+    if not rows:
+        return logits
+    logits = logits.float().clone()
+    for i in rows:
+        _process_row(logits[i], seqs[i])
+    return logits
+
+
+def _process_row(row: torch.Tensor, seq: Sequence) -> None:
+    p = seq.params
+    if p.logit_bias:
+        ids, biases = zip(*p.logit_bias, strict=True)
+        row.index_add_(0, torch.tensor(ids, device=row.device),
+                       torch.tensor(biases, device=row.device, dtype=row.dtype))
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+        # OpenAI's definition, over the tokens generated so far (not the prompt's).
+        out = torch.tensor(seq.output_token_ids, device=row.device)
+        counts = torch.bincount(out, minlength=row.numel())[: row.numel()].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if seq.grammar is not None:
+        allowed = seq.grammar.allowed(row.numel())
+        if allowed is not None:
+            row.masked_fill_(~allowed.to(row.device), float("-inf"))
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:

@@ -26,11 +26,23 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's penalties: logits -= frequency_penalty * count + presence_penalty * (count > 0),
+    # counted over the tokens generated so far; logit_bias adds to chosen tokens' logits.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log-probabilities to return: None = none; k = the chosen token's and the k most likely
+    # (per generated token; prompt_logprobs per prompt token, computed apart by the caller).
+    logprobs: int | None = None
+    # Constrained decoding (engine/grammar.py): a GrammarSpec every reply must match.
+    grammar: object | None = None
     # KV eviction for this request (engine/kv_eviction.py); None takes the engine's setting.
     kv_policy: str | None = None
     kv_budget: int | float | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -44,6 +56,11 @@ class SamplingParams:
              f"seed must be within [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be a list of non-empty strings"),
+            (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2,
+             "presence_penalty and frequency_penalty must be within [-2, 2]"),
+            (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias maps token ids >= 0 to biases within [-100, 100]"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -52,6 +69,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler must change this request's logits before choosing a token."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.grammar is not None)
 
 
 @dataclass
@@ -130,6 +153,8 @@ class RequestOutput:
     metrics: RequestMetrics
     # Why the engine failed this request alone (finish_reason "error"), in one sentence.
     error: str | None = None
+    # One TokenLogprob (engine/logprobs.py) per generated token, when the params asked.
+    logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -145,6 +170,7 @@ class StreamDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    logprobs: list | None = None  # the new tokens' TokenLogprobs, when the params asked
 
 
 class Sequence:
@@ -181,6 +207,9 @@ class Sequence:
         self.max_chunk_tokens: int | None = None
         self.forced = None  # ForcedTokens (engine/teacher_forcing.py): evaluation only
         self.error: str | None = None  # why the engine failed this request alone (llm.py)
+        # One TokenLogprob per output token (engine/logprobs.py), when the params ask.
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.grammar = None  # a Matcher (engine/grammar.py) the output processor advances
 
     @property
     def num_tokens(self) -> int:
@@ -217,4 +246,5 @@ class Sequence:
             finish_reason=self.finish_reason,
             metrics=self.metrics,
             error=self.error,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )

@@ -17,14 +17,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.logprobs import prompt_logprobs
 from engine.sequence import RequestError, SamplingParams, StreamDelta
 
 log = logging.getLogger("servescope.serve")
 
 
+@dataclass
 class Admitted:
     """Sent first to a request the engine accepted (before any token): the server can answer
-    200 and open a stream, knowing the request will run."""
+    200 and open a stream, knowing the request will run. Carries the prompt's log-probabilities
+    when the request asked for them."""
+
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -37,6 +42,7 @@ class Submission:
     deliver: Callable[[object], None]
     request_id: str = ""
     arrival: float | None = None  # time.perf_counter() when the request reached the server
+    prompt_logprobs: int | None = None  # top-k per prompt token, when asked (vLLM's field)
 
 
 class EngineLoop:
@@ -51,6 +57,8 @@ class EngineLoop:
         self.metrics = metrics
         self._inbox: queue.Queue[Submission | None] = queue.Queue()
         self._live: dict[str, Submission] = {}
+        # Submissions whose prompt log-probabilities wait for free KV blocks.
+        self._deferred: list[Submission] = []
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._broken: str | None = None
@@ -80,8 +88,10 @@ class EngineLoop:
         return len(self._live)
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
-               deliver: Callable[[object], None], arrival: float | None = None) -> Submission:
-        sub = Submission(prompt, params, deliver, f"srv-{next(self._ids)}", arrival)
+               deliver: Callable[[object], None], arrival: float | None = None,
+               prompt_logprobs: int | None = None) -> Submission:
+        sub = Submission(prompt, params, deliver, f"srv-{next(self._ids)}", arrival,
+                         prompt_logprobs)
         reason = self.health()
         if reason is not None:
             _safe_deliver(sub, RequestError(reason))
@@ -108,7 +118,7 @@ class EngineLoop:
 
     def _iteration(self) -> None:
         self._trimmer.maybe_trim()
-        self._admit(block=not self.llm.has_unfinished())
+        self._admit(block=not self.llm.has_unfinished() and not self._deferred)
         if self._broken is not None:
             self._drain_inbox(self._broken)
             return
@@ -116,6 +126,9 @@ class EngineLoop:
             self._step()
 
     def _admit(self, block: bool) -> None:
+        deferred, self._deferred = self._deferred, []
+        for sub in deferred:
+            self._add(sub)
         try:
             sub = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -129,6 +142,12 @@ class EngineLoop:
 
     def _add(self, sub: Submission) -> None:
         try:
+            scored = None
+            if sub.prompt_logprobs is not None:
+                if not self._room_for_prompt(sub):
+                    self._deferred.append(sub)
+                    return
+                scored = self._prompt_logprobs(sub)
             self.llm.add_request(sub.prompt, sub.params, request_id=sub.request_id,
                                  arrival=sub.arrival)
         except RequestError as exc:
@@ -140,7 +159,20 @@ class EngineLoop:
                                             f"({type(exc).__name__}: {exc})."))
             return
         self._live[sub.request_id] = sub
-        _safe_deliver(sub, Admitted())
+        _safe_deliver(sub, Admitted(scored))
+
+    def _room_for_prompt(self, sub: Submission) -> bool:
+        """Whether the KV pool can hold the whole prompt now (its log-probabilities come from
+        one prefill of its own); if it never could, the engine's own check says so."""
+        bm = self.llm.block_manager
+        need = bm.blocks_needed(len(sub.prompt))
+        return need <= bm.num_free_blocks or need > bm.num_blocks
+
+    def _prompt_logprobs(self, sub: Submission) -> list:
+        """The prompt's log-probabilities from LLM.prompt_logits, on this thread (the engine's
+        owner), before the request joins the batch."""
+        logits = self.llm.prompt_logits(list(sub.prompt))
+        return prompt_logprobs(logits, list(sub.prompt), sub.prompt_logprobs)
 
     def _step(self) -> None:
         deltas, stats = self.llm.step_deltas()
@@ -186,6 +218,9 @@ class EngineLoop:
             _safe_deliver(sub, RequestError(message))
 
     def _drain_inbox(self, message: str) -> None:
+        deferred, self._deferred = self._deferred, []
+        for sub in deferred:
+            _safe_deliver(sub, RequestError(message))
         while True:
             try:
                 sub = self._inbox.get_nowait()

@@ -27,6 +27,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from engine.api_reply import Reply, error_body
+from engine.api_request import (
+    ApiError,
+    check_fields,
+    check_model,
+    grammar_spec,
+    logprob_counts,
+    reply_options,
+    sampling_params,
+)
 from engine.api_schema import ChatCompletionRequest, CompletionRequest, field_path
 from engine.http_guard import BodyGuard, GuardedH11Protocol
 from engine.kv_eviction import parse_policy
@@ -53,15 +62,6 @@ class ServerLimits:
     max_connections: int = 512  # beyond this, uvicorn answers 503 at once
     backlog: int = 2048  # connections the kernel queues before accept
     stall_timeout_s: float = 600.0  # no word from the engine on a request for this long
-
-
-class ApiError(Exception):
-    """An error the client caused (or a 503), sent back as OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
 
 
 ERROR_RESPONSES = {
@@ -174,20 +174,21 @@ class _Service:
         reason = self.loop.health()
         if reason is not None:
             raise ApiError(503, reason, "server_error")
-        if body.model is not None and body.model != self.llm.model_name:
-            raise ApiError(404, f"The model '{body.model}' does not exist: this server serves "
-                                f"'{self.llm.model_name}' (see /v1/models).", "not_found_error",
-                           param="model")
-        # Tokenizing a 4 MiB prompt takes seconds: on a worker thread, not the event loop and
-        # not the engine thread.
+        check_model(body, self.llm.model_name)
+        check_fields(body, chat, self.llm)
+        # Tokenizing a 4 MiB prompt takes seconds, and compiling a large schema a while: on a
+        # worker thread, not the event loop and not the engine thread.
         prompt_ids = await run_in_threadpool(self._prompt_ids, body, chat)
-        params = self._sampling(body, len(prompt_ids), chat)
+        grammar = await run_in_threadpool(grammar_spec, body, chat, self.llm.tokenizer)
+        params = self._sampling(body, len(prompt_ids), chat, grammar)
         stream = _EngineStream(self.loop, self.limits.stall_timeout_s)
-        stream.submit(prompt_ids, params, arrival)
+        stream.submit(prompt_ids, params, arrival, logprob_counts(body, chat)[1])
         first = await stream.next()
         if isinstance(first, RequestError):
             raise ApiError(*_request_error(stream, first))
-        reply = Reply(self.llm.model_name, chat)
+        options = reply_options(body, chat, prompt_ids, self.llm.tokenizer)
+        options.prompt_scores = first.prompt_logprobs
+        reply = Reply(self.llm.model_name, chat, self.llm.tokenizer, options)
         if body.stream:
             return _SseResponse(stream, reply, body.include_usage)
         deltas = await _collect_unless_disconnected(stream, request)
@@ -233,7 +234,7 @@ class _Service:
                                 "hold: shorten the prompt.", param="messages" if chat else
                            "prompt")
 
-    def _sampling(self, body, prompt_len: int, chat: bool) -> SamplingParams:
+    def _sampling(self, body, prompt_len: int, chat: bool, grammar) -> SamplingParams:
         room = self.llm.max_model_len - prompt_len
         asked = body.requested_max_tokens() if chat else body.max_tokens
         bounded = not self._repositions(body)  # StreamingLLM may run past the context
@@ -250,16 +251,8 @@ class _Service:
             # As vLLM: a chat reply may use the rest of the context, a completion 16 tokens.
             pool = min(self.llm.max_model_len, self.llm.kv_cache_tokens) - prompt_len
             asked = max(1, pool) if chat else max(1, min(16, room))
-        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
-        try:
-            return SamplingParams(
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=top_k, max_tokens=asked, seed=body.seed, stop=body.stop_strings(),
-                ignore_eos=body.ignore_eos,
-                kv_policy=body.kv_policy, kv_budget=body.kv_budget)
-        except RequestError as exc:
-            raise ApiError(400, f"Bad sampling parameters: {exc}") from exc
+        # Echo with max_tokens 0 still runs one token (vLLM's way); the reply leaves it out.
+        return sampling_params(body, max(1, asked), grammar, chat)
 
     def _repositions(self, body) -> bool:
         name = body.kv_policy if body.kv_policy is not None else self.llm.kv_policy
@@ -288,8 +281,10 @@ class _EngineStream:
         self.unavailable = False  # the error came from the engine not serving, not the request
         self._event_loop = asyncio.get_running_loop()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, arrival: float) -> None:
-        sub = self.loop.submit(prompt_ids, params, self._deliver_threadsafe, arrival)
+    def submit(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
+               prompt_logprobs: int | None = None) -> None:
+        sub = self.loop.submit(prompt_ids, params, self._deliver_threadsafe, arrival,
+                               prompt_logprobs)
         self.request_id = sub.request_id
 
     def _deliver_threadsafe(self, item) -> None:

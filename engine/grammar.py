@@ -1,0 +1,100 @@
+"""Constrained decoding: replies that must be JSON (OpenAI's response_format json_object and
+json_schema), through llguidance, a grammar library made for token masks.
+
+llguidance was picked by measured overhead on this machine (benchmarks/grammar_overhead.py):
+its mask costs a fraction of a millisecond a token against the milliseconds of a decode step,
+and it reads the tokenizer from its own `tokenizers` JSON, without transformers. A request's
+grammar is checked at the door (`check`), its matcher made when the engine takes it
+(OutputProcessor.add), advanced by each token appended, and its mask applied by the sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Compact JSON: with free whitespace a small model can emit blank lines until max_tokens and
+# leave the object unfinished.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+# id(tokenizer) -> (LLTokenizer, the tokenizer itself, kept so that its id stays unique)
+_tokenizers: dict[int, tuple] = {}
+_lock = threading.Lock()
+
+
+class GrammarError(ValueError):
+    """A schema the grammar compiler refuses, in one sentence."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a reply must be: "json_object" (any JSON object) or "json_schema" (`schema`)."""
+
+    kind: str
+    schema: str = ""  # the JSON schema as JSON text (frozen, hashable)
+
+    def grammar(self) -> str:
+        """llguidance's grammar for this spec."""
+        from llguidance import LLMatcher
+
+        schema = json.loads(self.schema) if self.kind == "json_schema" else {"type": "object"}
+        return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+
+
+def _ll_tokenizer(tokenizer):
+    """llguidance's view of the engine's tokenizer, built once per tokenizer (about 1 s)."""
+    from llguidance import LLTokenizer
+
+    with _lock:
+        if id(tokenizer) not in _tokenizers:
+            ll = LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size,
+                             eos_token=list(tokenizer.eos_token_ids))
+            _tokenizers[id(tokenizer)] = (ll, tokenizer)
+        return _tokenizers[id(tokenizer)][0]
+
+
+def check(spec: GrammarSpec, tokenizer) -> None:
+    """Raise GrammarError (naming the problem) if the spec cannot be compiled."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = spec.grammar()
+    except ValueError as exc:
+        raise GrammarError(f"the schema is not valid JSON schema: {exc}") from None
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar,
+                                                                  _ll_tokenizer(tokenizer))
+    if is_error:
+        raise GrammarError(f"the schema cannot be compiled: {messages[0].splitlines()[0]}")
+
+
+class Matcher:
+    """One sequence's place in its grammar: which tokens may come next."""
+
+    def __init__(self, spec: GrammarSpec, tokenizer) -> None:
+        from llguidance import LLMatcher
+
+        self._ll = LLMatcher(_ll_tokenizer(tokenizer), spec.grammar(), log_level=0)
+
+    def allowed(self, vocab: int) -> torch.Tensor | None:
+        """A [vocab] bool mask of the tokens the grammar allows next (the end-of-sequence
+        tokens once the reply is complete); None once the matcher has failed."""
+        if self._ll.is_error():
+            return None
+        # Bit j of the little-endian mask words is token j.
+        packed = np.frombuffer(self._ll.compute_bitmask(), dtype=np.uint8)
+        bits = np.unpackbits(packed, bitorder="little").view(np.bool_)
+        if bits.size < vocab:  # logits wider than the tokenizer: padding rows never allowed
+            bits = np.concatenate([bits, np.zeros(vocab - bits.size, dtype=np.bool_)])
+        return torch.from_numpy(bits[:vocab])
+
+    def accept(self, token: int) -> None:
+        # A token outside the grammar only happens if the mask was bypassed (ignore_eos past
+        # the end): the matcher then stops constraining rather than failing the engine step.
+        self._ll.consume_token(token)
+
+
+def new_matcher(spec: GrammarSpec, tokenizer) -> Matcher:
+    return Matcher(spec, tokenizer)
