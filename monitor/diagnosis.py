@@ -90,12 +90,17 @@ def _growth(ts, values, start, end) -> float | None:
     return recent / base
 
 
+def _recent(ts, values, start, end) -> float | None:
+    last = _thirds(ts, values, start, end)[1]
+    return float(last.mean()) if last.size else None
+
+
+# Each statistic of a window's (timestamps, values) between start and end; c is the Condition.
 STATS = {
     "mean": lambda ts, v, s, e, c: float(v.mean()),
     "max": lambda ts, v, s, e, c: float(v.max()),
     "median": lambda ts, v, s, e, c: float(np.median(v)),
-    "recent": lambda ts, v, s, e, c: (lambda last: float(last.mean()) if last.size else None)(
-        _thirds(ts, v, s, e)[1]),
+    "recent": lambda ts, v, s, e, c: _recent(ts, v, s, e),
     "increase": lambda ts, v, s, e, c: _increase(v) if v.size >= 2 else None,
     "growth": lambda ts, v, s, e, c: _growth(ts, v, s, e),
     "share_bits": lambda ts, v, s, e, c: float(np.mean((v.astype(np.int64) & c.mask) != 0)),
@@ -352,7 +357,7 @@ class Evidence:
 
     series: str
     stat: str
-    value: float
+    value: float | None  # None: a growth from zero
     start: float
     end: float
     threshold: str | None = None
@@ -362,7 +367,8 @@ class Evidence:
 
     def sentence(self) -> str:
         what = f"{self.stat} of {self.series}" + (f" / median of {self.over}" if self.over else "")
-        text = f"{what} over {self.end - self.start:.0f} s is {_num(self.value)}"
+        shown = "a rise from 0" if self.value is None else _num(self.value)
+        text = f"{what} over {self.end - self.start:.0f} s is {shown}"
         if self.threshold:
             text += f" (limit {self.threshold} = {_num(self.limit)})"
         return text
@@ -474,7 +480,9 @@ def _judge(subject: _Subject, cond: Condition) -> tuple[bool, Evidence | None, d
         seen = int(np.bitwise_or.reduce(values.astype(np.int64)))
         fields[f"{cond.name}_reasons"] = ", ".join(n for b, n in THROTTLE_BITS.items()
                                                     if seen & b & cond.mask) or "none"
-    evidence = Evidence(key, cond.stat, value, subject.start, subject.end, cond.threshold, limit,
+    # A growth from nothing is infinite: held, but stored as no number (JSON has no Infinity).
+    shown = value if math.isfinite(value) else None
+    evidence = Evidence(key, cond.stat, shown, subject.start, subject.end, cond.threshold, limit,
                         over, _summary(values))
     return holds, evidence, fields
 

@@ -228,3 +228,15 @@ def test_verdicts_export_as_csv_with_their_evidence(vllm_recording):
     assert rows["kv_pressure"]["title"].startswith("p99 TTFT spike with KV cache full")
     assert "max of vllm/kv_cache_usage over" in rows["kv_pressure"]["evidence"]
     assert float(rows["kv_pressure"]["end_s"]) > float(rows["kv_pressure"]["start_s"])
+
+
+def test_a_queue_growing_from_nothing_is_named_and_stays_plain_json():
+    waiting = np.concatenate((np.zeros(20), np.linspace(0, 6, 20), np.full(20, 6.0)))
+    view = RecordedSeries({"vllm/requests_waiting": (T0 + np.arange(60.0), waiting),
+                           "vllm/requests_running": steady(8.0)})
+    verdicts = evaluate(view, T0, T0 + 59).verdicts
+    assert [v.title for v in verdicts] == ["queue growing: 6.0 requests waiting on average, "
+                                           "up from 0.0"]
+    growth = verdicts[0].evidence[0]
+    assert growth.value is None and "is a rise from 0" in growth.sentence()
+    json.dumps([v.to_dict() for v in verdicts], allow_nan=False)  # strict JSON: no Infinity
