@@ -240,3 +240,26 @@ def test_a_queue_growing_from_nothing_is_named_and_stays_plain_json():
     growth = verdicts[0].evidence[0]
     assert growth.value is None and "is a rise from 0" in growth.sentence()
     json.dumps([v.to_dict() for v in verdicts], allow_nan=False)  # strict JSON: no Infinity
+
+
+def test_throttling_on_a_remote_box_read_through_nvidia_smi():
+    """The SSH source's GPU series (monitor.ssh.smi parses nvidia-smi's CSV rows into the
+    names NvmlSource uses): an H100 at its power cap in most rows."""
+    from monitor.ssh.smi import THROTTLE_FIELDS, parse_row, query
+
+    fields = query(THROTTLE_FIELDS[0]).split(",")
+    data: dict[str, list] = {}
+    for i in range(30):
+        reasons = "0x0000000000000004" if i >= 10 else "0x0000000000000000"
+        clock = 1410 if i >= 10 else 1980
+        row = (f"0, 97, 61, 70123, 81559, 699.81, 700.00, 71, {clock}, 2619, {reasons}")
+        gpu, values = parse_row(row, fields)
+        for series, value in values.items():
+            data.setdefault(f"box/{gpu}/{series}", []).append((T0 + i, value))
+    view = RecordedSeries({k: tuple(np.array(c) for c in zip(*v, strict=True))
+                           for k, v in data.items()})
+    verdicts = evaluate(view, T0, T0 + 29).verdicts
+    assert [(v.rule, v.source, v.gpu) for v in verdicts] == [("gpu_throttling", "box", "0")]
+    assert verdicts[0].title == "GPU 0 clocks throttled (software power cap) in 67% of the window"
+    power = next(e for e in verdicts[0].evidence if e.series == "box/0/power_w")
+    assert power.summary["max"] == pytest.approx(699.81)
