@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from PySide6.QtCore import Qt
 
 from tests.app.test_journey_servers import go_to
@@ -126,3 +127,25 @@ def test_diagnosis_on_an_empty_database_says_what_it_could_not_judge(make_window
     qtbot.mouseClick(button(view, "Export verdicts as CSV"), Qt.MouseButton.LeftButton)
     assert any(n.message.startswith("No verdicts to export yet")
                for n in window.notifications.notifications())
+
+
+def test_without_a_database_the_hubs_live_series_are_judged():
+    """The view's task where the database could not open: the hub's ring buffers, nothing
+    stored (the recording replayed into a hub as its scrapes would have filled it)."""
+    from types import SimpleNamespace
+
+    from app.panes.monitor.diagnosis import diagnose_task
+    from monitor.hub import Hub
+    from monitor.types import Sample
+
+    series = json.loads(RECORDING.read_text())["series"]
+    shift = time.time() - 2.0 - max(points[-1][0] for points in series.values())
+    hub = Hub()
+    hub._store([Sample(key, shift + ts, value) for key, points in series.items()
+                for ts, value in points], [])
+    task = diagnose_task(SimpleNamespace(db=None, hub=hub), 300.0)(None)
+    with pytest.raises(StopIteration) as done:  # no progress yields: straight to its result
+        next(task)
+    result = done.value.value
+    assert "kv_pressure" in {v["rule"] for v in result["verdicts"]}
+    assert result["history"] == []
