@@ -165,6 +165,8 @@ class DiagnosisView(QWidget):
         """Judge the last span now, in the background."""
         self.service.start()  # from the menu before the Monitor pane was shown; once only
         if not self.runner.is_running():
+            if self._timer.isActive():  # the next automatic judgment AUTO_MS after this one
+                self._timer.start()
             self.summary.setText("Judging the live series only: the database is still "
                                  "opening…" if self.service.db_opening else "Judging…")
             self.runner.start(diagnose_task(self.service, self.span_s()))
@@ -174,6 +176,8 @@ class DiagnosisView(QWidget):
             self.diagnose()
 
     def _on_diagnosed(self, result: dict) -> None:
+        if self._timer.isActive():
+            self._timer.start()
         self.verdicts = result["verdicts"]
         if self.service.db is not None:
             self.history = result["history"]
