@@ -51,34 +51,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="a GGUF file, a Hugging Face folder, or a name from `models list`")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
-    p.add_argument("--weights", default="float",
-                   help="weight-only quantization: float, int8 (per channel) or "
-                        "int4[:g32|g64|g128] (default float)")
+    from engine.engine_config import EngineConfig
+
+    EngineConfig.add_cli_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--spec", default=None,
-                   help="speculative decoding: ngram[:k=5] (prompt lookup), draft:PATH[,k=4] "
-                        "(a smaller model with the same tokenizer, or a draft file from "
-                        "benchmarks/train_draft.py) or demo-draft[:k=2] (the demo model's own "
-                        "draft); lookup=1 tries prompt lookup before a draft; default off")
-    p.add_argument("--prefix-caching", action="store_true",
-                   help="share the KV blocks of common prompt prefixes between requests")
-    p.add_argument("--kv-policy", default=None,
-                   help="KV-cache eviction: none, streaming, h2o, scissorhands or snapkv "
-                        "(default none)")
-    p.add_argument("--kv-budget", default=None,
-                   help="KV entries each request keeps under --kv-policy: tokens (512) or a "
-                        "fraction of the request's length (0.2)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay decode steps from CUDA graphs (CUDA only)")
-    p.add_argument("--compile", action="store_true",
-                   help="run decode steps through torch.compile (CUDA only)")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="KV cache storage: auto (the model's dtype), int8 or fp8 (e4m3), with "
-                        "a scale per token and KV head")
 
 
 # ---- models ----
@@ -164,20 +140,17 @@ def _generate_parser(sub) -> None:
     p.set_defaults(func=_generate)
 
 
-def _load(args, **engine_kwargs):
+def _load(args):
+    from engine.engine_config import EngineConfig
+
+    config = EngineConfig.from_cli(args)  # bad values fail before torch or the model loads
     from engine import LLM
-    from engine.kv_options import parse_kv_budget, parse_kv_cache_dtype
     from engine.models import DEMO_MODEL, fetch_demo_model
 
-    kv_budget = parse_kv_budget(args.kv_budget)  # bad values fail before the model loads
-    kv_cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype)
-    if args.model == DEMO_MODEL:
+    if config.model == DEMO_MODEL:
         fetch_demo_model()
     t = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative=args.spec,
-              prefix_caching=args.prefix_caching, kv_policy=args.kv_policy,
-              kv_budget=kv_budget, weights=args.weights, kv_cache_dtype=kv_cache_dtype,
-              cuda_graphs=args.cuda_graphs, torch_compile=args.compile, **engine_kwargs)
+    llm = LLM(config)
     print(f"loaded {llm.model_name} on {llm.device} ({llm.dtype}, {llm.weights} weights) in "
           f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
     if llm.fallback_reason:
@@ -274,8 +247,6 @@ def _serve_parser(sub) -> None:
     p.add_argument("--allow-unauthenticated-remote", action="store_true",
                    help="serve a non-loopback --host without an API key (anyone who reaches "
                         "the port can use the engine)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--max-connections", type=int, default=512,
                    help="open connections before new ones get 503 (default 512)")
     p.set_defaults(func=_serve)
@@ -297,7 +268,7 @@ def _serve(args) -> int:
               "reaches the port can use the engine.", file=sys.stderr, flush=True)
     if args.max_connections < 1:
         raise ValueError("--max-connections must be at least 1.")
-    llm = _load(args, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens)
+    llm = _load(args)
     limits = ServerLimits(max_connections=args.max_connections)
     try:
         server = Server(llm, args.host, args.port, api_key, limits)

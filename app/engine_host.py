@@ -128,7 +128,7 @@ class _EngineWorker(QObject):
                 self._emit("load_progress", 0.3 + 0.6 * fraction, message)
 
             progress(0.0)
-            llm = LLM(request.model, progress=progress, **request.llm_kwargs())
+            llm = LLM(request.engine_config(), progress=progress)
         except LoadCancelled:
             self._emit("load_cancelled")
             return

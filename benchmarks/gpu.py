@@ -16,6 +16,7 @@ On a machine without CUDA it prints one line saying so. Sized to finish in well 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import math
@@ -120,10 +121,20 @@ class Variant:
     kv_cache_dtype: str = "auto"
 
 
+def engine_options() -> set[str]:
+    """The options this engine's LLM takes: EngineConfig's fields, or on a revision from before
+    EngineConfig (a before/after run) LLM's keyword arguments."""
+    try:
+        from engine.engine_config import EngineConfig
+    except ImportError:
+        return set(inspect.signature(LLM.__init__).parameters)
+    return {f.name for f in dataclasses.fields(EngineConfig)}
+
+
 def variants() -> tuple[list[Variant], list[str]]:
     """The torch reference kernels (the same-run baseline), the Triton kernels, and with them
     CUDA graphs and quantized weights where this engine's LLM has those options."""
-    params = inspect.signature(LLM.__init__).parameters
+    params = engine_options()
     graphs = "cuda_graphs" in params
     suffix = "_graphs" if graphs else ""
     chosen = [Variant("float16_reference", "float16", "reference", False),

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv_eviction import KVState, parse_policy, resolve_budget
+from engine.kv_eviction import KVState, parse_policy
+from engine.kv_options import eviction_chunk, peak_kv_tokens, resolve_budget
 from engine.sequence import RequestError, SamplingParams
 
 Prompt = str | list[int]
@@ -59,7 +60,7 @@ class Admission:
         state = KVState(policy, tokens)
         if policy.repositions:
             chunk = self.eviction_chunk(ids, state)
-            peak = tokens + self.block_size + chunk
+            peak = peak_kv_tokens(tokens, self.block_size, chunk)
             if peak >= self.max_model_len:
                 raise RequestError(
                     f"With {policy.name} the cache holds up to {peak} tokens (kv_budget {tokens}, "
@@ -69,12 +70,9 @@ class Admission:
         return state
 
     def eviction_chunk(self, ids: list[int], kv: KVState) -> int:
-        """The most tokens a sequence under eviction computes in one step beyond its budget and
-        a block, before compacting: a prefill chunk, or a decode token and its speculative
-        drafts; SnapKV holds the whole prompt until it ends."""
-        chunk = len(ids) if kv.policy.holds_prompt else min(len(ids),
-                                                               self.max_num_batched_tokens)
-        return max(chunk, 1 + self.num_draft_tokens)
+        """The most tokens the sequence computes in one step before compacting."""
+        return eviction_chunk(len(ids), kv.policy.holds_prompt, self.max_num_batched_tokens,
+                              self.num_draft_tokens)
 
     def check_policy_allowed(self) -> None:
         if self.draft_model_cache:
@@ -92,9 +90,8 @@ class Admission:
         if not unbounded:
             need = min(need, self.max_model_len)
         if kv is not None:
-            # The cache peaks at the budget plus a block plus a prefill chunk, except that
-            # SnapKV holds the whole prompt until it ends.
-            need = min(need, kv.budget + self.block_size + self.eviction_chunk(ids, kv))
+            need = min(need, peak_kv_tokens(kv.budget, self.block_size,
+                                            self.eviction_chunk(ids, kv)))
         if need > self.kv_cache_tokens:
             raise RequestError(
                 f"The request needs up to {need} KV slots ({len(ids)} prompt + {params.max_tokens} "

@@ -39,8 +39,10 @@ def iter_benchmark(llm, *, quick: bool = False) -> Iterator[BenchEvent]:
     sizes = _sizes(quick)
     result: dict = {"model": llm.model_name, "device": str(llm.device), "dtype": llm.dtype,
                     "weights": llm.weights, "weight_bytes": llm.weight_bytes,
-                    # The planner calibrates the KV precision it ran with (planner/measured.py).
-                    "kv_cache_dtype": llm.kv_cache_dtype, "quick": quick, "config": sizes}
+                    "kv_cache_dtype": llm.kv_cache_dtype, "quick": quick, "config": sizes,
+                    # What the planner calibrates from it, in its names (planner/measured.py).
+                    "precision": dict(zip(("weights", "kv"), llm.engine_config.precisions(
+                        llm.device.type), strict=True))}
     yield BenchEvent(0.0, f"prefill of {sizes['prefill_tokens']} tokens")
     result.update(measure_prefill(llm, sizes["prefill_tokens"]))
     yield BenchEvent(0.2, f"batch-1 decode of {sizes['decode_tokens']} tokens")

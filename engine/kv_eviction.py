@@ -36,7 +36,6 @@ so its cache peaks no higher than admission allowed for.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -45,10 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.features import Step, StepFeature
-from engine.sequence import RequestError, Sequence, Status
-
-POLICIES = ("none", "streaming", "h2o", "scissorhands", "snapkv")
-_ALIASES = {"streamingllm": "streaming", "heavy-hitter": "h2o", "off": "none"}
+from engine.kv_options import TRAITS, policy_name
+from engine.kv_options import resolve_budget as resolve_budget  # re-exported for its callers
+from engine.sequence import Sequence, Status
 
 
 @dataclass(frozen=True)
@@ -58,8 +56,16 @@ class Policy(ABC):
 
     name: ClassVar[str]
     needs_mass: ClassVar[bool] = False  # scores tokens by the attention they receive
-    repositions: ClassVar[bool] = False  # kept keys move to new positions (runs past the context)
-    holds_prompt: ClassVar[bool] = False  # keeps the whole prompt until the prompt ends
+
+    @property
+    def repositions(self) -> bool:
+        """Kept keys move to new positions, so the sequence runs past the context."""
+        return TRAITS[self.name].repositions
+
+    @property
+    def holds_prompt(self) -> bool:
+        """Keeps the whole prompt until the prompt ends."""
+        return TRAITS[self.name].holds_prompt
 
     def wants_mass(self, state: KVState) -> bool:
         """Whether this step's attention statistics are needed."""
@@ -91,7 +97,6 @@ class Streaming(Policy):
     """StreamingLLM: the first `sinks` tokens (attention sinks) and a recent window."""
 
     name: ClassVar[str] = "streaming"
-    repositions: ClassVar[bool] = True
     sinks: int = 4
 
     def select(self, state, start, end, keep, shape, snapshot) -> torch.Tensor:
@@ -137,7 +142,6 @@ class SnapKV(Policy):
 
     name: ClassVar[str] = "snapkv"
     needs_mass: ClassVar[bool] = True
-    holds_prompt: ClassVar[bool] = True
     window: int = 32  # the observation window
     pool: int = 7  # the max-pool kernel
 
@@ -184,34 +188,8 @@ _POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Streaming, H2O, Scisso
 
 def parse_policy(name: str | None) -> Policy | None:
     """A policy by name (None or "none" = no eviction); a clear error for anything else."""
-    if name is None:
-        return None
-    key = _ALIASES.get(name.strip().lower(), name.strip().lower())
-    if key not in POLICIES:
-        raise RequestError(f"Unknown KV eviction policy '{name}': choose one of "
-                           f"{', '.join(POLICIES)}.")
+    key = policy_name(name)
     return None if key == "none" else _POLICIES[key]()
-
-
-def resolve_budget(budget: int | float | None, total_tokens: int, block_size: int) -> int:
-    """The budget in tokens: an int is tokens, a float in (0, 1] a fraction of the request's
-    full length (prompt + max_tokens), as kvpress states compression ratios."""
-    if budget is None:
-        raise RequestError("A KV eviction policy needs kv_budget: tokens (e.g. 512) or a "
-                           "fraction of the request's length (e.g. 0.2).")
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
-        raise RequestError(f"kv_budget must be a number of tokens or a fraction, got {budget!r}.")
-    minimum = 2 * block_size
-    if isinstance(budget, float):
-        if not 0 < budget <= 1:
-            raise RequestError(f"kv_budget as a fraction must be in (0, 1], got {budget}.")
-        # A fraction of a short request may come out below the minimum: round it up.
-        return max(math.ceil(budget * total_tokens), minimum)
-    tokens = budget
-    if tokens < minimum:
-        raise RequestError(f"kv_budget of {tokens} tokens is below the minimum of {minimum} "
-                           f"(two KV blocks): raise kv_budget.")
-    return tokens
 
 
 @dataclass

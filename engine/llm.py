@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -18,8 +20,8 @@ from engine.devices import (
     resolve_device,
     resolve_dtype,
 )
-from engine.kv_eviction import KVEvictor, parse_policy, resolve_budget
-from engine.kv_options import parse_kv_cache_dtype
+from engine.engine_config import EngineConfig
+from engine.kv_eviction import KVEvictor
 from engine.model import LlamaModel
 from engine.output_processor import delta
 from engine.prefix_cache import PrefixCache
@@ -38,84 +40,78 @@ from engine.spec.decoder import SpecDecoder
 from engine.teacher_forcing import ForcedTokens, TeacherForcing
 
 Prompt = str | list[int]
-__all__ = ["LLM", "Prompt", "StepStats"]
+__all__ = ["LLM", "EngineConfig", "Prompt", "StepStats"]
 
 
 class LLM:
     """A loaded model with a paged KV cache, serving many requests by continuous batching: the
     facade that loads the model, checks requests and hands them to the engine core."""
 
-    def __init__(self, model: str, *, device: str = "auto", dtype: str | torch.dtype | None = None,
-                 max_num_seqs: int = 64, kv_cache_tokens: int | None = None,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 block_size: int = 16, kernel_backend: str | None = None,
-                 progress: Callable[[float], None] | None = None,
-                 speculative: str | SpecConfig | None = None,
-                 prefix_caching: bool = False, kv_policy: str | None = None,
-                 kv_budget: int | float | None = None, cuda_graphs: bool = False,
-                 weights: str = "float", kv_cache_dtype: str = "auto",
-                 torch_compile: bool = False) -> None:
-        """Load `model`; `progress(fraction)` follows the weights and may raise LoadCancelled.
+    def __init__(self, model: str | EngineConfig, *,
+                 progress: Callable[[float], None] | None = None, **options: Any) -> None:
+        """Load the engine `model` describes: an EngineConfig, or a model path or name with the
+        EngineConfig fields as keyword options (they override a given config's).
+        `progress(fraction)` follows the weights and may raise LoadCancelled.
 
-        `kv_policy` (none, streaming, h2o, scissorhands, snapkv) with `kv_budget` (tokens, or a
-        fraction of each request's length) evicts KV entries; requests may override both.
-        `cuda_graphs` replays decode-only steps from CUDA graphs and `torch_compile` runs them
-        through torch.compile (inductor), alone or inside the graphs (CUDA only).
-        `weights`: "float", "int8" or "int4[:g32|g64|g128]" weight-only quantization
-        (engine/quantize.py); a bad value raises WeightsError before anything is read.
-        `kv_cache_dtype`: "auto" (the model's dtype), "int8" or "fp8" KV cache, quantized with a
-        scale per token and KV head (kernels/kv_quant.py).
+        A bad option raises before anything is read (engine/engine_config.py names them all:
+        precision, batch and KV pool sizes, speculative decoding, prefix caching, KV eviction,
+        CUDA graphs and torch.compile).
         """
-        engine_policy = parse_policy(kv_policy)
-        if engine_policy is not None:
-            resolve_budget(kv_budget, 1 << 30, block_size)  # a bad budget fails before loading
+        if isinstance(model, EngineConfig):
+            config = replace(model, **options) if options else model
+        else:
+            config = EngineConfig(model, **options)
+        self.engine_config = config
         from engine.loader import load_checkpoint
 
-        weight_format = parse_weights(weights)
-        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
-        self.device, self.fallback_reason = resolve_device(device)
-        if cuda_graphs:  # before the weights load
+        weight_format = parse_weights(config.weights)
+        self.kv_cache_dtype = config.kv_cache_dtype
+        self.device, self.fallback_reason = resolve_device(config.device)
+        if config.cuda_graphs:  # before the weights load
             check_device(self.device)
-        if torch_compile:
+        if config.torch_compile:
             check_device(self.device, "Compiled decode steps", "torch_compile")
         check_kv_cache_dtype(self.kv_cache_dtype, self.device)
-        self._dtype = resolve_dtype(dtype, self.device)
-        ckpt = load_checkpoint(model, dtype=torch.float32, progress=progress)
+        self._dtype = resolve_dtype(None if config.dtype == "auto" else config.dtype, self.device)
+        ckpt = load_checkpoint(config.model, dtype=torch.float32, progress=progress)
         self.config: ModelConfig = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.model_name = ckpt.name
         self.model_path = ckpt.source
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+        self.max_model_len = min(config.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.model = LlamaModel(self.config, ckpt.tensors, self.device, self._dtype,
-                                self.max_model_len, kernel_backend, weight_format, ckpt.blocks)
+                                self.max_model_len, config.kernel_backend, weight_format,
+                                ckpt.blocks)
         del ckpt
-        self.block_size = block_size
-        tokens = kv_cache_tokens or kv_budget_tokens(self.config, self.device, self._dtype,
-                                                     max_num_seqs, self.max_model_len,
-                                                     self.kv_cache_dtype)
-        self.num_kv_blocks = max(1, tokens // block_size)
-        self.block_manager = BlockManager(self.num_kv_blocks, block_size)
+        self.block_size = config.block_size
+        tokens = config.kv_cache_tokens or kv_budget_tokens(
+            self.config, self.device, self._dtype, config.max_num_seqs, self.max_model_len,
+            self.kv_cache_dtype)
+        self.num_kv_blocks = max(1, tokens // self.block_size)
+        self.block_manager = BlockManager(self.num_kv_blocks, self.block_size)
         # What makes cached KV differ beyond the tokens: a block is shared only within it.
         identity = f"{self.model_path}|{self._dtype}|{weight_format}|{self.kv_cache_dtype}"
-        self.prefix_cache = PrefixCache(self.block_manager, identity) if prefix_caching else None
+        self.prefix_cache = (PrefixCache(self.block_manager, identity) if config.prefix_caching
+                             else None)
         self.runner = ModelRunner(self.model, self.block_manager, self.kv_cache_dtype)
-        if cuda_graphs or torch_compile:
+        if config.cuda_graphs or config.torch_compile:
             self.runner.use_decode_graphs(
-                max_num_seqs, self.max_model_len, capture=cuda_graphs,
-                compile_backend="inductor" if torch_compile else None)
-        self.spec = self._spec_decoder(parse_spec(speculative))
-        self.kv_policy, self.kv_budget = kv_policy, kv_budget
+                config.max_num_seqs, self.max_model_len, capture=config.cuda_graphs,
+                compile_backend="inductor" if config.torch_compile else None)
+        self.spec = self._spec_decoder(parse_spec(config.speculative))
+        self.kv_policy = None if config.kv_policy == "none" else config.kv_policy
+        self.kv_budget = config.kv_budget
         self.evictor = KVEvictor(self.runner, self.block_manager)
-        self.max_num_batched_tokens = max(max_num_batched_tokens, block_size)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.admission = self._admission()
-        if engine_policy is not None:
+        if config.evicts:
             self.admission.check_policy_allowed()
         # Hook order matters: prefix blocks are indexed before accepted drafts count as computed.
         features = [f for f in (self.prefix_cache, self.spec, self.evictor, TeacherForcing())
                     if f is not None]
-        scheduler = Scheduler(self.block_manager, max_num_seqs, self.max_num_batched_tokens,
-                              self.prefix_cache)
+        scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                              self.max_num_batched_tokens, self.prefix_cache)
         self.core = EngineCore(self.runner, self.block_manager, scheduler, features,
                                self.tokenizer, self.max_model_len)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.calibrate import Calibration, Measurement, fit_per_device
-from planner.catalog import Catalog
+from planner.catalog import KV_PRECISIONS, PRECISIONS, Catalog
 from planner.memory import BYTES_PER_PARAM, KV_BYTES
 
 # torch dtype names as engine.bench records them -> the planner's precisions.
@@ -97,6 +97,22 @@ def _engine_gpu(result: dict[str, Any]) -> str:
     return str(result.get("gpu") or (gpus[0] if gpus else ""))
 
 
+def engine_precisions(result: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(weights, KV) precision of an engine result in the planner's names: as the engine
+    recorded them (EngineConfig.precisions), or for a result recorded before it did, read from
+    its dtype, weight format and KV-cache dtype (a test keeps the two readings equal)."""
+    recorded = result.get("precision")
+    if isinstance(recorded, dict):
+        return recorded.get("weights"), recorded.get("kv")
+    # An int4 benchmark moves a quarter of bf16's weight bytes: calibrated as bf16 it would
+    # credit the GPU with four times the memory efficiency it has.
+    dtype = DTYPES.get(str(result.get("dtype", "")))
+    fmt = str(result.get("weights") or "float").strip().lower()
+    weights = dtype if fmt == "float" else WEIGHT_FORMATS.get(fmt.split(":", 1)[0])
+    kv_dtype = str(result.get("kv_cache_dtype") or "auto").strip().lower()
+    return weights, dtype if kv_dtype == "auto" else KV_DTYPES.get(kv_dtype)
+
+
 def _engine_target(result: dict[str, Any], catalog: Catalog
                    ) -> tuple[str, str, str, str] | str:
     """(model, GPU, weight precision, KV precision) of an engine result, or the reason it cannot
@@ -111,21 +127,13 @@ def _engine_target(result: dict[str, Any], catalog: Catalog
     model = match_model(str(result.get("model", "")), catalog)
     if model is None:
         return f"engine result for {result.get('model')!r}: model not in the catalog"
-    precision = DTYPES.get(str(result.get("dtype", "")))
-    if precision is None:
-        return f"engine result in {result.get('dtype')!r}: the planner models no such precision"
-    # An int4 benchmark moves a quarter of bf16's weight bytes: calibrated as bf16 it would
-    # credit the GPU with four times the memory efficiency it has.
-    fmt = str(result.get("weights") or "float").strip().lower()
-    weights = precision if fmt == "float" else WEIGHT_FORMATS.get(fmt.split(":", 1)[0])
-    if weights is None:
-        return (f"engine result with weights {result.get('weights')!r}: the planner models no "
-                f"such weight format")
-    kv_dtype = str(result.get("kv_cache_dtype") or "auto").strip().lower()
-    kv = precision if kv_dtype == "auto" else KV_DTYPES.get(kv_dtype)
-    if kv is None:
-        return (f"engine result with KV cache {result.get('kv_cache_dtype')!r}: the planner "
-                f"models no such KV precision")
+    weights, kv = engine_precisions(result)
+    if weights not in PRECISIONS:
+        return (f"engine result with {result.get('dtype')!r} and weights "
+                f"{result.get('weights')!r}: the planner models no such weight precision")
+    if kv not in KV_PRECISIONS:
+        return (f"engine result in {result.get('dtype')!r} with KV cache "
+                f"{result.get('kv_cache_dtype')!r}: the planner models no such KV precision")
     return model, gpu, weights, kv
 
 

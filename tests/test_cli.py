@@ -74,6 +74,8 @@ def test_bench_quick_json(demo_gguf, tmp_path):
     assert set(out["throughput_tokens_per_s"]) == {"1", "4"}
     assert out["machine"]["cpus"] >= 1
     assert (out["weights"], out["kv_cache_dtype"]) == ("float", "auto")
+    # float32 on the CPU: no precision the planner models, so it calibrates nothing from it.
+    assert out["precision"] == {"weights": None, "kv": None}
     saved = (tmp_path / "bench_results.jsonl").read_text().splitlines()
     assert json.loads(saved[-1])["ttft_ms"] == out["ttft_ms"]
 

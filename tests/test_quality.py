@@ -26,7 +26,13 @@ def test_import_contracts_hold():
 
 
 def test_cli_and_model_cache_do_not_import_torch():
-    code = ("import sys, app.cli, engine, engine.models, engine.config; "
+    # Parsing an engine command and validating and sizing its EngineConfig (what the CLI and the
+    # Engine pane do before loading) stay torch-free too.
+    code = ("import sys, app.cli, engine, engine.models, engine.config\n"
+            "from engine.engine_config import EngineConfig\n"
+            "args = app.cli._parser().parse_args(['serve', '--weights', 'int4', '--spec', "
+            "'ngram', '--kv-policy', 'h2o', '--kv-budget', '0.2'])\n"
+            "EngineConfig.from_cli(args).peak_kv_tokens(1024)\n"
             "print('torch' in sys.modules)")
     result = _run(sys.executable, "-c", code)
     assert result.returncode == 0, result.stderr

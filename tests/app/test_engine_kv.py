@@ -14,14 +14,14 @@ def test_kv_options_map_to_engine_arguments_and_bound_the_pool() -> None:
     from app.panes.engine.state import LoadRequest
 
     plain = LoadRequest("m.gguf", "cpu", "auto", 1024, 2, prefix_caching=True)
-    assert plain.llm_kwargs()["prefix_caching"] is True
-    assert "kv_policy" not in plain.llm_kwargs() and plain.kv_tokens_per_request() == 1024
+    assert plain.engine_config().prefix_caching is True
+    assert plain.engine_config().kv_policy == "none" and plain.kv_tokens_per_request() == 1024
     tokens = LoadRequest("m.gguf", "cpu", "auto", 1024, 2, kv_policy="h2o", kv_budget=64)
-    kwargs = tokens.llm_kwargs()
-    assert (kwargs["kv_policy"], kwargs["kv_budget"]) == ("h2o", 64)
+    config = tokens.engine_config()
+    assert (config.kv_policy, config.kv_budget) == ("h2o", 64)
     # Each request peaks at its budget, a block of slack and one prefill chunk.
-    assert kwargs["kv_cache_tokens"] == 2 * (64 + 16 + 256)
-    assert kwargs["max_num_batched_tokens"] == 256
+    assert config.kv_cache_tokens == 2 * (64 + 16 + 256)
+    assert config.max_num_batched_tokens == 256
     fraction = LoadRequest("m.gguf", context_tokens=2048, concurrency=1, kv_policy="streaming",
                            kv_budget=0.1)
     assert fraction.kv_tokens_per_request() == 205 + 16 + 256
@@ -55,7 +55,7 @@ def test_step_history_keeps_running_totals() -> None:
 
 
 def test_kv_options_load_and_the_chart_follows_the_steps(make_window, qtbot, demo_gguf) -> None:
-    from engine.kv_eviction import POLICIES
+    from engine.kv_options import POLICIES
 
     window = make_window()
     pane = window.pane("engine")

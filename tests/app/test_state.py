@@ -84,15 +84,20 @@ def test_memory_verdicts() -> None:
 
 
 def test_requests_are_validated_and_map_to_engine_arguments() -> None:
+    from engine.engine_config import EngineConfig
+
     request = LoadRequest("m.gguf", "cpu", "auto", 1024, 2)
-    assert request.llm_kwargs() == {"device": "cpu", "dtype": None, "max_model_len": 1024,
-                                    "kv_cache_tokens": 2048, "speculative": None,
-                                    "prefix_caching": False,
-                                    "weights": "float", "kv_cache_dtype": "auto"}
-    assert LoadRequest("m.gguf", weights="int4").llm_kwargs()["weights"] == "int4"
-    assert LoadRequest("m.gguf", kv_cache_dtype="int8").llm_kwargs()["kv_cache_dtype"] == "int8"
-    assert LoadRequest("m.gguf", speculative="ngram:k=5").llm_kwargs()["speculative"] == "ngram:k=5"
-    with pytest.raises(ValueError):
-        LoadRequest("")
+    assert request.engine_config() == EngineConfig("m.gguf", device="cpu", max_model_len=1024,
+                                                   kv_cache_tokens=2048)
+    assert LoadRequest("m.gguf", weights="int4").engine_config().weights == "int4:g32"
+    assert LoadRequest("m.gguf", kv_cache_dtype="int8").engine_config().kv_cache_dtype == "int8"
+    assert LoadRequest("m.gguf", speculative="ngram:k=5").engine_config().speculative == \
+        "ngram:k=5"
+    assert LoadRequest("m.gguf", speculative="off").engine_config().speculative is None
+    for bad in ({"model": ""}, {"model": "m.gguf", "weights": "int3"},
+                {"model": "m.gguf", "context_tokens": 8},
+                {"model": "m.gguf", "kv_policy": "h2o"}):  # a policy without a budget
+        with pytest.raises(ValueError):
+            LoadRequest(**bad)
     assert SamplingSettings(seed=-1).as_kwargs()["seed"] is None
     assert SamplingSettings(seed=7, top_k=0).as_kwargs()["seed"] == 7

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Generator
+from dataclasses import replace
 from typing import Any
 
 from PySide6.QtCore import QSignalBlocker, Qt, Signal
@@ -392,21 +393,14 @@ class LoadPanel(QGroupBox):
             self.estimate_label.setText("Choose a model to see the memory it needs.")
             return
         try:
-            from engine.memory import estimate_memory
-
             target = self._target_device()
+            device = "cpu" if target is None else target.kind
             request = self.current_request()
-            # Under an eviction budget each request holds at most budget + a prefill chunk.
-            kwargs = dict(dtype=self._estimate_dtype(),
-                          context_tokens=request.kv_tokens_per_request(),
-                          concurrency=request.concurrency,
-                          max_num_batched_tokens=request.max_num_batched_tokens(),
-                          device="cpu" if target is None else target.kind)
-            weights = self.weights_combo.currentData()
-            kv_dtype = self.kv_dtype_combo.currentData()
-            self._estimate = estimate_memory(self._model, weights=weights,
-                                             kv_cache_dtype=kv_dtype, **kwargs)
-            plain = estimate_memory(self._model, **kwargs)
+            config = request.engine_config()
+            self._estimate = config.memory_estimate(request.context_tokens,
+                                                    request.concurrency, device)
+            plain = replace(config, weights="float", kv_cache_dtype="auto").memory_estimate(
+                request.context_tokens, request.concurrency, device)
         except Exception as exc:  # an unreadable header is reported here and again on load
             self.estimate_label.setText(f"No estimate: {exc}")
             return
@@ -414,25 +408,12 @@ class LoadPanel(QGroupBox):
         e = self._estimate
         detail = (f"weights {format_bytes(e.weight_bytes)} + KV cache {format_bytes(e.kv_bytes)}"
                   f" + activations {format_bytes(e.activation_bytes)}")
-        savings = []
-        if plain.weight_bytes > e.weight_bytes:
-            savings.append(f"{weights} weights save "
-                           f"{format_bytes(plain.weight_bytes - e.weight_bytes)} against float")
-        if plain.kv_bytes > e.kv_bytes:
-            savings.append(f"an {kv_dtype} KV cache saves "
-                           f"{format_bytes(plain.kv_bytes - e.kv_bytes)} against {kwargs['dtype']}")
-        saving = "".join(f"\n{line}" for line in savings)
+        saving = "".join(f"\n{line}" for line in _savings(request, config.concrete_dtype(device),
+                                                             e, plain))
         colour = {"ok": "", "warning": LEVEL_COLOURS[current_theme()]["warning"][1],
                   "error": LEVEL_COLOURS[current_theme()]["error"][1]}[level]
         self.estimate_label.setStyleSheet(f"color: {colour};" if colour else "")
         self.estimate_label.setText(f"{sentence}\n({detail}){saving}")
-
-    def _estimate_dtype(self) -> str:
-        dtype = self.dtype_combo.currentData()
-        if dtype != "auto":
-            return dtype
-        return "float32" if self._target_device() is None or \
-            self._target_device().kind == "cpu" else "bfloat16"
 
     def _target_device(self) -> Any:
         choice = self.device_combo.currentData()
@@ -460,3 +441,16 @@ class LoadPanel(QGroupBox):
         index = combo.findData(data)
         if index >= 0:
             combo.setCurrentIndex(index)
+
+
+def _savings(request: LoadRequest, dtype: str, chosen: Any, plain: Any) -> list[str]:
+    """What quantized weights and a quantized KV cache save against the float engine in
+    `dtype`, named as the user chose them."""
+    lines = []
+    if plain.weight_bytes > chosen.weight_bytes:
+        lines.append(f"{request.weights} weights save "
+                     f"{format_bytes(plain.weight_bytes - chosen.weight_bytes)} against float")
+    if plain.kv_bytes > chosen.kv_bytes:
+        lines.append(f"an {request.kv_cache_dtype} KV cache saves "
+                     f"{format_bytes(plain.kv_bytes - chosen.kv_bytes)} against {dtype}")
+    return lines

@@ -9,10 +9,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.engine_config import EngineConfig
+
 
 @dataclass(frozen=True)
 class LoadRequest:
-    """What to load and where: the model argument, device, dtype and the KV-cache sizing."""
+    """What the load controls say: the model, its options, and the context and concurrency the
+    KV cache is sized for (engine.engine_config sizes it, by the engine's own rules)."""
 
     model: str
     device: str = "auto"
@@ -27,27 +30,15 @@ class LoadRequest:
     kv_cache_dtype: str = "auto"  # or int8 / fp8, quantized per token and KV head
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("no model chosen")
-        if self.context_tokens < 16 or self.concurrency < 1:
-            raise ValueError("context must be at least 16 tokens and concurrency at least 1")
+        self.engine_config()  # a bad option fails here, naming it (a ValueError)
 
-    def llm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for engine.LLM; the KV cache holds concurrency requests' worth."""
-        kwargs = {
-            "device": self.device,
-            "dtype": None if self.dtype == "auto" else self.dtype,
-            "max_model_len": self.context_tokens,
-            "kv_cache_tokens": self.kv_tokens_per_request() * self.concurrency,
-            "speculative": None if self.speculative == "off" else self.speculative,
-            "prefix_caching": self.prefix_caching,
-            "weights": self.weights,
-            "kv_cache_dtype": self.kv_cache_dtype,
-        }
-        if self.kv_policy != "none":
-            kwargs |= {"kv_policy": self.kv_policy, "kv_budget": self.kv_budget,
-                       "max_num_batched_tokens": self.max_num_batched_tokens()}
-        return kwargs
+    def engine_config(self) -> EngineConfig:
+        """The engine this describes; its KV pool holds `concurrency` requests at their peak."""
+        return EngineConfig.sized_for(
+            self.model, self.context_tokens, self.concurrency, device=self.device,
+            dtype=self.dtype, speculative=self.speculative, prefix_caching=self.prefix_caching,
+            kv_policy=self.kv_policy, kv_budget=self.kv_budget if self.kv_policy != "none"
+            else None, weights=self.weights, kv_cache_dtype=self.kv_cache_dtype)
 
     def configuration(self) -> dict[str, Any]:
         """The engine options a measurement ran with, stored beside it (benchmarks, History)."""
@@ -57,27 +48,9 @@ class LoadRequest:
                 "kv_budget": self.kv_budget, "context_tokens": self.context_tokens,
                 "concurrency": self.concurrency}
 
-    def _bounded(self) -> bool:
-        # SnapKV holds the whole prompt until it ends, so its peak is not bounded by the budget.
-        return self.kv_policy not in ("none", "snapkv") and self.kv_budget is not None
-
-    def max_num_batched_tokens(self) -> int:
-        """Prefill chunk: smaller under a budget, since a request peaks at budget + one chunk."""
-        return EVICTION_PREFILL_CHUNK if self._bounded() else DEFAULT_BATCHED_TOKENS
-
     def kv_tokens_per_request(self) -> int:
-        """KV slots one request may hold at its peak: the context, or under an eviction budget
-        the budget plus a block of slack and one prefill chunk (the engine's own bound)."""
-        if not self._bounded():
-            return self.context_tokens
-        budget = self.kv_budget
-        tokens = math.ceil(budget * self.context_tokens) if isinstance(budget, float) else budget
-        return min(self.context_tokens, tokens + KV_BLOCK_TOKENS + EVICTION_PREFILL_CHUNK)
-
-
-KV_BLOCK_TOKENS = 16  # engine.LLM's default block size
-DEFAULT_BATCHED_TOKENS = 2048  # engine.LLM's default max_num_batched_tokens
-EVICTION_PREFILL_CHUNK = 256
+        """KV slots one request may hold at its peak (the engine's rule)."""
+        return self.engine_config().peak_kv_tokens(self.context_tokens)
 
 
 @dataclass(frozen=True)
