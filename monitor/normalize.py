@@ -199,6 +199,10 @@ TABLE: tuple[MetricMap, ...] = (
     _m("temperature_c", "DCGM_FI_DEV_GPU_TEMP", "gauge", per="gpu"),
     _m("sm_clock_mhz", "DCGM_FI_DEV_SM_CLOCK", "gauge", per="gpu"),
     _m("energy_j", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "counter", 1e-3, per="gpu"),
+    # Single-bit (corrected) volatile ECC errors, and the clock throttle reasons as NVML's bitmask
+    # (dcgm_fields.h; off in dcgm-exporter's default counters, the diagnosis reads them if on).
+    _m("ecc_corrected", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", per="gpu"),
+    _m("throttle_reasons", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "gauge", per="gpu"),
 )
 
 KIND_PREFIXES = (("vllm", "vllm:"), ("sglang", "sglang:"), ("tgi", "tgi_"),

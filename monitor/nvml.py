@@ -116,6 +116,11 @@ class NvmlSource:
             value = q(fn, h, arg)
             if value is not None:
                 out[name] = value
+        # Corrected ECC errors since the driver loaded (the diagnosis reads their increase).
+        ecc = q("nvmlDeviceGetTotalEccErrors", h, N.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+                N.NVML_VOLATILE_ECC)
+        if ecc is not None:
+            out["ecc_corrected_total"] = ecc
         procs = q("nvmlDeviceGetComputeRunningProcesses", h)
         if procs is not None:
             out["processes"] = len(procs)

@@ -23,6 +23,8 @@ FIELDS: tuple[tuple[str, str, float], ...] = (
     ("temperature.gpu", "temperature_c", 1.0),
     ("clocks.sm", "sm_clock_mhz", 1.0),
     ("clocks.mem", "mem_clock_mhz", 1.0),
+    # Corrected (single-bit) ECC errors since the driver loaded; [N/A] where ECC is off.
+    ("ecc.errors.corrected.volatile.total", "ecc_corrected_total", 1.0),
 )
 THROTTLE_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
 SERIES = {field: (series, scale) for field, series, scale in FIELDS}

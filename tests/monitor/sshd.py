@@ -50,6 +50,7 @@ VALUES = {{
     "clocks.mem": ("2619", "2619"),
     "clocks_event_reasons.active": ("0x0000000000000000", "0x0000000000000004"),
     "clocks_throttle_reasons.active": ("0x0000000000000000", "0x0000000000000004"),
+    "ecc.errors.corrected.volatile.total": ("0", "{{t}}"),
 }}
 if {old_driver}:  # before R535 the clock event reasons were "throttle reasons" only
     del VALUES["clocks_event_reasons.active"]

@@ -242,6 +242,24 @@ def test_a_queue_growing_from_nothing_is_named_and_stays_plain_json():
     json.dumps([v.to_dict() for v in verdicts], allow_nan=False)  # strict JSON: no Infinity
 
 
+def test_dcgm_ecc_and_throttle_fields_through_the_normaliser_reach_their_rules():
+    normalizer = Normalizer()
+    data: dict[str, list] = {}
+    labels = 'gpu="0",UUID="GPU-0",modelName="NVIDIA H100 80GB HBM3"'
+    for i in range(30):
+        text = ("# TYPE DCGM_FI_DEV_ECC_SBE_VOL_TOTAL counter\n"
+                f"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL{{{labels}}} {100 + i // 10}\n"
+                "# TYPE DCGM_FI_DEV_CLOCK_THROTTLE_REASONS gauge\n"
+                f"DCGM_FI_DEV_CLOCK_THROTTLE_REASONS{{{labels}}} {0x20 if i >= 10 else 0}\n")
+        for name, value in normalizer.update(parse_metrics(text), T0 + i):
+            data.setdefault(f"dcgm/{name}", []).append((T0 + i, value))
+    view = RecordedSeries({k: tuple(np.array(list(c)) for c in zip(*v, strict=True))
+                           for k, v in data.items()})
+    titles = sorted(v.title for v in evaluate(view, T0, T0 + 29).verdicts)
+    assert titles[0].startswith("GPU 0 clocks throttled (software thermal slowdown)")
+    assert titles[1] == "GPU 0 corrected 2 ECC errors in the window"
+
+
 def test_throttling_on_a_remote_box_read_through_nvidia_smi():
     """The SSH source's GPU series (monitor.ssh.smi parses nvidia-smi's CSV rows into the
     names NvmlSource uses): an H100 at its power cap in most rows."""
@@ -252,7 +270,7 @@ def test_throttling_on_a_remote_box_read_through_nvidia_smi():
     for i in range(30):
         reasons = "0x0000000000000004" if i >= 10 else "0x0000000000000000"
         clock = 1410 if i >= 10 else 1980
-        row = (f"0, 97, 61, 70123, 81559, 699.81, 700.00, 71, {clock}, 2619, {reasons}")
+        row = (f"0, 97, 61, 70123, 81559, 699.81, 700.00, 71, {clock}, 2619, [N/A], {reasons}")
         gpu, values = parse_row(row, fields)
         for series, value in values.items():
             data.setdefault(f"box/{gpu}/{series}", []).append((T0 + i, value))

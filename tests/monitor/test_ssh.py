@@ -67,13 +67,13 @@ def test_an_ssh_url_names_the_box_and_the_remote_port():
 
 def test_nvidia_smi_rows_become_the_nvml_series():
     fields = query("clocks_event_reasons.active").split(",")
-    index, values = parse_row("1, 97, 61, 80512, 81559, [N/A], 700.00, 67, 1755, 2619, "
+    index, values = parse_row("1, 97, 61, 80512, 81559, [N/A], 700.00, 67, 1755, 2619, 3, "
                               "0x0000000000000004", fields)
     assert index == 1 and "power_w" not in values  # [N/A]: not reported, not a zero
     assert values == {"util_pct": 97.0, "mem_util_pct": 61.0, "memory_used_bytes": 80512 * MIB,
                       "memory_total_bytes": 81559 * MIB, "power_limit_w": 700.0,
                       "temperature_c": 67.0, "sm_clock_mhz": 1755.0, "mem_clock_mhz": 2619.0,
-                      "throttle_reasons": 4.0}
+                      "ecc_corrected_total": 3.0, "throttle_reasons": 4.0}
     assert parse_row("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA "
                      "driver.", fields) is None
 
