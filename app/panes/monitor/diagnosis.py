@@ -8,7 +8,6 @@ from pathlib import Path
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QComboBox,
     QFileDialog,
     QHBoxLayout,
@@ -16,8 +15,6 @@ from PySide6.QtWidgets import (
     QPushButton,
     QSizePolicy,
     QSplitter,
-    QTableWidget,
-    QTableWidgetItem,
     QTextEdit,
     QVBoxLayout,
     QWidget,
@@ -25,6 +22,7 @@ from PySide6.QtWidgets import (
 
 from app.navigation import make_actions, on_click
 from app.panes.monitor.service import MonitorService
+from app.panes.monitor.tables import fill_table, read_only_table
 from app.workers import TaskRunner
 
 # (label, seconds) of the span judged, ending now.
@@ -106,8 +104,8 @@ class DiagnosisView(QWidget):
         self.summary = QLabel("Not judged yet.")
         self.summary.setWordWrap(True)
         self.summary.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.current_table = _table(CURRENT_COLUMNS)
-        self.history_table = _table(HISTORY_COLUMNS)
+        self.current_table = read_only_table(CURRENT_COLUMNS, single=True)
+        self.history_table = read_only_table(HISTORY_COLUMNS, single=True)
         self.details = QTextEdit(readOnly=True)
         self.details.setPlaceholderText("Select a verdict to read its evidence and what to try.")
         self.runner = TaskRunner(self)
@@ -185,8 +183,8 @@ class DiagnosisView(QWidget):
             self.history = [dict(v, evaluated=v["end"]) for v in self.verdicts] + self.history
         stored = "" if self.service.db is not None else " (no database: not stored)"
         self.summary.setText(result["summary"] + stored)
-        _fill(self.current_table, current_rows(self.verdicts))
-        _fill(self.history_table, history_rows(self.history))
+        fill_table(self.current_table, current_rows(self.verdicts))
+        fill_table(self.history_table, history_rows(self.history))
         if self.verdicts:
             self.current_table.selectRow(0)
         else:
@@ -227,22 +225,3 @@ class DiagnosisView(QWidget):
             self.notify.emit("error", f"Could not write {path}: {exc.strerror or exc}.")
             return
         self.notify.emit("info", f"Saved {len(rows)} verdicts to {path}.")
-
-
-def _table(columns: tuple[str, ...]) -> QTableWidget:
-    table = QTableWidget(0, len(columns))
-    table.setHorizontalHeaderLabels(list(columns))
-    table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-    table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-    table.verticalHeader().setVisible(False)
-    table.horizontalHeader().setStretchLastSection(True)
-    return table
-
-
-def _fill(table: QTableWidget, rows: list[list[str]]) -> None:
-    table.setRowCount(len(rows))
-    for r, row in enumerate(rows):
-        for c, text in enumerate(row):
-            table.setItem(r, c, QTableWidgetItem(text))
-    table.resizeColumnsToContents()

@@ -15,8 +15,6 @@ from PySide6.QtWidgets import (
     QLabel,
     QPushButton,
     QSplitter,
-    QTableWidget,
-    QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
@@ -24,6 +22,7 @@ from PySide6.QtWidgets import (
 from app.navigation import PageMixin, make_actions, on_click
 from app.panes.monitor.service import MonitorService
 from app.panes.monitor.state import fmt, table_csv
+from app.panes.monitor.tables import fill_table, read_only_table
 from app.workers import TaskRunner
 
 RUN_COLUMNS = ("Id", "Kind", "Name", "Started", "Completed", "Failed", "TTFT p50 ms",
@@ -105,9 +104,9 @@ class HistoryPane(PageMixin, QWidget):
         service.acquire()
         self.runs: list[dict] = []
         self.comparison: list[list[str]] = []
-        self.runs_table = _table(RUN_COLUMNS)
+        self.runs_table = read_only_table(RUN_COLUMNS)
         self.runs_table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
-        self.compare_table = _table(("Metric", "Run A", "Run B", "B − A"))
+        self.compare_table = read_only_table(("Metric", "Run A", "Run B", "B − A"))
         self.status = QLabel("")
         self.loader = TaskRunner(self)
         self.loader.succeeded.connect(self._on_loaded)
@@ -257,7 +256,7 @@ class HistoryPane(PageMixin, QWidget):
     # ---- results
     def _on_loaded(self, runs: list[dict]) -> None:
         self.runs = runs
-        _fill(self.runs_table, [run_row(r) for r in runs])
+        fill_table(self.runs_table, [run_row(r) for r in runs])
         self.status.setText(f"{len(runs)} run(s)")
         self.loaded.emit()
 
@@ -278,7 +277,7 @@ class HistoryPane(PageMixin, QWidget):
         self.compare_table.setColumnCount(len(COLUMNS))
         self.compare_table.setHorizontalHeaderLabels(
             [f"Run {run['id']} vs {source}", *COLUMNS[1:]])
-        _fill(self.compare_table, rows)
+        fill_table(self.compare_table, rows)
         self.estimated.emit()
 
     def _on_compared(self, pair: tuple[dict, dict]) -> None:
@@ -287,22 +286,5 @@ class HistoryPane(PageMixin, QWidget):
         self.compare_table.setColumnCount(4)
         self.compare_table.setHorizontalHeaderLabels(
             ["Metric", f"Run {a['id']}", f"Run {b['id']}", "B − A"])
-        _fill(self.compare_table, self.comparison)
+        fill_table(self.compare_table, self.comparison)
         self.compared.emit()
-
-
-def _table(columns: tuple[str, ...]) -> QTableWidget:
-    table = QTableWidget(0, len(columns))
-    table.setHorizontalHeaderLabels(list(columns))
-    table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-    table.verticalHeader().setVisible(False)
-    return table
-
-
-def _fill(table: QTableWidget, rows: list[list[str]]) -> None:
-    table.setRowCount(len(rows))
-    for r, row in enumerate(rows):
-        for c, text in enumerate(row):
-            table.setItem(r, c, QTableWidgetItem(text))
-    table.resizeColumnsToContents()
