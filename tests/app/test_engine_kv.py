@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from tests.app.conftest import LOAD_TIMEOUT_MS, load_model
+from tests.app.user import wait_for_estimate
 
 REPLY_TIMEOUT_MS = 120_000
 
@@ -67,6 +68,7 @@ def test_kv_options_load_and_the_chart_follows_the_steps(make_window, qtbot, dem
     assert pane.picker.add_path(str(demo_gguf))
     panel.context_spin.setValue(512)
     panel.concurrency_spin.setValue(1)
+    wait_for_estimate(qtbot, panel)
     full_kv = panel._estimate.kv_bytes
     combo.setCurrentIndex(combo.findData("h2o"))
     assert panel.kv_budget_edit.isEnabled()

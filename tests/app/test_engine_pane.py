@@ -8,6 +8,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
 from tests.app.conftest import LOAD_TIMEOUT_MS, load_model
+from tests.app.user import wait_for_estimate
 
 REPLY_TIMEOUT_MS = 120_000
 
@@ -143,6 +144,7 @@ def test_a_model_too_large_for_the_device_is_refused(make_window, qtbot,
     panel.device_combo.setCurrentIndex(panel.device_combo.findData("cpu"))
     panel.context_spin.setValue(131072)
     panel.concurrency_spin.setValue(256)
+    wait_for_estimate(qtbot, panel)
     assert "lower the context" in panel.estimate_label.text()
     panel.load_button.click()
     assert window.host.state == "no model"
@@ -242,12 +244,24 @@ def test_speculative_choices_include_the_demo_draft_and_a_draft_file(make_window
     assert combo.itemData(combo.count() - 1) == "draft-file"
 
 
+def test_choosing_a_model_reads_its_header_off_the_gui_thread(make_window, qtbot,
+                                                               demo_gguf: Path) -> None:
+    window = make_window()
+    panel = window.pane("engine").load_panel
+    assert window.pane("engine").picker.add_path(str(demo_gguf))
+    # The pick returns at once; the estimate follows when the background read ends.
+    assert "Reading SmolLM2-135M-Instruct.Q4_1.gguf's header" in panel.estimate_label.text()
+    wait_for_estimate(qtbot, panel)
+    assert panel.estimate_label.text().startswith("Needs about")
+
+
 def test_weights_choice_shows_the_memory_saved_and_loads_int4(make_window, qtbot,
                                                               demo_gguf: Path) -> None:
     window = make_window()
     pane = window.pane("engine")
     panel = pane.load_panel
     assert pane.picker.add_path(str(demo_gguf))
+    wait_for_estimate(qtbot, panel)
     assert "save" not in panel.estimate_label.text()
     panel.weights_combo.setCurrentIndex(panel.weights_combo.findData("int4"))
     assert "int4 weights save" in panel.estimate_label.text()
@@ -261,6 +275,7 @@ def test_kv_cache_dtype_choice_shows_the_memory_saved_and_loads_int8(make_window
     pane = window.pane("engine")
     panel = pane.load_panel
     assert pane.picker.add_path(str(demo_gguf))
+    wait_for_estimate(qtbot, panel)
     assert "KV cache saves" not in panel.estimate_label.text()
     plain_kv = panel._estimate.kv_bytes
     panel.kv_dtype_combo.setCurrentIndex(panel.kv_dtype_combo.findData("int8"))

@@ -195,3 +195,9 @@ def click_row(qtbot, table, row: int,
     """Click the first cell of ``row`` in ``table``, as a user selecting it."""
     rect = table.visualRect(table.model().index(row, 0))
     qtbot.mouseClick(table.viewport(), Qt.MouseButton.LeftButton, modifier, rect.center())
+
+
+def wait_for_estimate(qtbot, panel, timeout_ms: int = 60_000) -> None:
+    """Until the Engine pane's load panel shows its memory estimate (the model's header is read
+    in the background)."""
+    qtbot.waitUntil(lambda: "header" not in panel.estimate_label.text(), timeout=timeout_ms)

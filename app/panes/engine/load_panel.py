@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Generator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QSignalBlocker, Qt, Signal
@@ -62,6 +63,22 @@ def probe_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]
     return device_memory()
 
 
+def header_task(model: str):
+    """Background task: read `model`'s header once (cached by engine.memory.read_header), so
+    the estimate never parses a GGUF's metadata on the GUI thread."""
+
+    def task(_cancel: threading.Event) -> Generator[Progress, None, str]:
+        from engine.memory import read_header
+        from engine.models import resolve_model
+
+        yield Progress(None, f"Reading {model}'s header")
+        path = resolve_model(model)
+        read_header(path, path.stat().st_mtime_ns)
+        return model
+
+    return task
+
+
 class LoadPanel(QGroupBox):
     """Where and how to load: device, dtype, context and concurrency, with the memory they need."""
 
@@ -100,6 +117,11 @@ class LoadPanel(QGroupBox):
         self._requested: LoadRequest | None = None
         self._loaded: LoadRequest | None = None
         self._prober = TaskRunner(self)
+        # Headers read so far (the estimate waits for them) and one waiting its turn.
+        self._header_reader = TaskRunner(self)
+        self._headers_read: set[str] = set()
+        self._header_next: str | None = None
+        self._header_current = ""
         self._build()
         self._restore()
         self._connect()
@@ -208,6 +230,10 @@ class LoadPanel(QGroupBox):
         on_click(self.load_button.clicked, self.request_load)
         on_click(self.cancel_button.clicked, self.cancel_requested.emit)
         on_click(self.unload_button.clicked, self.request_unload)
+        # A header that failed to read counts as read too: the estimate then says why, once.
+        self._header_reader.succeeded.connect(self._on_header_read)
+        self._header_reader.failed.connect(self._on_header_read)
+        self._header_reader.finished.connect(self._read_next_header)
         self._prober.succeeded.connect(self._on_devices)
         self._prober.failed.connect(lambda msg: self.notify.emit("warning",
                                     f"Could not list the devices ({msg}); the CPU is available."))
@@ -218,8 +244,10 @@ class LoadPanel(QGroupBox):
         self._prober.start(probe_task)
 
     def set_model(self, model: str) -> None:
-        """The model chosen in the picker; refreshes the estimate."""
+        """The model chosen in the picker; refreshes the estimate once its header is read."""
         self._model = model
+        if model and model not in self._headers_read:
+            self._read_header(model)
         self._update_estimate()
         self.load_button.setEnabled(bool(model) and self._idle)
         self._show_pending_changes()
@@ -253,6 +281,10 @@ class LoadPanel(QGroupBox):
         if not self._model:
             self.notify.emit("error", "Choose a model first: fetch the demo model or open one.")
             return
+        if self._model not in self._headers_read:
+            # Load pressed before the background read ended: the fit check needs the header,
+            # so read it here (the one case that waits on the GUI thread).
+            self._read_header_now(self._model)
         level, sentence = self._verdict()
         if level == "error":
             self.notify.emit("error", f"{self._model} will not fit. {sentence}")
@@ -322,8 +354,36 @@ class LoadPanel(QGroupBox):
         s.set("engine/kv_cache_dtype", self.kv_dtype_combo.currentData())
 
     def shutdown(self) -> None:
-        """Stop the device probe (flag, quit, wait)."""
+        """Stop the device probe and the header read (flag, quit, wait)."""
         self._prober.stop()
+        self._header_reader.stop()
+
+    def _read_header(self, model: str) -> None:
+        # One read at a time: starting another would wait for this one on the GUI thread.
+        if self._header_reader.is_running():
+            self._header_next = model
+            return
+        self._header_current = model
+        self._header_reader.start(header_task(model))
+
+    def _on_header_read(self, _result: object = None) -> None:
+        self._headers_read.add(self._header_current)
+        self._update_estimate()
+
+    def _read_header_now(self, model: str) -> None:
+        try:
+            for _ in header_task(model)(threading.Event()):
+                pass
+        except (OSError, ValueError):  # the estimate shows why; the load reports it again
+            pass
+        self._headers_read.add(model)
+        self._update_estimate()
+
+    def _read_next_header(self) -> None:
+        waiting, self._header_next = self._header_next, None
+        if waiting is not None and waiting not in self._headers_read:
+            self._header_current = waiting  # the finished thread is joined by start()
+            self._header_reader.start(header_task(waiting))
 
     # ---- internals
     def _on_spec_changed(self) -> None:
@@ -391,6 +451,10 @@ class LoadPanel(QGroupBox):
         self._estimate = None
         if not self._model:
             self.estimate_label.setText("Choose a model to see the memory it needs.")
+            return
+        if self._model not in self._headers_read:
+            self.estimate_label.setText(f"Reading {Path(self._model).name}'s header for the "
+                                        "memory estimate…")
             return
         try:
             target = self._target_device()
