@@ -61,11 +61,13 @@ def cmd_record(args: argparse.Namespace) -> int:
             raise UserError("--slo-window must be positive")
         if args.interval <= 0 or args.timeout <= 0:
             raise UserError("--interval and --timeout must be positive")
-        sources = [server_source(c) for c in _server_configs(args)] + _prom_api(args)
+        canaries = _canaries(args)
+        sources = [server_source(c) for c in _server_configs(args)] + _prom_api(args) + canaries
         if args.gpus:
             sources.append(NvmlSource(interval_s=args.interval))
         if not sources:
-            raise UserError("nothing to record; give --gpus, --server URL and/or --prom-url URL")
+            raise UserError("nothing to record; give --gpus, --server URL, --prom-url URL "
+                            "and/or --canary NAME=URL")
         db = open_database(args.db)
     except (UserError, StorageError) as exc:
         return _fail(args, str(exc))
@@ -76,8 +78,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     recording = Recording(sources, on_error=say, on_recover=say, on_flush=_flush_reporter(args),
                           on_status=_print_status_change, on_alert=lambda e: say(e.message))
     recording.attach_database(db)
-    recording.set_rules(_slo_rules(args, [s.name for s in sources
-                                          if not isinstance(s, NvmlSource)]))
+    servers = [s.name for s in sources if not isinstance(s, NvmlSource) and s not in canaries]
+    recording.set_rules(_slo_rules(args, servers) + _canary_rules(canaries))
     recording.start()
     try:
         deadline = None if args.duration is None else time.monotonic() + args.duration
@@ -180,6 +182,23 @@ def _prom_api(args: argparse.Namespace) -> list:
                                            timeout_s=args.timeout))]
     except ValueError as exc:
         raise UserError(f"--prom-url {args.prom_url}: {exc}") from exc
+
+
+def _canaries(args: argparse.Namespace) -> list:
+    """The quality canaries asked for: each scores the held-out text on its server."""
+    from monitor.canary import parse_canary
+
+    try:
+        return [parse_canary(spec, _token(args)) for spec in args.canary or []]
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def _canary_rules(canaries: list) -> list:
+    """A drift alert per canary, judged over its own interval."""
+    from monitor.canary import canary_rule
+
+    return [canary_rule(c.name, interval_s=c.interval_s) for c in canaries]
 
 
 def _slo_rules(args: argparse.Namespace, names: list[str]) -> list:
@@ -408,6 +427,9 @@ def add_monitor_parsers(subparsers) -> None:
                           "known_hosts and agent; its GPUs by nvidia-smi unless ?gpus=off); "
                           "repeat for several")
     rec.add_argument("--prom-url", help="a Prometheus server to query (fleet-wide vLLM series)")
+    rec.add_argument("--canary", action="append", metavar="NAME=URL[,every=S]",
+                     help="score the bundled held-out text's perplexity on this server every S "
+                          "seconds (default 300) and alert on drift from its baseline")
     rec.add_argument("--token-env", help="environment variable holding a bearer token")
     rec.add_argument("--slo-ttft-ms", type=float, help="alert when a server's p99 TTFT is above")
     rec.add_argument("--slo-tpot-ms", type=float, help="alert when a server's p99 TPOT is above")

@@ -180,3 +180,29 @@ def test_parse_canary_the_command_lines_form():
                 "a=http://x:1,every=0", "b/c=http://x:1"):
         with pytest.raises(ValueError):
             parse_canary(bad)
+
+
+def test_record_scores_a_canary_into_the_database(server, tmp_path, capsys):
+    from monitor.cli import main
+    from storage import queries
+    from storage.db import open_database
+
+    url = f"sqlite:///{tmp_path / 'canary.db'}"
+    # The whole held-out text: a 465-token prefill a score, which takes seconds on 2 busy cores.
+    code = main(["record", "--db", url, "--canary", f"srv={server.url},every=1",
+                 "--duration", "6", "--json"])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert code == 0 and out["sources"] == {"srv": "up"}, (out, captured.err)
+    db = open_database(url)
+    _, perplexity = queries.series_window(db, "srv/canary_perplexity", 0, 2e10, "raw")
+    _, drift = queries.series_window(db, "srv/canary_drift", 0, 2e10, "raw")
+    db.close()
+    # The same text on the same server scores the same: drift stays at its baseline.
+    assert len(perplexity) >= 1 and all(math.isfinite(p) and p > 1 for p in perplexity)
+    assert perplexity.max() == pytest.approx(perplexity.min(), rel=1e-6)
+    # Drift is stored once the baseline (the median of the first three scores) is known.
+    assert len(drift) == max(0, len(perplexity) - 2)
+    assert drift.tolist() == pytest.approx([1.0] * len(drift), rel=1e-6)
+    bad = main(["record", "--db", url, "--canary", "srv=ftp://x", "--duration", "1", "--json"])
+    assert bad == 2 and "not an http(s) URL" in json.loads(capsys.readouterr().out)["error"]
