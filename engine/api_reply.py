@@ -29,15 +29,16 @@ class ReplyOptions:
 
 
 class Reply:
-    """Builds the response bodies of one request (one id and creation time for all of them)."""
+    """Builds the response bodies of one request and its n choices (one id and creation time
+    for all of them)."""
 
     def __init__(self, model: str, chat: bool, tokenizer=None,
-                 options: ReplyOptions | None = None) -> None:
-        self.model, self.chat, self.tokenizer = model, chat, tokenizer
+                 options: ReplyOptions | None = None, n: int = 1) -> None:
+        self.model, self.chat, self.tokenizer, self.n = model, chat, tokenizer, n
         self.options = options or ReplyOptions()
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self._offset = 0  # completions' text_offset of the next token
+        self._offsets = [0] * n  # completions' text_offset of each choice's next token
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -48,57 +49,66 @@ class Reply:
         o = self.options
         if self.chat:
             return [self._envelope("chat.completion.chunk", [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]) | self._prompt_field()]
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]) | self._prompt_field() for i in range(self.n)]
         if not o.echo:
             return []
-        choice = {"index": 0, "text": o.prompt_text, "logprobs": self._echo_logprobs(),
-                  "finish_reason": None}
-        if o.prompt_logprobs:
-            choice["prompt_logprobs"] = self._prompt_logprobs()
-        return [self._envelope("text_completion", [choice])]
+        return [self._envelope("text_completion", [self._echo_choice(i)])
+                for i in range(self.n)]
 
-    def chunk(self, delta: StreamDelta) -> dict:
+    def _echo_choice(self, index: int) -> dict:
+        choice = {"index": index, "text": self.options.prompt_text,
+                  "logprobs": self._echo_logprobs(index), "finish_reason": None}
+        if self.options.prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs()
+        return choice
+
+    def chunk(self, delta: StreamDelta, index: int = 0) -> dict:
         text, scores = self._visible(delta.text, delta.logprobs)
         if self.chat:
             return self._envelope("chat.completion.chunk", [
-                {"index": 0, "delta": {"content": text},
+                {"index": index, "delta": {"content": text},
                  "logprobs": self._chat_logprobs(scores), "finish_reason":
                  delta.finish_reason}])
         return self._envelope("text_completion", [
-            {"index": 0, "text": text, "logprobs": self._completion_logprobs(scores),
+            {"index": index, "text": text,
+             "logprobs": self._completion_logprobs(scores, index),
              "finish_reason": delta.finish_reason}])
 
-    def usage_chunk(self, output) -> dict:
+    def usage_chunk(self, outputs: list) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(kind, []) | {"usage": self.usage(output)}
+        return self._envelope(kind, []) | {"usage": self.usage(outputs)}
 
     # ---- whole ----
-    def whole(self, deltas: list[StreamDelta]) -> dict:
+    def whole(self, choices: list[list[StreamDelta]]) -> dict:
+        """The reply from each choice's deltas (the last of each carries its output)."""
+        body = [self._whole_choice(i, deltas) for i, deltas in enumerate(choices)]
+        kind = "chat.completion" if self.chat else "text_completion"
+        extra = self._prompt_field() if self.chat else {}
+        return self._envelope(kind, body) | extra | {
+            "usage": self.usage([d[-1].output for d in choices])}
+
+    def _whole_choice(self, index: int, deltas: list[StreamDelta]) -> dict:
         output = deltas[-1].output
         text, scores = self._visible("".join(d.text for d in deltas),
                                      [s for d in deltas for s in (d.logprobs or [])])
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._chat_logprobs(scores),
-                      "finish_reason": output.finish_reason}
-            body = self._envelope("chat.completion", [choice]) | self._prompt_field()
-            return body | {"usage": self.usage(output)}
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(scores),
+                    "finish_reason": output.finish_reason}
         o = self.options
-        echoed = self._echo_logprobs() if o.echo else None  # first: it sets the offsets
-        logprobs = self._completion_logprobs(scores)
-        if o.echo:
-            text = o.prompt_text + text
-            logprobs = _join(echoed, logprobs)
-        choice = {"index": 0, "text": text, "logprobs": logprobs,
-                  "finish_reason": output.finish_reason}
-        if o.prompt_logprobs:
-            choice["prompt_logprobs"] = self._prompt_logprobs()
-        return self._envelope("text_completion", [choice]) | {"usage": self.usage(output)}
+        choice = self._echo_choice(index) if o.echo else {"index": index, "text": "",
+                                                            "logprobs": None}
+        logprobs = self._completion_logprobs(scores, index)  # after the echo: offsets follow
+        choice["text"] += text
+        choice["logprobs"] = _join(choice["logprobs"], logprobs)
+        choice["finish_reason"] = output.finish_reason
+        return choice
 
-    def usage(self, output) -> dict:
-        prompt = len(output.prompt_token_ids)
-        completion = 0 if self.options.echo_only else len(output.token_ids)
+    def usage(self, outputs: list) -> dict:
+        """The prompt once (all choices share it), the tokens of every choice."""
+        prompt = len(outputs[0].prompt_token_ids)
+        completion = 0 if self.options.echo_only else sum(len(o.token_ids) for o in outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
@@ -123,22 +133,23 @@ class Reply:
         return {"token": token, "logprob": max(logprob, MIN_LOGPROB),
                 "bytes": list(token.encode("utf-8"))}
 
-    def _completion_logprobs(self, scores: list[TokenLogprob | None] | None) -> dict | None:
+    def _completion_logprobs(self, scores: list[TokenLogprob | None] | None,
+                             index: int) -> dict | None:
         if self.options.logprobs is None or scores is None:
             return None
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for s in scores:
             token = self._token(s.token_id)
             out["tokens"].append(token)
-            out["text_offset"].append(self._offset)
-            self._offset += len(token)
+            out["text_offset"].append(self._offsets[index])
+            self._offsets[index] += len(token)
             out["token_logprobs"].append(max(s.logprob, MIN_LOGPROB))
             # The chosen token with the top alternatives, as OpenAI's completions do.
             top = {self._token(t): max(lp, MIN_LOGPROB) for t, lp in s.top}
             out["top_logprobs"].append({token: max(s.logprob, MIN_LOGPROB)} | top)
         return out
 
-    def _echo_logprobs(self) -> dict | None:
+    def _echo_logprobs(self, index: int) -> dict | None:
         """The prompt's tokens in the completions shape (the first has no log-probability)."""
         o = self.options
         if o.logprobs is None:
@@ -146,9 +157,8 @@ class Reply:
         first = self._token(o.prompt_ids[0])
         out = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None],
                "text_offset": [0]}
-        self._offset = len(first)
-        rest = self._completion_logprobs(o.prompt_scores[1:])
-        return _join(out, rest)
+        self._offsets[index] = len(first)
+        return _join(out, self._completion_logprobs(o.prompt_scores[1:], index))
 
     def _prompt_logprobs(self) -> list:
         """vLLM's prompt_logprobs: per prompt token, None for the first, else a map from token

@@ -45,11 +45,9 @@ def check_fields(body, chat: bool, llm) -> None:
     bad = next((t for t in (body.logit_bias or {}) if t >= vocab), None)
     if bad is not None:
         raise _bad("logit_bias", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-    if body.n > 1:
-        raise _bad("n", "values above 1 are not supported by this server yet: send one request per "
-                        "choice")
-    if not chat and (body.best_of or 1) > 1:
-        raise _bad("best_of", "values above 1 are not supported by this server: leave it unset")
+    if not chat and body.best_of not in (None, 1, body.n):
+        raise _bad("best_of", "choosing the best of more choices than 'n' is not supported: "
+                              "leave it unset or equal to 'n'")
     if chat:
         _check_chat(body, llm)
     elif body.max_tokens == 0 and not body.echo:

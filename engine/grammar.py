@@ -78,17 +78,24 @@ class Matcher:
 
         self._ll = LLMatcher(_ll_tokenizer(tokenizer), spec.grammar(), log_level=0)
 
-    def allowed(self, vocab: int) -> torch.Tensor | None:
-        """A [vocab] bool mask of the tokens the grammar allows next (the end-of-sequence
-        tokens once the reply is complete); None once the matcher has failed."""
+    def mask(self, row: torch.Tensor) -> None:
+        """Set the logits of the tokens the grammar forbids next to -inf in `row` ([V]); once
+        the reply is complete only the end-of-sequence tokens remain. Does nothing once the
+        matcher has failed (it never leaves a row with no token to pick)."""
         if self._ll.is_error():
-            return None
-        # Bit j of the little-endian mask words is token j.
+            return
+        # Bit j of the little-endian mask words is token j; logits wider than the tokenizer
+        # (padding rows) are forbidden too.
         packed = np.frombuffer(self._ll.compute_bitmask(), dtype=np.uint8)
-        bits = np.unpackbits(packed, bitorder="little").view(np.bool_)
-        if bits.size < vocab:  # logits wider than the tokenizer: padding rows never allowed
-            bits = np.concatenate([bits, np.zeros(vocab - bits.size, dtype=np.bool_)])
-        return torch.from_numpy(bits[:vocab])
+        forbidden = np.ones(row.numel(), dtype=bool)
+        bits = np.unpackbits(packed, bitorder="little")[: row.numel()]
+        forbidden[: bits.size] = bits == 0
+        if row.device.type == "cpu":
+            # numpy's putmask: torch's masked_fill_ on [V] went through its thread pool and
+            # took 10+ ms a row here when the cores were busy.
+            np.putmask(row.numpy(), forbidden, -np.inf)
+        else:
+            row.masked_fill_(torch.from_numpy(forbidden).to(row.device), float("-inf"))
 
     def accept(self, token: int) -> None:
         # A token outside the grammar only happens if the mask was bypassed (ignore_eos past

@@ -50,9 +50,7 @@ def _process_row(row: torch.Tensor, seq: Sequence) -> None:
         counts = torch.bincount(out, minlength=row.numel())[: row.numel()].to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     if seq.grammar is not None:
-        allowed = seq.grammar.allowed(row.numel())
-        if allowed is not None:
-            row.masked_fill_(~allowed.to(row.device), float("-inf"))
+        seq.grammar.mask(row)
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -39,7 +40,7 @@ from engine.api_request import (
 from engine.api_schema import ChatCompletionRequest, CompletionRequest, field_path
 from engine.http_guard import BodyGuard, GuardedH11Protocol
 from engine.kv_eviction import parse_policy
-from engine.sequence import RequestError, SamplingParams, StreamDelta
+from engine.sequence import SEED_MAX, RequestError, SamplingParams, StreamDelta
 from engine.serve_loop import Admitted, EngineLoop
 from engine.serve_metrics import ServerMetrics
 
@@ -181,20 +182,35 @@ class _Service:
         prompt_ids = await run_in_threadpool(self._prompt_ids, body, chat)
         grammar = await run_in_threadpool(grammar_spec, body, chat, self.llm.tokenizer)
         params = self._sampling(body, len(prompt_ids), chat, grammar)
-        stream = _EngineStream(self.loop, self.limits.stall_timeout_s)
-        stream.submit(prompt_ids, params, arrival, logprob_counts(body, chat)[1])
-        first = await stream.next()
-        if isinstance(first, RequestError):
-            raise ApiError(*_request_error(stream, first))
+        streams = await self._submit(prompt_ids, params, arrival, body.n,
+                                     logprob_counts(body, chat)[1])
         options = reply_options(body, chat, prompt_ids, self.llm.tokenizer)
-        options.prompt_scores = first.prompt_logprobs
-        reply = Reply(self.llm.model_name, chat, self.llm.tokenizer, options)
+        options.prompt_scores = streams[0].admitted.prompt_logprobs
+        reply = Reply(self.llm.model_name, chat, self.llm.tokenizer, options, body.n)
         if body.stream:
-            return _SseResponse(stream, reply, body.include_usage)
-        deltas = await _collect_unless_disconnected(stream, request)
-        if deltas is None:
+            return _SseResponse(streams, reply, body.include_usage)
+        choices = await _collect_unless_disconnected(streams, request)
+        if choices is None:
             return Response(status_code=499)  # nobody is there to read it
-        return JSONResponse(reply.whole(deltas))
+        return JSONResponse(reply.whole(choices))
+
+    async def _submit(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
+                      n: int, prompt_logprobs: int | None) -> list[_EngineStream]:
+        """One engine request per choice, each admitted before the reply starts; a seed gives
+        choice i the seed + i. Each choice computes the prompt's KV itself: sharing it would
+        take a fork of the prompt's blocks in the scheduler and block manager."""
+        streams = [_EngineStream(self.loop, self.limits.stall_timeout_s) for _ in range(n)]
+        for i, stream in enumerate(streams):
+            stream.submit(prompt_ids, _choice_params(params, i), arrival,
+                          prompt_logprobs if i == 0 else None)  # the prompt is scored once
+        for stream in streams:
+            first = await stream.next()
+            if isinstance(first, RequestError):
+                for other in streams:
+                    other.abort()
+                raise ApiError(*_request_error(stream, first))
+            stream.admitted = first
+        return streams
 
     def _prompt_ids(self, body, chat: bool) -> list[int]:
         self._check_text_length(body, chat)
@@ -263,6 +279,13 @@ class _Service:
         return policy is not None and policy.repositions
 
 
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    if index == 0 or params.seed is None:
+        return params
+    seed = params.seed + index if params.seed + index <= SEED_MAX else params.seed - index
+    return dataclasses.replace(params, seed=seed)
+
+
 def _request_error(stream: _EngineStream, error: RequestError) -> tuple:
     if stream.unavailable:
         return 503, str(error), "server_error"
@@ -279,6 +302,7 @@ class _EngineStream:
         self.request_id: str | None = None
         self.finished = False
         self.unavailable = False  # the error came from the engine not serving, not the request
+        self.admitted: Admitted | None = None
         self._event_loop = asyncio.get_running_loop()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
@@ -332,18 +356,22 @@ async def _until_disconnect(receive) -> None:
         pass
 
 
-async def _collect_unless_disconnected(stream: _EngineStream,
-                                       request: Request) -> list[StreamDelta] | None:
-    """All of the request's deltas, or None (and the request aborted) if the client leaves."""
-    collect = asyncio.ensure_future(_collect(stream))
+async def _collect_unless_disconnected(streams: list[_EngineStream],
+                                       request: Request) -> list[list[StreamDelta]] | None:
+    """Every choice's deltas, or None (and the requests aborted) if the client leaves."""
+    collect = asyncio.ensure_future(asyncio.gather(*(_collect(s) for s in streams)))
     gone = asyncio.ensure_future(_until_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
     if collect in done:
+        if collect.exception() is not None:  # one choice failed: the others stop too
+            for stream in streams:
+                stream.abort()
         return collect.result()
-    stream.abort()
+    for stream in streams:
+        stream.abort()
     collect.cancel()
     with contextlib.suppress(asyncio.CancelledError, ApiError):
         await collect
@@ -353,10 +381,10 @@ async def _collect_unless_disconnected(stream: _EngineStream,
 class _SseResponse(StreamingResponse):
     """Server-sent events of one request; a client that leaves aborts the request at once."""
 
-    def __init__(self, stream: _EngineStream, reply: Reply, include_usage: bool) -> None:
-        self.stream = stream
-        super().__init__(_events(stream, reply, include_usage), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+    def __init__(self, streams: list[_EngineStream], reply: Reply, include_usage: bool) -> None:
+        self.streams = streams
+        super().__init__(_events(streams, reply, include_usage),
+                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.ensure_future(self._abort_on_disconnect(receive))
@@ -364,11 +392,15 @@ class _SseResponse(StreamingResponse):
             await super().__call__(scope, watcher_receive(watcher, receive), send)
         finally:
             watcher.cancel()
-            self.stream.abort()  # no-op once finished; frees the KV blocks otherwise
+            self._abort()  # no-op once finished; frees the KV blocks otherwise
+
+    def _abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
 
     async def _abort_on_disconnect(self, receive) -> None:
         await _until_disconnect(receive)
-        self.stream.abort()
+        self._abort()
 
 
 def watcher_receive(watcher: asyncio.Future, receive):
@@ -381,20 +413,33 @@ def watcher_receive(watcher: asyncio.Future, receive):
     return wait_for_disconnect
 
 
-async def _events(stream: _EngineStream, reply: Reply, include_usage: bool):
+async def _events(streams: list[_EngineStream], reply: Reply, include_usage: bool):
+    """The choices' chunks as they come (each names its index), then the usage block."""
     for chunk in reply.opening():
         yield _sse(chunk)
-    while True:
-        item = await stream.next()
-        if isinstance(item, RequestError):
-            yield _sse(error_body(503 if stream.unavailable else 500, str(item),
-                                  "server_error"))
-            break
-        yield _sse(reply.chunk(item))
-        if item.output is not None:
-            if include_usage:
-                yield _sse(reply.usage_chunk(item.output))
-            break
+    pending = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams)}
+    outputs: list = [None] * len(streams)
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                item = task.result()
+                if isinstance(item, RequestError):
+                    yield _sse(error_body(503 if streams[i].unavailable else 500, str(item),
+                                          "server_error"))
+                    yield b"data: [DONE]\n\n"
+                    return
+                yield _sse(reply.chunk(item, i))
+                if item.output is None:
+                    pending[asyncio.ensure_future(streams[i].next())] = i
+                else:
+                    outputs[i] = item.output
+    finally:
+        for task in pending:
+            task.cancel()
+    if include_usage:
+        yield _sse(reply.usage_chunk(outputs))
     yield b"data: [DONE]\n\n"
 
 

@@ -166,7 +166,7 @@ def test_penalties_move_choices_the_expected_way(client, name):
 
 def test_seed_makes_sampling_reproducible(client, name):
     def text(seed):
-        return client.completions.create(model=name, prompt="Once upon a time", max_tokens=12,
+        return client.completions.create(model=name, prompt="Once upon a time", max_tokens=8,
                                          temperature=1.0, seed=seed).choices[0].text
 
     assert text(7) == text(7)
@@ -185,6 +185,23 @@ def test_stop_max_completion_tokens_and_streamed_usage(client, name):
     assert all(c.usage is None for c in _chat(client, name, stream=True))
 
 
+def test_n_choices_are_separate_seeded_samples_whole_and_streamed(client, name):
+    kw = {"model": name, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0,
+          "seed": 3, "n": 3}
+    out = client.completions.create(**kw)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) == 3
+    first = client.completions.create(**(kw | {"n": 1}))
+    assert out.usage.completion_tokens == 18
+    assert out.usage.prompt_tokens == first.usage.prompt_tokens  # the prompt counted once
+    assert first.choices[0].text == out.choices[0].text  # choice i samples with seed + i
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in out.choices]
+
+
 # ---- constrained decoding ----
 SCHEMAS = [
     {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
@@ -200,14 +217,13 @@ SCHEMAS = [
 
 @pytest.mark.parametrize("schema", SCHEMAS)
 def test_json_schema_replies_validate(client, name, schema):
-    for seed in (1, 2):
-        out = client.chat.completions.create(
-            model=name, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
-            max_tokens=80, temperature=0.8, seed=seed,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "reply", "schema": schema}})
-        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
-        assert out.choices[0].finish_reason == "stop"
+    out = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        max_tokens=80, temperature=0.8, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply",
+                                                                "schema": schema}})
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert out.choices[0].finish_reason == "stop"
 
 
 def test_json_object_reply_is_an_object(client, name):
@@ -237,7 +253,7 @@ TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
 @pytest.mark.parametrize("extra,param", [
     ({"tools": [TOOL]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
