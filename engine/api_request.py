@@ -55,6 +55,10 @@ def check_fields(body, chat: bool, llm) -> None:
 
 
 def _check_chat(body, llm) -> None:
+    fmt = body.response_format
+    if body.ignore_eos and fmt is not None and fmt.type != "text":
+        raise _bad("ignore_eos", "cannot be used with a JSON 'response_format': the reply "
+                                 "ends where the JSON does")
     if body.top_logprobs and not body.logprobs:
         raise _bad("top_logprobs", "needs 'logprobs': true")
     if body.tools:

@@ -174,6 +174,11 @@ def test_spec_decode_counters_on_metrics(demo_gguf):
             assert drafts == spec_llm.spec.counters.draft_tokens > 0
             assert 0 < accepted <= drafts
             assert _metric(c, "vllm:spec_decode_num_drafts_total") == spec_llm.spec.counters.drafts
+            # Drafts are verified against the model's own distribution: a request that would
+            # change the logits is refused by name, not verified as if it did not.
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                "logit_bias": {"5": 3}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     finally:
         srv.close()
 
