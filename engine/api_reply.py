@@ -99,6 +99,8 @@ class Reply:
         o = self.options
         choice = self._echo_choice(index) if o.echo else {"index": index, "text": "",
                                                             "logprobs": None}
+        if o.prompt_logprobs and not o.echo:  # vLLM puts them on every completion choice
+            choice["prompt_logprobs"] = self._prompt_logprobs()
         logprobs = self._completion_logprobs(scores, index)  # after the echo: offsets follow
         choice["text"] += text
         choice["logprobs"] = _join(choice["logprobs"], logprobs)
