@@ -245,7 +245,7 @@ class CanarySource:
             self.status.last_error = error
 
     def close(self) -> None:
-        pass
+        """Nothing to release: each score opens and closes its own HTTP connection."""
 
 
 def parse_canary(spec: str, api_key: str | None = None) -> CanarySource:

@@ -3,6 +3,7 @@ cancel / unload."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Generator
 from dataclasses import replace
@@ -63,17 +64,22 @@ def probe_task(_cancel: threading.Event) -> Generator[Progress, None, list[Any]]
     return device_memory()
 
 
+def read_model_header(model: str) -> None:
+    """Read `model`'s header once (engine.memory.read_header caches it per file and mtime)."""
+    from engine.memory import read_header
+    from engine.models import resolve_model
+
+    path = resolve_model(model)
+    read_header(path, path.stat().st_mtime_ns)
+
+
 def header_task(model: str):
-    """Background task: read `model`'s header once (cached by engine.memory.read_header), so
-    the estimate never parses a GGUF's metadata on the GUI thread."""
+    """Background task: read the header, so the estimate never parses a GGUF's metadata on the
+    GUI thread."""
 
     def task(_cancel: threading.Event) -> Generator[Progress, None, str]:
-        from engine.memory import read_header
-        from engine.models import resolve_model
-
         yield Progress(None, f"Reading {model}'s header")
-        path = resolve_model(model)
-        read_header(path, path.stat().st_mtime_ns)
+        read_model_header(model)
         return model
 
     return task
@@ -363,6 +369,9 @@ class LoadPanel(QGroupBox):
         if self._header_reader.is_running():
             self._header_next = model
             return
+        self._start_header(model)
+
+    def _start_header(self, model: str) -> None:
         self._header_current = model
         self._header_reader.start(header_task(model))
 
@@ -371,19 +380,15 @@ class LoadPanel(QGroupBox):
         self._update_estimate()
 
     def _read_header_now(self, model: str) -> None:
-        try:
-            for _ in header_task(model)(threading.Event()):
-                pass
-        except (OSError, ValueError):  # the estimate shows why; the load reports it again
-            pass
+        with contextlib.suppress(OSError, ValueError):  # the estimate shows why, and the load
+            read_model_header(model)
         self._headers_read.add(model)
         self._update_estimate()
 
     def _read_next_header(self) -> None:
         waiting, self._header_next = self._header_next, None
         if waiting is not None and waiting not in self._headers_read:
-            self._header_current = waiting  # the finished thread is joined by start()
-            self._header_reader.start(header_task(waiting))
+            self._start_header(waiting)  # start() joins the thread that just finished
 
     # ---- internals
     def _on_spec_changed(self) -> None:
