@@ -84,7 +84,6 @@ class LLM:
                                 self.max_model_len, config.kernel_backend, weight_format,
                                 ckpt.blocks)
         del ckpt
-        self.block_size = config.block_size
         tokens = config.kv_cache_tokens or kv_budget_tokens(
             self.config, self.device, self._dtype, config.max_num_seqs, self.max_model_len,
             self.kv_cache_dtype)
@@ -100,10 +99,7 @@ class LLM:
                 config.max_num_seqs, self.max_model_len, capture=config.cuda_graphs,
                 compile_backend="inductor" if config.torch_compile else None)
         self.spec = self._spec_decoder(parse_spec(config.speculative))
-        self.kv_policy = None if config.kv_policy == "none" else config.kv_policy
-        self.kv_budget = config.kv_budget
         self.evictor = KVEvictor(self.runner, self.block_manager)
-        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.admission = self._admission()
         if config.evicts:
             self.admission.check_policy_allowed()
@@ -150,6 +146,24 @@ class LLM:
     def step_observers(self) -> list[Callable[[StepStats], None]]:
         """Called with every step's StepStats on the stepping thread (the app's live chart)."""
         return self.core.step_observers
+
+    # The options it was built with, read from its config (one copy of each).
+    @property
+    def block_size(self) -> int:
+        return self.engine_config.block_size
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.engine_config.max_num_batched_tokens
+
+    @property
+    def kv_policy(self) -> str | None:
+        """The engine's eviction policy by name; None for no eviction."""
+        return None if self.engine_config.kv_policy == "none" else self.engine_config.kv_policy
+
+    @property
+    def kv_budget(self) -> int | float | None:
+        return self.engine_config.kv_budget
 
     @property
     def dtype(self) -> str:
