@@ -1,5 +1,6 @@
-"""This engine vs transformers `generate` on the same weights, float32 on the CPU; and the
-engine's batch-1 decode with int4 weights against its own float32 in the same run."""
+"""This engine vs transformers `generate` on the same weights on the CPU (float32 unless --dtype
+says otherwise, both sides in that dtype); and the engine's batch-1 decode with int4 weights
+against its own float weights in the same run."""
 
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ def memory_bandwidth(mib: int, repeats: int = 7) -> dict:
 
 
 # ---- loading ----
-def load_models(model: str | None, threads: int) -> tuple[LLM, object, str]:
-    """The engine and transformers' model on the same checkpoint, both float32 on the CPU."""
+def load_models(model: str | None, threads: int, dtype: str) -> tuple[LLM, object, str]:
+    """The engine and transformers' model on the same checkpoint, both in `dtype` on the CPU."""
     import transformers
 
     from engine.models import fetch_demo_model, resolve_model
@@ -90,11 +91,11 @@ def load_models(model: str | None, threads: int) -> tuple[LLM, object, str]:
     path = resolve_model(model) if model else fetch_demo_model(lambda message, fraction: None)
     log(f"loading the engine on {path}")
     # 4096 KV slots hold the 16 x 128-token batch and the 1,000-token prefill with room to spare.
-    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=4096)
+    llm = LLM(str(path), device="cpu", dtype=dtype, kv_cache_tokens=4096)
     log("loading transformers on the same weights")
     kwargs = {"gguf_file": path.name} if path.is_file() else {}
     folder = path.parent if path.is_file() else path
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype),
                                                            **kwargs).eval()
     return llm, hf, str(path)
 
@@ -181,7 +182,7 @@ def measure_decode(llm: LLM, hf, sz: dict, bandwidth_gbs: float, int4: LLM) -> d
         "transformers_fraction_of_bound": tpot["hf"] / bound,
         "engine_int4_tokens_per_s": tpot["int4"],
         "int4_over_float32": tpot["int4"] / tpot["engine"],
-        "int4_weights": f"{int4.weights} layers, int8 LM head, float32 embedding and norms "
+        "int4_weights": f"{int4.weights} layers, int8 LM head, float embedding and norms "
                         f"({int4.weight_bytes} bytes vs {llm.weight_bytes})",
     }
 
@@ -254,29 +255,30 @@ def targets(decode: dict, throughput: dict, quick: bool) -> dict:
     }
 
 
-def run(model: str | None, quick: bool, threads: int) -> dict:
+def run(model: str | None, quick: bool, threads: int, dtype: str = "float32") -> dict:
     import transformers
 
     sz = sizes(quick)
-    llm, hf, path = load_models(model, threads)
+    llm, hf, path = load_models(model, threads, dtype)
     log("memory bandwidth")
     bw = memory_bandwidth(sz["bandwidth_mib"])
     log("loading the engine again with int4 weights")
-    int4 = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=4096, weights="int4")
+    int4 = LLM(path, device="cpu", dtype=dtype, kv_cache_tokens=4096, weights="int4")
     decode = measure_decode(llm, hf, sz, bw["memory_bandwidth_gbs"], int4)
     int4.close()
     throughput = measure_throughput(llm, hf, sz)
     prefill = measure_prefill(llm, hf, sz)
     return {
         "benchmark": "engine_vs_transformers", "quick": quick, "model": llm.model_name,
-        "model_path": path, "device": "cpu", "dtype": "float32",
+        "model_path": path, "device": "cpu", "dtype": dtype,
         "torch_threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "machine": machine(), "load_average_1_5_15_min": os.getloadavg(), "sizes": sz, **bw,
         "weight_bytes_per_token": llm.weight_bytes,
-        "weight_bytes_assumption": "every weight tensor read once per batch-1 step, float32; the "
-                                   "tied embedding counted once (the LM head reads all of it; the "
-                                   "embedding lookup reads one row); KV cache reads not counted",
+        "weight_bytes_assumption": "every weight tensor read once per batch-1 step, in its dtype; "
+                                   "the tied embedding counted once (the LM head reads all of it; "
+                                   "the embedding lookup reads one row); KV cache reads not "
+                                   "counted",
         "decode_batch1": decode, "throughput": throughput, "prefill": prefill,
         "targets": targets(decode, throughput, quick),
         "finished_at": time.time(),
@@ -290,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                                         "(default: the demo model)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads for both engines (default: torch's default)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the weights' and activations' dtype for both engines")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.model, args.quick, args.threads), indent=2))
+    print(json.dumps(run(args.model, args.quick, args.threads, args.dtype), indent=2))
     return 0
 
 
