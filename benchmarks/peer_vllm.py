@@ -325,7 +325,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.llamacpp_python and "llamacpp" not in args.servers:
         args.servers.append("llamacpp")
-    if any(s.startswith("vllm") for s in args.servers) and not args.vllm_python:
+    if not args.in_process_worker and any(s.startswith("vllm") for s in args.servers) \
+            and not args.vllm_python:
         p.error("vLLM is not installed: run .ci/run, or give --vllm-python, or leave the vllm "
                 "servers out with --servers servescope servescope-best")
     return args
