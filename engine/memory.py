@@ -69,7 +69,7 @@ def estimate_for(config: ModelConfig, parameters: int, dtype: str, context_token
                                               packed=device == "cpu")
     else:
         weight_bytes = parameters * size
-        if device == "cpu" and dtype == "float32" and config.tie_word_embeddings:
+        if device == "cpu" and config.tie_word_embeddings and _packs_linear_weights(dtype):
             # The CPU engine keeps a oneDNN-packed copy of a tied LM head (kernels/onednn.py).
             weight_bytes += config.vocab_size * config.hidden_size * size
     per_token = config.kv_bytes_per_token(*kv_cache_bytes(parse_kv_cache_dtype(kv_cache_dtype),
@@ -81,6 +81,17 @@ def estimate_for(config: ModelConfig, parameters: int, dtype: str, context_token
                    + concurrency * config.vocab_size * 4)
     return MemoryEstimate(weight_bytes, blocks * BLOCK_SIZE * per_token, activations, parameters,
                           per_token)
+
+
+def _packs_linear_weights(dtype: str) -> bool:
+    """Whether the CPU kernels the engine would pick for `dtype` pack weights into new matrices
+    (oneDNN: float32, and bfloat16 where the CPU runs it natively). Imported here, not at the
+    top: the estimate needs torch only for this question, and only for a tied float model."""
+    import torch
+
+    import kernels
+
+    return kernels.packs_linear_weights("cpu", getattr(torch, dtype))
 
 
 @functools.lru_cache(maxsize=16)

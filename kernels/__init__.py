@@ -1,7 +1,8 @@
 """Attention, norm and rotary ops: torch references behind one dispatch point.
 
 Every op the model runs is looked up here, so a faster implementation (oneDNN linear layers on
-the CPU, Triton on CUDA) can replace the reference for one device without the model knowing.
+the CPU in float32 and, where the CPU runs it natively, bfloat16; Triton on CUDA) can replace the
+reference for one device and dtype without the model knowing.
 `SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere. Each table's
 `prepare_linear` / `linear` also take weight-only quantized weights (kernels/quant.py): the
 reference dequantizes them per call, the oneDNN table runs PyTorch's packed int8 / int4 ops where
@@ -49,7 +50,10 @@ def _quant_aware(prepare, linear, prepare_quantized):
 
 
 _BACKENDS: dict[str, SimpleNamespace] = {"reference": _table("reference")}
-if onednn.available():
+# The dtypes whose oneDNN linear passed its self-check here; the table serves each of them (its
+# other ops are the reference's, which follow the input's dtype).
+ONEDNN_DTYPES = tuple(dtype for dtype in onednn.DTYPES if onednn.available(dtype))
+if ONEDNN_DTYPES:
     _BACKENDS["onednn"] = _table("onednn", prepare_quantized=quant.prepare_packed,
                                  prepare_linear=onednn.prepare_linear, linear=onednn.linear)
 # Importing triton takes a while and is only needed on CUDA: its table is built on first use.
@@ -89,8 +93,10 @@ def ops_for(device_type: str, dtype: torch.dtype, backend: str | None = None) ->
             f"Kernel backend '{choice}' is not available: choose one of "
             f"{', '.join(available_backends())} (SERVESCOPE_KERNELS)."
         )
-    if choice == "onednn" and (device_type != "cpu" or dtype != torch.float32):
-        raise ValueError("The onednn kernels run float32 on the CPU only: use reference.")
+    if choice == "onednn" and (device_type != "cpu" or dtype not in ONEDNN_DTYPES):
+        names = " and ".join(str(d).removeprefix("torch.") for d in ONEDNN_DTYPES)
+        raise ValueError(f"The onednn kernels run {names} on the CPU only here, not "
+                         f"{str(dtype).removeprefix('torch.')} on {device_type}: use reference.")
     if choice == "triton":
         return _triton_for(device_type)
     return _BACKENDS[choice]
@@ -110,10 +116,19 @@ def _triton_for(device_type: str) -> SimpleNamespace:
 def _best(device_type: str, dtype: torch.dtype) -> str:
     if device_type == "cuda" and _triton_imports():
         return "triton"
-    if device_type == "cpu" and dtype == torch.float32 and "onednn" in _BACKENDS:
+    if device_type == "cpu" and dtype in ONEDNN_DTYPES:
         return "onednn"
     return "reference"
 
 
-__all__ = ["AttentionMass", "AttentionMetadata", "PrefillChunk", "available_backends", "ops_for",
-           "OPS"]
+def packs_linear_weights(device_type: str, dtype: torch.dtype, backend: str | None = None) -> bool:
+    """Whether the table ops_for picks re-lays linear weights out into new matrices, so that a
+    tied LM head is held twice, as the embedding and packed (engine/memory.py counts it)."""
+    try:
+        return ops_for(device_type, dtype, backend).name == "onednn"
+    except ValueError:
+        return False
+
+
+__all__ = ["AttentionMass", "AttentionMetadata", "ONEDNN_DTYPES", "PrefillChunk",
+           "available_backends", "ops_for", "packs_linear_weights", "OPS"]

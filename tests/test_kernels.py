@@ -12,13 +12,36 @@ import kernels
 from kernels import AttentionMetadata, PrefillChunk, onednn, reference
 
 
-def test_dispatch_picks_onednn_for_cpu_float32_only():
-    assert kernels.ops_for("cpu", torch.bfloat16).name == "reference"
-    expected = "onednn" if "onednn" in kernels.available_backends() else "reference"
-    assert kernels.ops_for("cpu", torch.float32).name == expected
+def test_dispatch_picks_onednn_on_the_cpu_for_the_dtypes_it_checked():
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = "onednn" if dtype in kernels.ONEDNN_DTYPES else "reference"
+        assert kernels.ops_for("cpu", dtype).name == expected
+        assert kernels.packs_linear_weights("cpu", dtype) == (expected == "onednn")
+    assert kernels.ops_for("cpu", torch.float16).name == "reference"
     assert kernels.ops_for("cpu", torch.float32, "reference").name == "reference"
+    assert not kernels.packs_linear_weights("cpu", torch.float32, "reference")
     with pytest.raises(ValueError, match="not available"):
         kernels.ops_for("cpu", torch.float32, "nonsense")
+    if "onednn" in kernels.available_backends():
+        with pytest.raises(ValueError, match="not float16 on cpu: use reference"):
+            kernels.ops_for("cpu", torch.float16, "onednn")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif("avx512_bf16" not in _cpu_flags(), reason="no AVX512-BF16 on this CPU")
+def test_a_cpu_with_bfloat16_instructions_gets_the_onednn_bfloat16_table():
+    # The self-check must not quietly fail on the CPUs it is for (bfloat16 would fall back to
+    # F.linear, 1.3-1.6x slower per layer there).
+    assert torch.bfloat16 in kernels.ONEDNN_DTYPES
+    assert kernels.ops_for("cpu", torch.bfloat16).name == "onednn"
 
 
 @pytest.mark.skipif("onednn" not in kernels.available_backends(), reason="no oneDNN in torch")
@@ -120,6 +143,99 @@ def test_onednn_linear_at_row_buckets_gives_every_row_its_own_result(rows):
     got = onednn.linear(x, onednn.prepare_linear(w), b)
     assert got.shape == (rows, 48)
     torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def _assert_bf16_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                       b: torch.Tensor | None = None) -> None:
+    """`got` (bfloat16) against F.linear in float32 on the same bfloat16 inputs: each output
+    rounded to bfloat16 once (2^-9 relative) after float32 accumulation, so within 2^-8 of
+    sum |x| |w| (+ |b|) per output; a wrong row or a dropped bias is far outside."""
+    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], w.shape[0])
+    x, w = x.float(), w.float()
+    want = F.linear(x, w, None if b is None else b.float())
+    scale = x.abs() @ w.abs().T + (0 if b is None else b.float().abs())
+    excess = (got.float() - want).abs() - 2**-8 * scale
+    assert float(excess.max()) <= 0, f"off by up to {float(excess.max())} beyond the bound"
+
+
+bf16_onednn = pytest.mark.skipif(torch.bfloat16 not in kernels.ONEDNN_DTYPES,
+                                 reason="no oneDNN bfloat16 linear on this CPU / torch build")
+
+
+@bf16_onednn
+@pytest.mark.parametrize("rows,out_f,in_f", [(1, 960, 576), (4, 3072, 576), (16, 576, 1536),
+                                             (17, 64, 32), (129, 960, 576), (513, 48, 64)])
+def test_onednn_bfloat16_linear_matches_float32_math_at_row_buckets(rows, out_f, in_f):
+    ops = kernels.ops_for("cpu", torch.bfloat16)
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_f, in_f, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_f, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_f, generator=gen).to(torch.bfloat16)
+    prepared = ops.prepare_linear(w)
+    _assert_bf16_close(ops.linear(x, prepared, b), x, w, b)
+    _assert_bf16_close(ops.linear(x, prepared), x, w)
+
+
+@bf16_onednn
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_weights_run_through_the_bfloat16_table(bits):
+    from kernels import quant
+
+    ops = kernels.ops_for("cpu", torch.bfloat16)
+    gen = torch.Generator().manual_seed(bits)
+    w = torch.randn(64, 96, generator=gen)
+    q = quant.quantize_int8(w) if bits == 8 else quant.quantize_int4(w, 32)
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+    # The packed int8 / int4 ops also round their scales to bfloat16: twice the bound's slack.
+    got = ops.linear(x, ops.prepare_linear(q))
+    want = q.linear(x.float())
+    assert got.dtype == torch.bfloat16
+    assert float(((got.float() - want).abs() - 2**-7 * (x.float().abs() @ q.dequantize().abs().T))
+                 .max()) <= 0
+
+
+def _tiny_tied_tensors(vocab: int = 80, hidden: int = 64, inter: int = 96) -> tuple:
+    from engine.config import ModelConfig
+
+    c = ModelConfig("llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                    num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                    tie_word_embeddings=True)
+    gen = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen) * 0.2  # noqa: E731
+    shapes = {"self_attn.q_proj": (64, hidden), "self_attn.k_proj": (32, hidden),
+              "self_attn.v_proj": (32, hidden), "self_attn.o_proj": (hidden, 64),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    p = "model.layers.0."
+    t = {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": torch.ones(hidden),
+         p + "input_layernorm.weight": torch.ones(hidden),
+         p + "post_attention_layernorm.weight": torch.ones(hidden)}
+    t |= {f"{p}{name}.weight": rnd(*shape) for name, shape in shapes.items()}
+    return c, t
+
+
+@bf16_onednn
+@pytest.mark.parametrize("weights", [None, "int8"])
+def test_a_bfloat16_model_loads_through_onednn_with_its_tied_head_packed(weights):
+    from engine.memory import estimate_for
+    from engine.model import LlamaModel
+
+    c, t = _tiny_tied_tensors()
+    cpu = torch.device("cpu")
+    fast = LlamaModel(c, t, cpu, torch.bfloat16, 64, weights=weights)
+    plain = LlamaModel(c, t, cpu, torch.bfloat16, 64, "reference", weights=weights)
+    assert fast.ops.name == "onednn"
+    hidden = torch.randn(3, c.hidden_size, generator=torch.Generator().manual_seed(1))
+    hidden = hidden.to(torch.bfloat16)
+    got, want = fast.logits(hidden), plain.logits(hidden)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    if weights is None:
+        # The tied head is a second, packed matrix beside the embedding, as the estimate says.
+        assert fast.lm_head is not fast.embed
+        parameters = sum(v.numel() for v in t.values())
+        estimate = estimate_for(c, parameters, "bfloat16", 64, 1)
+        assert fast.weight_bytes == estimate.weight_bytes == plain.weight_bytes + 80 * 64 * 2
 
 
 def test_row_buckets_bound_the_shapes_a_server_meets():
