@@ -8,6 +8,11 @@ bfloat16 was 1.3-1.6x faster than bfloat16 F.linear at 1-64 rows, and 2-4x faste
 from 4 rows up (cold-cache weights, the demo model's shapes).
 The ops are private aten ops (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`, the
 ones Inductor's CPU freezing pass uses), so they are detected and checked at run time, per dtype.
+
+On that Xeon, float32 F.linear (MKL) beat packed oneDNN at 1 row for 3 of the 4 layer shapes
+(batch-1 decode 15.4 vs 13.3 tok/s, 1 thread; oneDNN 1.2x ahead at 16 concurrent), but MKL
+cannot read the packed layout and oneDNN on the plain layout was no faster than MKL from 4 rows
+up: a per-shape choice at 1 row would hold every float32 weight twice, so batch 1 stays here.
 """
 
 from __future__ import annotations
