@@ -303,7 +303,7 @@ class _EngineStream:
         self.finished = False
         self.unavailable = False  # the error came from the engine not serving, not the request
         self.admitted: Admitted | None = None
-        self._event_loop = asyncio.get_running_loop()
+        self._mailbox = _Mailbox.of_running_loop()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
                prompt_logprobs: int | None = None) -> None:
@@ -312,32 +312,89 @@ class _EngineStream:
         self.request_id = sub.request_id
 
     def _deliver_threadsafe(self, item) -> None:
-        self._event_loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self._mailbox.post(self.queue, item)
 
     async def next(self) -> Admitted | StreamDelta | RequestError:
         """The next reply; a RequestError if the engine stalls or stops."""
-        waited = 0.0
-        while True:
-            try:
-                item = await asyncio.wait_for(self.queue.get(), 1.0)
-                break
-            except TimeoutError:
-                waited += 1.0
-                reason = self.loop.health()
-                if reason is not None or waited >= self.stall_timeout_s:
-                    self.abort()
-                    self.unavailable = True
-                    return RequestError(reason or "The engine did not answer in time: retry "
-                                                  "later.")
+        # A reply already here is taken without a timer (the common case under load).
+        item = self.queue.get_nowait() if not self.queue.empty() else await self._wait()
+        if item is None:
+            reason = self.loop.health()
+            self.abort()
+            self.unavailable = True
+            return RequestError(reason or "The engine did not answer in time: retry later.")
         if isinstance(item, RequestError) or (isinstance(item, StreamDelta) and
                                               item.output is not None):
             self.finished = True
             self.unavailable = self.loop.health() is not None
         return item
 
+    async def _wait(self) -> Admitted | StreamDelta | RequestError | None:
+        """The next reply, or None once the engine has stopped or stalled too long (checked
+        every second)."""
+        waited = 0.0
+        while True:
+            try:
+                async with asyncio.timeout(1.0):
+                    return await self.queue.get()
+            except TimeoutError:
+                waited += 1.0
+                if self.loop.health() is not None or waited >= self.stall_timeout_s:
+                    return None
+
     def abort(self) -> None:
         if self.request_id is not None and not self.finished:
             self.loop.abort(self.request_id)
+
+
+class _Mailbox:
+    """Replies from the engine thread to one event loop, handed over in one wake-up per batch.
+
+    The engine thread delivers every request's tokens of a step back to back; waking the event
+    loop once for all of them (rather than a call_soon_threadsafe per token, a self-pipe write
+    and an event-loop pass each) leaves the engine's cores to the engine: with 16 streams, 16
+    wake-ups per step of the server, and of the clients reading the sockets, landed in the
+    middle of the next step's matmuls.
+    """
+
+    _by_loop: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
+    _create_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, object]] = []
+
+    @classmethod
+    def of_running_loop(cls) -> _Mailbox:
+        loop = asyncio.get_running_loop()
+        with cls._create_lock:
+            box = cls._by_loop.get(loop)
+            if box is None:
+                # Closed loops' mailboxes go (tests and the app start servers many times).
+                for old in [lp for lp in cls._by_loop if lp.is_closed()]:
+                    del cls._by_loop[old]
+                box = cls._by_loop[loop] = cls(loop)
+            return box
+
+    def post(self, queue: asyncio.Queue, item: object) -> None:
+        """Called on the engine thread; raises RuntimeError once the event loop has closed."""
+        with self._lock:
+            wake = not self._items
+            self._items.append((queue, item))
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self._hand_over)
+            except RuntimeError:
+                with self._lock:
+                    self._items.clear()
+                raise
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 async def _collect(stream: _EngineStream) -> list[StreamDelta]:
@@ -417,8 +474,36 @@ async def _events(streams: list[_EngineStream], reply: Reply, include_usage: boo
     """The choices' chunks as they come (each names its index), then the usage block."""
     for chunk in reply.opening():
         yield _sse(chunk)
+    outputs: list = [None] * len(streams)  # each choice's output, set when it finishes
+    chunks = _one_choice(streams[0], reply, outputs) if len(streams) == 1 else \
+        _choices(streams, reply, outputs)
+    async for chunk in chunks:
+        yield chunk
+    if any(out is None for out in outputs):
+        return  # an error event ended the stream
+    if include_usage:
+        yield _sse(reply.usage_chunk(outputs))
+    yield b"data: [DONE]\n\n"
+
+
+async def _one_choice(stream: _EngineStream, reply: Reply, outputs: list):
+    """One choice's chunks, awaited in turn (no task per token), until its output or an error
+    event."""
+    while True:
+        item = await stream.next()
+        if isinstance(item, RequestError):
+            yield _error_event(stream, item)
+            return
+        yield _sse(reply.chunk(item, 0))
+        if item.output is not None:
+            outputs[0] = item.output
+            return
+
+
+async def _choices(streams: list[_EngineStream], reply: Reply, outputs: list):
+    """Several choices' chunks as they come (each names its index), until every output or an
+    error event."""
     pending = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams)}
-    outputs: list = [None] * len(streams)
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -426,9 +511,7 @@ async def _events(streams: list[_EngineStream], reply: Reply, include_usage: boo
                 i = pending.pop(task)
                 item = task.result()
                 if isinstance(item, RequestError):
-                    yield _sse(error_body(503 if streams[i].unavailable else 500, str(item),
-                                          "server_error"))
-                    yield b"data: [DONE]\n\n"
+                    yield _error_event(streams[i], item)
                     return
                 yield _sse(reply.chunk(item, i))
                 if item.output is None:
@@ -438,9 +521,11 @@ async def _events(streams: list[_EngineStream], reply: Reply, include_usage: boo
     finally:
         for task in pending:
             task.cancel()
-    if include_usage:
-        yield _sse(reply.usage_chunk(outputs))
-    yield b"data: [DONE]\n\n"
+
+
+def _error_event(stream: _EngineStream, error: RequestError) -> bytes:
+    return _sse(error_body(503 if stream.unavailable else 500, str(error), "server_error")) + \
+        b"data: [DONE]\n\n"
 
 
 def _sse(payload: dict) -> bytes:
