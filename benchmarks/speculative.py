@@ -2,6 +2,9 @@
 
 Same engine build, same prompts, greedy (temperature 0): the outputs with and without
 speculation are checked equal token for token, so the speed-up is lossless by construction.
+Workloads: copy-heavy chat, open chat, replies the drafts cannot predict (shuffled words: where
+speculation must not lose), and 16 open-chat requests at once (where verification competes with
+the batch for the same compute).
 Each proposer is measured right after its own baseline run (the machine's load drifts).
 Run: python benchmarks/speculative.py [--spec ngram --spec demo-draft ...] [--max-tokens 128]
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -43,6 +47,32 @@ OPEN_CHAT = [
 ]
 
 
+def _shuffled(n_prompts: int, n_words: int = 48) -> list[str]:
+    """Prompts whose replies the drafts cannot predict: shuffled words, no sentence to copy."""
+    words = sorted(set(PASSAGE.lower().replace(".", "").replace(",", "").split()))
+    rng = random.Random(0)
+    return ["Continue this list of words with more words, in no order: "
+            + " ".join(rng.choice(words) for _ in range(n_words)) for _ in range(n_prompts)]
+
+
+UNPREDICTABLE = _shuffled(4)
+CONCURRENT = 16  # the batch workload: open-chat prompts, all at once
+
+
+def run_batch(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
+    """All prompts at once through the chat template (continuous batching); generated tokens
+    per second over the whole batch."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    ids = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+    llm.generate(ids[:2], SamplingParams(temperature=0, max_tokens=4))
+    start = time.perf_counter()
+    outs = llm.generate(ids, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+            "outputs": [o.token_ids for o in outs]}
+
+
 def run_workload(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
     """Each prompt alone through the chat template; wall-clock generated tokens per second."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -58,10 +88,11 @@ def run_workload(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
             "outputs": outputs}
 
 
-def compare(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int) -> dict:
+def compare(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int,
+            run=run_workload) -> dict:
     before = dict(spec.spec.summary())
-    base = run_workload(plain, prompts, max_tokens)
-    fast = run_workload(spec, prompts, max_tokens)
+    base = run(plain, prompts, max_tokens)
+    fast = run(spec, prompts, max_tokens)
     after = spec.spec.summary()
     drafts = after["drafts"] - before["drafts"]
     draft_tokens = after["draft_tokens"] - before["draft_tokens"]
@@ -96,10 +127,22 @@ def main(argv: list[str] | None = None) -> int:
         copy = compare(plain, spec, COPY_HEAVY, args.max_tokens)
         print(f"{name}: open chat workload", file=sys.stderr)
         chat = compare(plain, spec, OPEN_CHAT, args.max_tokens)
-        runs[name] = {"copy_heavy": copy, "open_chat": chat}
+        print(f"{name}: unpredictable workload", file=sys.stderr)
+        noise = compare(plain, spec, UNPREDICTABLE, args.max_tokens)
+        print(f"{name}: {CONCURRENT} concurrent requests", file=sys.stderr)
+        batch = compare(plain, spec, (OPEN_CHAT * CONCURRENT)[:CONCURRENT], args.max_tokens,
+                        run_batch)
+        runs[name] = {"copy_heavy": copy, "open_chat": chat, "unpredictable": noise,
+                      f"concurrent_{CONCURRENT}": batch,
+                      "step_ms_by_tokens": spec.spec.summary()["step_ms_by_tokens"]}
         spec.close()
+    workloads = ("copy_heavy", "open_chat", "unpredictable", f"concurrent_{CONCURRENT}")
     targets = {"outputs_identical": all(r[w]["outputs_identical"] for r in runs.values()
-                                        for w in ("copy_heavy", "open_chat"))}
+                                        for w in workloads)}
+    for name, r in runs.items():
+        targets[f"{name}_unpredictable_ge_0_97"] = r["unpredictable"]["speedup"] >= 0.97
+        targets[f"{name}_concurrent_not_slower"] = \
+            r[f"concurrent_{CONCURRENT}"]["speedup"] >= 0.97
     if "ngram" in runs:
         targets["ngram_copy_heavy_speedup_ge_2"] = runs["ngram"]["copy_heavy"]["speedup"] >= 2.0
     for name in (n for n in runs if n.startswith("demo-draft")):

@@ -9,6 +9,7 @@ as extra query tokens; verification runs over the whole step at once (verify.py)
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -17,12 +18,14 @@ import torch
 from engine.block_manager import BlockManager
 from engine.features import Step, StepFeature
 from engine.sequence import Sequence
+from engine.spec.break_even import PROBE_EVERY, StepCosts, draft_lengths
 from engine.spec.config import SpecConfig
 from engine.spec.ngram import propose_ngram
 from engine.spec.state import SpecState
 from engine.spec.verify import Drafted, verify_all
 
-# Acceptance is tracked per sequence as an exponential moving average; below OFF_BELOW the
+# Acceptance is tracked per sequence as an exponential moving average. Once the step costs are
+# measured, draft lengths come from them (break_even.py); until then, below OFF_BELOW the
 # sequence stops drafting for COOLDOWN steps (drafts that are rejected only cost verification).
 EMA_DECAY = 0.7
 FULL_AT = 0.5
@@ -73,6 +76,11 @@ class Proposer(ABC):
     def after_verify(self, seq: Sequence, old_num_tokens: int,  # noqa: B027 (optional)
                      proposed: int, accepted: int) -> None:
         """Which drafts were accepted (a draft model's cache is valid up to there)."""
+
+
+def _reproducible(seq: Sequence) -> bool:
+    """Whether the request samples with a seed of its own (its output must not vary)."""
+    return seq.params.seed is not None and seq.params.temperature > 0
 
 
 def spec_state(seq: Sequence) -> SpecState:
@@ -142,6 +150,8 @@ class SpecDecoder(StepFeature):
         self.counters = SpecCounters()
         self.max_model_len = max_model_len  # drafts never reach positions past the context
         self.block_manager = block_manager  # rejected drafts' slots are trimmed off
+        self.costs = StepCosts()  # this machine's decode-step and drafting costs, as measured
+        self._drafted_at: float | None = None  # when this step's proposals were done
 
     # ---- step hooks ----
     def before_schedule(self, running: list[Sequence]) -> None:
@@ -171,7 +181,9 @@ class SpecDecoder(StepFeature):
             self.record(step.sampling[i].seq, step.sampling[i].num_draft, len(tokens) - 1)
 
     def after_forward(self, step: Step) -> None:
-        """Count accepted drafts as computed, trim the rejected ones' slots, clear drafts."""
+        """Count accepted drafts as computed, trim the rejected ones' slots, clear drafts;
+        learn the step's cost if it only decoded."""
+        self._observe_step_cost(step)
         self.proposer.remember(step.sampling, step.tokens, step.result.hidden)
         for s, tokens in zip(step.sampling, step.tokens, strict=True):
             seq, state = s.seq, spec_state(s.seq)
@@ -187,16 +199,57 @@ class SpecDecoder(StepFeature):
         state.clear_drafts()
         state.draft_computed = 0
 
+    def _observe_step_cost(self, step: Step) -> None:
+        """A step that only decoded (each sequence one token and its drafts) costs T(tokens):
+        from the end of proposing to the tokens chosen (verification included)."""
+        if self._drafted_at is None or not step.scheduled:
+            return
+        if any(s.num_new_tokens != 1 + s.num_draft for s in step.scheduled):
+            return  # a prefill chunk rode along: not a decode step's cost
+        tokens = sum(s.num_new_tokens for s in step.scheduled)
+        self.costs.observe_step(tokens, step.now - self._drafted_at)
+
     # ---- proposing ----
     def propose_all(self, seqs: list[Sequence]) -> None:
         """Set the drafts (possibly none) of every sequence about to decode."""
-        self.proposer.propose([(seq, self.draft_length(seq)) for seq in seqs])
+        lengths = self.draft_lengths(seqs)
+        start = time.perf_counter()
+        self.proposer.propose(list(zip(seqs, lengths, strict=True)))
+        self._drafted_at = time.perf_counter()
+        proposed = sum(len(spec_state(seq).tokens) for seq in seqs)
+        self.costs.observe_drafting(proposed, self._drafted_at - start)
 
-    def draft_length(self, seq: Sequence) -> int:
-        """The configured maximum, scaled down as the sequence's acceptance falls, and cut to
-        the positions left in the context (the token to decode sits at cache index kv_len,
-        position kv_len + position_offset; its drafts follow it)."""
-        return min(self._adaptive_length(seq), self._room(seq))
+    def draft_lengths(self, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's draft length: at most the configured one and the positions left in
+        the context; adaptive, where drafting pays by the measured costs (break_even.py), or,
+        until they are known, scaled down as the sequence's acceptance falls."""
+        caps = [min(self.config.num_draft_tokens, self._room(seq)) for seq in seqs]
+        if not self.config.adaptive:
+            return caps
+        lengths = [min(self._adaptive_length(seq), cap) for seq, cap in zip(seqs, caps,
+                                                                             strict=True)]
+        # A seeded sampled request must come out the same every time, and its random draws
+        # depend on where drafts fall: its lengths may not depend on measured times.
+        timed = [i for i, seq in enumerate(seqs) if not _reproducible(seq)]
+        paying = draft_lengths([spec_state(seqs[i]).position_rate for i in timed],
+                               [caps[i] for i in timed], self.costs)
+        if paying is not None:
+            for i, k in zip(timed, paying, strict=True):
+                lengths[i] = self._probe(seqs[i], k, caps[i])
+        return lengths
+
+    @staticmethod
+    def _probe(seq: Sequence, k: int, cap: int) -> int:
+        """A sequence left without drafts tries one now and then (its acceptance may rise)."""
+        state = spec_state(seq)
+        if k or not cap:
+            state.idle_steps = 0
+            return k
+        state.idle_steps += 1
+        if state.idle_steps < PROBE_EVERY:
+            return 0
+        state.idle_steps = 0
+        return 1
 
     def _room(self, seq: Sequence) -> int:
         """Draft positions left before the end of the context."""
@@ -224,7 +277,10 @@ class SpecDecoder(StepFeature):
         return {"method": self.config.method, "draft_model": self.config.draft_model,
                 "lookup_first": self.config.lookup,
                 "max_draft_tokens": self.config.num_draft_tokens,
-                "adaptive": self.config.adaptive, "drafts": c.drafts,
+                "adaptive": self.config.adaptive,
+                "step_ms_by_tokens": {n: t * 1e3 for n, t in sorted(
+                    self.costs.by_tokens.items())},
+                "drafts": c.drafts,
                 "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
                 "accepted_per_position": list(c.accepted_per_pos),
                 "acceptance_rate": c.acceptance_rate,
@@ -235,3 +291,7 @@ class SpecDecoder(StepFeature):
         self.counters.add(proposed, accepted)
         state = spec_state(seq)
         state.rate = EMA_DECAY * state.rate + (1 - EMA_DECAY) * accepted / proposed
+        # Per position: the drafts tried until the first rejection (all, if none was).
+        tried = min(accepted + 1, proposed)
+        state.position_rate = (EMA_DECAY * state.position_rate
+                               + (1 - EMA_DECAY) * accepted / tried)

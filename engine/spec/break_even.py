@@ -1,0 +1,95 @@
+"""When drafting pays: the engine's own measured step costs against each sequence's acceptance.
+
+A decode step over B sequences costs T(B); verifying D draft tokens with them costs T(B + D)
+plus the proposer's time. On a CPU a verify step of 1 + k tokens costs 1.5-1.9 plain steps, so a
+draft that is mostly rejected makes a request slower; on a GPU at batch 1 it is nearly free, and
+at a large batch it is not. So nothing here is assumed: T is learnt from the steps the engine
+runs (decode-only steps, by query tokens), the proposer's cost per draft token likewise, and a
+sequence whose drafts are accepted with probability p per position is expected to gain
+E_k = p + p^2 + ... + p^k tokens from k drafts (the accepted prefix; vLLM's and EAGLE's
+analysis). Each step, drafts are handed out where they raise the batch's tokens per second, the
+most promising sequences first, and nowhere else: below break-even a request decodes plainly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+COST_DECAY = 0.8  # weight of the old estimate in each moving average
+# A sequence left without drafts tries one draft token every PROBE_EVERY steps, so a reply that
+# becomes predictable (a quote, a list) is noticed; a probe costs at most one verify step in 32.
+PROBE_EVERY = 32
+
+
+def expected_accepted(p: float, k: int) -> float:
+    """Tokens expected from k drafts accepted with probability p each, in order."""
+    return sum(p**i for i in range(1, k + 1))
+
+
+@dataclass
+class StepCosts:
+    """Seconds per decode step by its query tokens, and per draft token proposed."""
+
+    by_tokens: dict[int, float] = field(default_factory=dict)
+    draft_token_s: float | None = None
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        old = self.by_tokens.get(tokens)
+        self.by_tokens[tokens] = seconds if old is None else \
+            COST_DECAY * old + (1 - COST_DECAY) * seconds
+
+    def observe_drafting(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        per = seconds / tokens
+        old = self.draft_token_s
+        self.draft_token_s = per if old is None else COST_DECAY * old + (1 - COST_DECAY) * per
+
+    def step_s(self, tokens: int) -> float | None:
+        """T(tokens): measured if seen, else a straight line through the measured sizes (its
+        slope never negative), else None while fewer than two sizes have been seen."""
+        seen = self.by_tokens.get(tokens)
+        if seen is not None:
+            return seen
+        if len(self.by_tokens) < 2:
+            return None
+        xs, ys = list(self.by_tokens), list(self.by_tokens.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        spread = sum((x - mx) ** 2 for x in xs)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread)
+        return max(1e-9, my + slope * (tokens - mx))
+
+    @property
+    def known(self) -> bool:
+        return len(self.by_tokens) >= 2
+
+
+def draft_lengths(rates: list[float], caps: list[int], costs: StepCosts) -> list[int] | None:
+    """Draft tokens per decoding sequence that maximise the step's tokens per second (0 where
+    drafting does not pay), or None while the costs are not yet known.
+
+    `rates[i]` is sequence i's acceptance probability per draft position, `caps[i]` the most
+    drafts it may take. Greedy, most promising sequence first: each takes the length that
+    raises the batch's rate most, against the rate the batch makes already.
+    """
+    batch = len(rates)
+    time_s = costs.step_s(batch)
+    if time_s is None or not costs.known:
+        return None
+    per_draft = costs.draft_token_s or 0.0
+    tokens, n = float(batch), batch
+    lengths = [0] * batch
+    for i in sorted(range(batch), key=lambda j: -rates[j]):
+        best = (tokens / time_s, 0, tokens, time_s)
+        for k in range(1, caps[i] + 1):
+            step_k = costs.step_s(n + k)
+            if step_k is None:
+                return None
+            gained = tokens + expected_accepted(rates[i], k)
+            spent = step_k + (time_s - costs.step_s(n)) + per_draft * k
+            if gained / spent > best[0]:
+                best = (gained / spent, k, gained, spent)
+        _, k, tokens, time_s = best
+        lengths[i] = k
+        n += k
+    return lengths

@@ -1,0 +1,128 @@
+"""Speculation stops below break-even: draft lengths from measured step costs and acceptance."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.spec.break_even import PROBE_EVERY, StepCosts, draft_lengths, expected_accepted
+
+# Step costs measured on this project's 2-core CPU (ms by query tokens, float32 demo model at
+# batch 1): a verify step of 1 + k tokens costs 1.5-1.9 plain steps.
+CPU_MS = {1: 20.0, 2: 30.0, 3: 34.0, 4: 36.0, 6: 38.0}
+
+
+def costs(ms: dict[int, float], draft_ms: float | None = None) -> StepCosts:
+    c = StepCosts()
+    for n, t in ms.items():
+        c.observe_step(n, t / 1e3)
+    if draft_ms is not None:
+        c.observe_drafting(1, draft_ms / 1e3)
+    return c
+
+
+def test_expected_accepted_is_the_accepted_prefix():
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(1.0, 4) == 4
+    assert expected_accepted(0.0, 5) == 0
+
+
+def test_costs_are_learnt_and_extrapolated_along_a_line():
+    c = StepCosts()
+    assert c.step_s(1) is None and not c.known
+    c.observe_step(1, 0.020)
+    assert c.step_s(1) == 0.020 and c.step_s(3) is None  # one size says nothing of others
+    c.observe_step(5, 0.060)
+    assert c.step_s(3) == pytest.approx(0.040) and c.step_s(9) == pytest.approx(0.100)
+    c.observe_step(1, 0.030)  # a moving average, not the last value
+    assert 0.020 < c.step_s(1) < 0.030
+
+
+def test_a_falling_line_is_not_believed():
+    c = costs({1: 30.0, 4: 20.0})  # noise: a bigger step measured faster
+    assert c.step_s(8) >= c.step_s(4) - 1e-12
+
+
+def test_no_drafts_where_they_do_not_pay_on_this_cpu():
+    c = costs(CPU_MS)
+    # A plain step makes 1 token in 20 ms; 2 drafts cost 34 ms: they need E > 0.7 tokens.
+    assert draft_lengths([0.2], [5], c) == [0]
+    assert draft_lengths([0.3], [5], c) == [0]
+    k = draft_lengths([0.9], [5], c)[0]
+    assert k >= 3  # a copied passage: long drafts pay
+    assert draft_lengths([0.9], [2], c) == [2]  # never more than the cap
+
+
+def test_the_proposers_cost_counts_against_drafting():
+    free = draft_lengths([0.6], [5], costs(CPU_MS))[0]
+    dear = draft_lengths([0.6], [5], costs(CPU_MS, draft_ms=15.0))[0]
+    assert free > 0 and dear < free
+
+
+def test_a_large_batch_drafts_only_for_the_sure_sequences():
+    # 16 sequences: each extra query token costs nearly as much as a decoding sequence.
+    batch = {16: 160.0, 17: 169.0, 18: 178.0, 20: 196.0, 24: 232.0}
+    lengths = draft_lengths([0.95] + [0.4] * 15, [4] * 16, costs(batch))
+    assert lengths[0] > 0 and lengths[1:] == [0] * 15
+
+
+def test_unknown_costs_leave_the_choice_to_the_old_rule():
+    assert draft_lengths([0.9], [4], StepCosts()) is None
+    assert draft_lengths([0.9], [4], costs({1: 20.0})) is None
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:"]
+
+
+def measured(llm: LLM, monkeypatch) -> LLM:
+    """The engine's step costs fixed at the CPU figures above (the machine's own, noisy on a
+    shared runner, would make the test depend on the load); its decisions stay its own."""
+    for n, ms in CPU_MS.items():
+        llm.spec.costs.observe_step(n, ms / 1e3)
+    monkeypatch.setattr(llm.spec.costs, "observe_step", lambda tokens, seconds: None)
+    return llm
+
+
+def test_a_draft_that_is_always_wrong_stops_drafting_and_stays_lossless(demo_gguf, tmp_path,
+                                                                         monkeypatch):
+    from tests.test_spec import _tiny_draft
+
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    tiny = _tiny_draft(tmp_path / "tiny", plain.tokenizer, plain.config.vocab_size)
+    drafts = {}
+    for adaptive in (0, 1):
+        llm = measured(LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024,
+                           speculative=f"draft:{tiny},k=3,adaptive={adaptive}"), monkeypatch)
+        assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == expected
+        drafts[adaptive] = llm.spec.counters.drafts
+        assert llm.spec.counters.acceptance_rate < 0.2
+    # Fixed length: a draft every step. Break-even: a few while the acceptance estimate falls,
+    # then a probe every PROBE_EVERY steps.
+    assert drafts[0] >= 2 * 45
+    assert drafts[1] <= 2 * (4 + 48 // PROBE_EVERY)
+
+
+def test_a_draft_that_is_right_keeps_drafting(demo_gguf, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024)
+    expected = plain.generate([PROMPTS[1]], params)[0].token_ids
+    same = measured(LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024,
+                        speculative=f"draft:{demo_gguf},k=3"), monkeypatch)
+    same.spec.costs.draft_token_s = 0.0  # as if drafting were free: acceptance decides
+    monkeypatch.setattr(same.spec.costs, "observe_drafting", lambda tokens, seconds: None)
+    assert same.generate([PROMPTS[1]], params)[0].token_ids == expected
+    c = same.spec.counters
+    assert c.acceptance_rate > 0.95 and c.mean_accepted_length > 3
+
+
+def test_a_sequence_left_without_drafts_probes_now_and_then(demo_gguf, monkeypatch):
+    spec = measured(LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024,
+                        speculative="ngram"), monkeypatch)
+    rid = spec.add_request("Hello", SamplingParams(temperature=0, max_tokens=4))
+    spec.step()
+    seq = spec.core.seqs[rid]
+    seq.spec.position_rate = 0.0
+    lengths = [spec.spec.draft_lengths([seq])[0] for _ in range(2 * PROBE_EVERY)]
+    assert lengths.count(1) == 2 and set(lengths) == {0, 1}
