@@ -194,13 +194,16 @@ class LLM:
     # ---- requests ----
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None,
-                    forced_tokens: list[int] | None = None) -> str:
+                    forced_tokens: list[int] | None = None,
+                    share_prompt_with: str | None = None) -> str:
         """Queue a request; raises RequestError (naming the problem) if it can never run.
 
         `arrival` (time.perf_counter seconds) is when the request reached its server, so TTFT
         counts tokenizing and queueing as vLLM's does; default now. `forced_tokens` (evaluation)
         are appended instead of sampled ones; the output's `forced` has the model's
-        log-probability and top-1 choice at each."""
+        log-probability and top-1 choice at each. `share_prompt_with` names a request in flight
+        with the same prompt (another choice, n > 1): this one shares its full prompt blocks
+        once they are computed instead of computing them again."""
         params = params or SamplingParams()
         ids, kv = self.admission.check(prompt, params)
         rid = request_id if request_id is not None else self.core.new_request_id()
@@ -211,6 +214,9 @@ class LLM:
             seq.max_chunk_tokens = self.admission.eviction_chunk(ids, kv)
         if forced_tokens is not None:
             seq.forced = ForcedTokens(list(forced_tokens))
+        source = self.core.seqs.get(share_prompt_with) if share_prompt_with else None
+        if source is not None and source.prompt_token_ids == seq.prompt_token_ids:
+            seq.prompt_source = source
         self.core.add(seq)
         return rid
 

@@ -117,6 +117,8 @@ class Scheduler:
         cache = self.prefix_cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.prompt_source is not None and not seq.block_table and not self._fork(seq):
+                break  # its source computes the shared prompt this step: admitted next step
             if cache is not None and not seq.block_table:
                 cache.match(seq)
             n = _chunk(seq, budget)
@@ -134,6 +136,29 @@ class Scheduler:
             bm.append_slots(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _fork(self, seq: Sequence) -> bool:
+        """Share the full prompt blocks of the sequence's source (another choice of its request)
+        if the source has computed them; False while the source is still computing them.
+
+        Full blocks are never written again (new tokens go to later blocks, rejected drafts are
+        trimmed from the tail), so sharing them needs no copy. At least one prompt token is
+        left to compute: its logits choose this choice's first token. A source that has gone,
+        was preempted, or may move its blocks (an eviction policy) is not waited for.
+        """
+        source = seq.prompt_source
+        full = (len(seq.prompt_token_ids) - 1) // self.block_manager.block_size
+        usable = (full > 0 and source.status == Status.RUNNING and source.kv is None
+                  and seq.kv is None)
+        if not usable:  # (a waiting source is behind this one: waiting for it would deadlock)
+            seq.prompt_source = None
+            return True
+        if source.num_computed_tokens < full * self.block_manager.block_size:
+            return False  # running, so it gets there
+        self.block_manager.share(seq, source.block_table[:full])
+        seq.num_computed_tokens = full * self.block_manager.block_size
+        seq.prompt_source = None  # shared once; a preempted fork recomputes alone
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and queue it first, to be recomputed later."""

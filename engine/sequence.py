@@ -210,6 +210,9 @@ class Sequence:
         # One TokenLogprob per output token (engine/logprobs.py), when the params ask.
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.grammar = None  # a Matcher (engine/grammar.py) the output processor advances
+        # Another choice of the same request (n > 1) whose full prompt blocks this one shares
+        # once that one has computed them (Scheduler._fork), instead of recomputing them.
+        self.prompt_source: Sequence | None = None
 
     @property
     def num_tokens(self) -> int:

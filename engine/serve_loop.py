@@ -43,6 +43,7 @@ class Submission:
     request_id: str = ""
     arrival: float | None = None  # time.perf_counter() when the request reached the server
     prompt_logprobs: int | None = None  # top-k per prompt token, when asked (vLLM's field)
+    share_prompt_with: str | None = None  # another choice's request id (n > 1)
 
 
 class EngineLoop:
@@ -89,9 +90,10 @@ class EngineLoop:
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
                deliver: Callable[[object], None], arrival: float | None = None,
-               prompt_logprobs: int | None = None) -> Submission:
+               prompt_logprobs: int | None = None,
+               share_prompt_with: str | None = None) -> Submission:
         sub = Submission(prompt, params, deliver, f"srv-{next(self._ids)}", arrival,
-                         prompt_logprobs)
+                         prompt_logprobs, share_prompt_with)
         reason = self.health()
         if reason is not None:
             _safe_deliver(sub, RequestError(reason))
@@ -149,7 +151,7 @@ class EngineLoop:
                     return
                 scored = self._prompt_logprobs(sub)
             self.llm.add_request(sub.prompt, sub.params, request_id=sub.request_id,
-                                 arrival=sub.arrival)
+                                 arrival=sub.arrival, share_prompt_with=sub.share_prompt_with)
         except RequestError as exc:
             _safe_deliver(sub, exc)
             return

@@ -197,12 +197,13 @@ class _Service:
     async def _submit(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
                       n: int, prompt_logprobs: int | None) -> list[_EngineStream]:
         """One engine request per choice, each admitted before the reply starts; a seed gives
-        choice i the seed + i. Each choice computes the prompt's KV itself: sharing it would
-        take a fork of the prompt's blocks in the scheduler and block manager."""
+        choice i the seed + i. Choices after the first share the first one's full prompt
+        blocks (the scheduler's fork) instead of computing the prompt's KV again."""
         streams = [_EngineStream(self.loop, self.limits.stall_timeout_s) for _ in range(n)]
         for i, stream in enumerate(streams):
             stream.submit(prompt_ids, _choice_params(params, i), arrival,
-                          prompt_logprobs if i == 0 else None)  # the prompt is scored once
+                          prompt_logprobs if i == 0 else None,  # the prompt is scored once
+                          share_prompt_with=streams[0].request_id if i else None)
         for stream in streams:
             first = await stream.next()
             if isinstance(first, RequestError):
@@ -306,9 +307,9 @@ class _EngineStream:
         self._mailbox = _Mailbox.of_running_loop()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
-               prompt_logprobs: int | None = None) -> None:
+               prompt_logprobs: int | None = None, share_prompt_with: str | None = None) -> None:
         sub = self.loop.submit(prompt_ids, params, self._deliver_threadsafe, arrival,
-                               prompt_logprobs)
+                               prompt_logprobs, share_prompt_with)
         self.request_id = sub.request_id
 
     def _deliver_threadsafe(self, item) -> None:
