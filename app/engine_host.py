@@ -178,7 +178,7 @@ class _EngineWorker(QObject):
         aborted = False
         try:
             for delta in stream:
-                self._buffer.push(delta.text)
+                self._buffer.push(delta.text, delta.drafted)
                 self._meter.add(len(delta.token_ids))
                 self.stats = self._llm.last_stats
                 if delta.output is not None:

@@ -37,10 +37,13 @@ class OutputProcessor:
         scored = None
         if seq.logprobs is not None and logits is not None:
             scored = token_logprobs(logits, tokens, seq.params.logprobs)
+        drafted_from = len(seq.text)  # all but the last token are accepted drafts
         for count, token in enumerate(tokens, start=1):
             if scored is not None:
                 seq.logprobs.append(scored[count - 1])
             self._append_token(seq, token, now)
+            if count == len(tokens) - 1 and len(seq.text) > drafted_from:
+                seq.drafted_spans.append((drafted_from, len(seq.text)))
             if seq.is_finished:
                 return count
         return len(tokens)
@@ -86,7 +89,8 @@ def delta(seq: Sequence) -> StreamDelta:
     hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
     visible = max(seq.emitted_text_len, len(seq.text) - hold)
     out = StreamDelta(seq.request_id, seq.text[seq.emitted_text_len : visible],
-                      seq.output_token_ids[seq.emitted_token_len :])
+                      seq.output_token_ids[seq.emitted_token_len :],
+                      drafted=_spans_within(seq.drafted_spans, seq.emitted_text_len, visible))
     if seq.logprobs is not None:
         out.logprobs = seq.logprobs[seq.emitted_token_len :]
     seq.emitted_text_len = visible
@@ -95,3 +99,15 @@ def delta(seq: Sequence) -> StreamDelta:
         out.finish_reason = seq.finish_reason
         out.output = seq.to_output()
     return out
+
+
+def _spans_within(spans: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of the spans inside text[start:end], as offsets from start (newest last, so
+    only the tail of the list is looked at)."""
+    out = []
+    for a, b in reversed(spans):
+        if b <= start:
+            break
+        if a < end:
+            out.append((max(a, start) - start, min(b, end) - start))
+    return out[::-1]

@@ -171,6 +171,8 @@ class StreamDelta:
     finish_reason: str | None = None
     output: RequestOutput | None = None
     logprobs: list | None = None  # the new tokens' TokenLogprobs, when the params asked
+    # (start, end) offsets into `text` of text from accepted draft tokens (speculation)
+    drafted: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Sequence:
@@ -213,6 +215,8 @@ class Sequence:
         # Another choice of the same request (n > 1) whose full prompt blocks this one shares
         # once that one has computed them (Scheduler._fork), instead of recomputing them.
         self.prompt_source: Sequence | None = None
+        # (start, end) offsets into `text` of accepted draft tokens' text, in order.
+        self.drafted_spans: list[tuple[int, int]] = []
 
     @property
     def num_tokens(self) -> int:

@@ -91,7 +91,30 @@ def test_journey_fetch_load_chat_change_option_reload(make_window, qtbot, demo_g
     line = ask(qtbot, window, pane, "Repeat exactly: one two three four five six seven eight "
                                     "nine ten one two three four five six seven eight nine ten")
     assert "ngram: " in line and "draft tokens accepted" in line
+    # The text the accepted drafts carried is on the draft colour in the transcript.
+    drafted = drafted_text(pane.chat.transcript)
+    reply = pane.chat.session.turns[-1].content
+    assert drafted and all(piece in reply for piece in drafted)
+    assert sum(map(len, drafted)) < len(reply)  # the bonus tokens are the model's own
     assert raw_errors(window) == []
+
+
+def drafted_text(transcript) -> list[str]:
+    """The pieces of the transcript shown on the accepted-drafts colour."""
+    from PySide6.QtGui import QColor
+
+    from app.panes.engine.chat import DRAFTED_COLOR
+
+    pieces, block = [], transcript.document().begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            fragment = it.fragment()
+            if fragment.charFormat().background().color() == QColor(DRAFTED_COLOR):
+                pieces.append(fragment.text())
+            it += 1
+        block = block.next()
+    return pieces
 
 
 def test_journey_benchmark_to_history_and_planner(make_window, qtbot, demo_gguf: Path):

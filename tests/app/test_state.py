@@ -101,3 +101,18 @@ def test_requests_are_validated_and_map_to_engine_arguments() -> None:
             LoadRequest(**bad)
     assert SamplingSettings(seed=-1).as_kwargs()["seed"] is None
     assert SamplingSettings(seed=7, top_k=0).as_kwargs()["seed"] == 7
+
+
+def test_drafted_spans_keep_their_place_through_the_buffer_and_the_session() -> None:
+    buffer = StreamBuffer()
+    buffer.push("Hello", [(0, 3)])
+    buffer.push(" world", [(1, 4)])
+    text, drafted = buffer.drain_marked()
+    assert text == "Hello world" and [text[a:b] for a, b in drafted] == ["Hel", "wor"]
+    session = ChatSession()
+    session.ask("Hi")
+    session.append("Oh, ", [])
+    session.append(text, drafted)
+    turn = session.turns[-1]
+    assert [turn.content[a:b] for a, b in turn.drafted] == ["Hel", "wor"]
+    assert buffer.drain_marked() == ("", [])

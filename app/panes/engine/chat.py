@@ -6,7 +6,7 @@ import dataclasses
 import html
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication, QTextCursor
+from PySide6.QtGui import QColor, QGuiApplication, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
     QGroupBox,
     QHBoxLayout,
@@ -26,6 +26,11 @@ from app.settings import Settings
 
 # ~30 Hz: streamed text is painted once per frame, never once per token.
 FRAME_MS = 33
+# Text from accepted draft tokens (speculative decoding) sits on this colour: a user sees where
+# the drafts carried the reply and where the model went token by token.
+DRAFTED_COLOR = "#2f6f4f"
+DRAFTED_FORMAT = QTextCharFormat()
+DRAFTED_FORMAT.setBackground(QColor(DRAFTED_COLOR))
 
 
 class ChatPanel(QWidget):
@@ -153,13 +158,14 @@ class ChatPanel(QWidget):
         self.set_state(self._host.state)
 
     def _paint_frame(self) -> None:
-        text = self._host.buffer.drain()
+        text, drafted = self._host.buffer.drain_marked()
         if not text:
             return
-        self.session.append(text)
+        self.session.append(text, drafted)
         cursor = self.transcript.textCursor()
         cursor.movePosition(QTextCursor.MoveOperation.End)
-        cursor.insertText(text)
+        for piece, is_draft in _pieces(text, drafted):
+            cursor.insertText(piece, DRAFTED_FORMAT if is_draft else QTextCharFormat())
         self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
 
     def _on_reply_finished(self, figures: ReplyFigures | None) -> None:
@@ -191,9 +197,32 @@ class ChatPanel(QWidget):
         self.transcript.setTextCursor(cursor)
 
 
+def _pieces(text: str, drafted: list[tuple[int, int]]) -> list[tuple[str, bool]]:
+    """The text cut at the drafted spans: (piece, from accepted drafts)."""
+    out, at = [], 0
+    for a, b in drafted:
+        if a > at:
+            out.append((text[at:a], False))
+        out.append((text[a:b], True))
+        at = b
+    if at < len(text):
+        out.append((text[at:], False))
+    return [p for p in out if p[0]]
+
+
+def _body_html(turn: ChatTurn) -> str:
+    """The turn's text as HTML, accepted draft tokens' text on the draft colour."""
+    parts = []
+    for piece, is_draft in _pieces(turn.content, turn.drafted):
+        escaped = html.escape(piece).replace("\n", "<br>")
+        parts.append(f"<span style='background-color:{DRAFTED_COLOR}'>{escaped}</span>"
+                     if is_draft else escaped)
+    return "".join(parts)
+
+
 def _turn_html(turn: ChatTurn, streaming: bool) -> str:
     who = "You" if turn.role == "user" else "Assistant"
-    body = html.escape(turn.content).replace("\n", "<br>")
+    body = _body_html(turn)
     if streaming:
         # The streaming reply ends the document, so each frame appends at the end.
         return f"<p><b>{who}:</b> {body}"

@@ -194,12 +194,14 @@ def changed_options(loaded: LoadRequest | None, wanted: LoadRequest | None) -> l
 
 @dataclass
 class ChatTurn:
-    """One message of the conversation; assistant turns carry their figures once finished."""
+    """One message of the conversation; assistant turns carry their figures once finished,
+    and the (start, end) offsets of the text that came from accepted draft tokens."""
 
     role: str
     content: str
     figures: ReplyFigures | None = None
     error: str | None = None
+    drafted: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -231,10 +233,13 @@ class ChatSession:
         self._open_reply()
         return True
 
-    def append(self, text: str) -> None:
-        """Add streamed text to the open reply."""
+    def append(self, text: str, drafted: list[tuple[int, int]] = ()) -> None:
+        """Add streamed text to the open reply; `drafted` spans are offsets into `text`."""
         if self.streaming and text:
-            self.turns[-1].content += text
+            turn = self.turns[-1]
+            at = len(turn.content)
+            turn.drafted += [(at + a, at + b) for a, b in drafted]
+            turn.content += text
 
     def finish(self, figures: ReplyFigures | None, error: str | None = None) -> None:
         """Close the streaming reply with its figures, or with the error that ended it."""
@@ -261,22 +266,32 @@ class ChatSession:
 
 
 class StreamBuffer:
-    """Text handed from the engine thread to the GUI, drained once per frame."""
+    """Text handed from the engine thread to the GUI, drained once per frame, with the spans
+    of it that came from accepted draft tokens."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._parts: list[str] = []
+        self._length = 0
+        self._drafted: list[tuple[int, int]] = []
 
-    def push(self, text: str) -> None:
-        """Append text (engine thread)."""
+    def push(self, text: str, drafted: list[tuple[int, int]] = ()) -> None:
+        """Append text and its drafted spans, offsets into `text` (engine thread)."""
         with self._lock:
+            self._drafted += [(self._length + a, self._length + b) for a, b in drafted]
             self._parts.append(text)
+            self._length += len(text)
 
     def drain(self) -> str:
         """Take everything pushed so far (GUI thread)."""
+        return self.drain_marked()[0]
+
+    def drain_marked(self) -> tuple[str, list[tuple[int, int]]]:
+        """Take everything pushed so far and its drafted spans (GUI thread)."""
         with self._lock:
-            text, self._parts = "".join(self._parts), []
-        return text
+            text, drafted = "".join(self._parts), self._drafted
+            self._parts, self._drafted, self._length = [], [], 0
+        return text, drafted
 
 
 class RateMeter:
