@@ -351,11 +351,10 @@ class _EngineStream:
 class _Mailbox:
     """Replies from the engine thread to one event loop, handed over in one wake-up per batch.
 
-    The engine thread delivers every request's tokens of a step back to back; waking the event
-    loop once for all of them (rather than a call_soon_threadsafe per token, a self-pipe write
-    and an event-loop pass each) leaves the engine's cores to the engine: with 16 streams, 16
-    wake-ups per step of the server, and of the clients reading the sockets, landed in the
-    middle of the next step's matmuls.
+    The engine thread delivers every request's tokens of a step back to back; the event loop is
+    woken once for all of them (rather than a call_soon_threadsafe per token: a self-pipe write
+    and an event-loop pass each), so the API's work per step does not grow with the number of
+    wake-ups. (Measured by benchmarks/peer_vllm.py: no gain beyond the noise on two cores.)
     """
 
     _by_loop: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
