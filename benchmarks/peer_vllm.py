@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import signal
 import statistics
@@ -292,21 +291,9 @@ def ratios(results: dict, peers: list[str]) -> dict:
 
 
 def machine() -> dict:
-    import torch
+    from engine.bench import machine as engine_machine
 
-    return {"platform": platform.platform(), "processor": _cpu_name(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "load_avg_at_start": os.getloadavg()}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return engine_machine() | {"load_avg_at_start": os.getloadavg()}
 
 
 def parse_args() -> argparse.Namespace:
