@@ -222,9 +222,9 @@ def test_ttft_counts_from_the_request_reaching_the_server(client, llm, monkeypat
     seen = []
     real = llm.add_request
 
-    def spy(prompt, params=None, request_id=None, arrival=None):
+    def spy(prompt, params=None, request_id=None, arrival=None, **options):
         seen.append((arrival, time.perf_counter()))
-        return real(prompt, params, request_id=request_id, arrival=arrival)
+        return real(prompt, params, request_id=request_id, arrival=arrival, **options)
 
     monkeypatch.setattr(llm, "add_request", spy)
     _complete(client, PROMPTS[2])
