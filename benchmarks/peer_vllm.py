@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,20 +47,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(HERE))
 
+from tests.vllm import server as vs  # noqa: E402 - free_port, stop: the tests' vLLM helpers
+
 INPUT_WORDS = 64
 START_TIMEOUT_S = 900.0
 FIGURES = ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 
 
 # ---- servers ----
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Running:
     """A server process in a session of its own (stopping it takes its children along)."""
 
@@ -91,14 +84,7 @@ class Running:
         return httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
     def stop(self) -> None:
-        if self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        vs.stop(self)  # the tests' way: the whole session, SIGTERM then SIGKILL
 
 
 def vllm_command(python: str, folder: Path, port: int, eager: bool) -> list[str]:
@@ -127,7 +113,7 @@ def llamacpp_command(python: str, gguf: Path, port: int) -> list[str]:
 
 
 def start(name: str, args: argparse.Namespace, log_dir: Path) -> Running:
-    port = free_port()
+    port = vs.free_port()
     log = log_dir / f"{name}.log"
     if name.startswith("vllm"):
         from vllm_demo_model import ensure_folder
