@@ -249,6 +249,16 @@ def _serve_parser(sub) -> None:
                         "the port can use the engine)")
     p.add_argument("--max-connections", type=int, default=512,
                    help="open connections before new ones get 503 (default 512)")
+    # Tool calling, spelled as vLLM's flags.
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (a file, or the template itself) to use instead "
+                        "of the model's, e.g. one that shows the model its tools")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
+                   help="how tool calls are read from replies for tool_choice 'auto' (default: "
+                        "the chat template's own format, where servescope knows it)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="as vLLM's: fail at start unless tool_choice 'auto' can work (it is on "
+                        "whenever a parser is known)")
     p.set_defaults(func=_serve)
 
 
@@ -256,6 +266,7 @@ def _serve(args) -> int:
     import os
 
     from engine.server import Server, ServerLimits, is_loopback
+    from engine.tool_calls import ToolServing
 
     api_key = args.api_key or os.environ.get("SERVESCOPE_API_KEY") or None
     if not is_loopback(args.host) and api_key is None:
@@ -268,10 +279,14 @@ def _serve(args) -> int:
               "reaches the port can use the engine.", file=sys.stderr, flush=True)
     if args.max_connections < 1:
         raise ValueError("--max-connections must be at least 1.")
+    template = _chat_template(args.chat_template)
     llm = _load(args)
     limits = ServerLimits(max_connections=args.max_connections)
+    tools = ToolServing.for_template(template or llm.tokenizer.chat_template,
+                                     args.tool_call_parser, override=template is not None,
+                                     auto_tool_choice=args.enable_auto_tool_choice)
     try:
-        server = Server(llm, args.host, args.port, api_key, limits)
+        server = Server(llm, args.host, args.port, api_key, limits, tools)
     except OSError as exc:
         raise OSError(f"Cannot listen on {args.host}:{args.port} ({exc.strerror}): pick another "
                       "--port or stop what uses it.") from None
@@ -282,6 +297,20 @@ def _serve(args) -> int:
     finally:
         server.close()
     return 0
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself when it is one (as vLLM reads it)."""
+    from pathlib import Path
+
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: no such file (give a Jinja template file).")
 
 
 if __name__ == "__main__":

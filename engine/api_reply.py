@@ -1,6 +1,7 @@
 """OpenAI response objects for one request: completion or chat, whole or as stream chunks, with
 log-probabilities in each API's own shape (chat: `logprobs.content[]`; completions: `tokens`,
-`token_logprobs`, `top_logprobs`, `text_offset`) and vLLM's `prompt_logprobs`."""
+`token_logprobs`, `top_logprobs`, `text_offset`), vLLM's `prompt_logprobs`, and a chat reply's
+tool calls (`message.tool_calls`, streamed as `delta.tool_calls`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.logprobs import TokenLogprob
 from engine.sequence import StreamDelta
+from engine.tool_calls import Content, ToolCall, ToolPlan
 
 # OpenAI's stand-in for a log-probability of -inf, which JSON cannot carry.
 MIN_LOGPROB = -9999.0
@@ -26,6 +28,7 @@ class ReplyOptions:
     prompt_ids: list[int] = field(default_factory=list)
     prompt_text: str = ""
     prompt_scores: list[TokenLogprob | None] | None = None  # from the engine loop's Admitted
+    tools: ToolPlan | None = None  # a chat request's tools: the reply is read for calls
 
 
 class Reply:
@@ -39,6 +42,9 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._offsets = [0] * n  # completions' text_offset of each choice's next token
+        plan = self.options.tools
+        reads_calls = chat and plan is not None and plan.scanner() is not None
+        self._tools = [_ToolReply(plan) for _ in range(n)] if reads_calls else None
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -66,10 +72,17 @@ class Reply:
     def chunk(self, delta: StreamDelta, index: int = 0) -> dict:
         text, scores = self._visible(delta.text, delta.logprobs)
         if self.chat:
+            message, finish = {"content": text}, delta.finish_reason
+            if self._tools is not None:
+                tools = self._tools[index]
+                content, calls = tools.feed(text, final=delta.output is not None)
+                # Beside calls, no content is null (as vLLM and OpenAI stream it).
+                message = {"content": content or None, "tool_calls": calls} if calls else \
+                    {"content": content}
+                finish = tools.finish_reason(finish)
             return self._envelope("chat.completion.chunk", [
-                {"index": index, "delta": {"content": text},
-                 "logprobs": self._chat_logprobs(scores), "finish_reason":
-                 delta.finish_reason}])
+                {"index": index, "delta": message,
+                 "logprobs": self._chat_logprobs(scores), "finish_reason": finish}])
         return self._envelope("text_completion", [
             {"index": index, "text": text,
              "logprobs": self._completion_logprobs(scores, index),
@@ -93,9 +106,18 @@ class Reply:
         text, scores = self._visible("".join(d.text for d in deltas),
                                      [s for d in deltas for s in (d.logprobs or [])])
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": self._chat_logprobs(scores),
-                    "finish_reason": output.finish_reason}
+            message, finish = {"role": "assistant", "content": text}, output.finish_reason
+            if self._tools is not None:
+                tools = self._tools[index]
+                content, _ = tools.feed(text, final=True)
+                if tools.calls:  # OpenAI's content is null beside calls unless the model said more
+                    message = {"role": "assistant", "content": content if content.strip()
+                               else None, "tool_calls": [c.as_openai() for c in tools.calls]}
+                else:
+                    message["content"] = content
+                finish = tools.finish_reason(finish)
+            return {"index": index, "message": message, "logprobs": self._chat_logprobs(scores),
+                    "finish_reason": finish}
         o = self.options
         choice = self._echo_choice(index) if o.echo else {"index": index, "text": "",
                                                             "logprobs": None}
@@ -177,6 +199,38 @@ class Reply:
     def _prompt_field(self) -> dict:
         return {"prompt_logprobs": self._prompt_logprobs()} if self.options.prompt_logprobs \
             else {}
+
+
+class _ToolReply:
+    """One choice's text read for tool calls as it grows: the content outside the calls, and
+    the calls as OpenAI's tool-call deltas (a call whole once read, or a named function's
+    arguments piece by piece)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.scanner = plan.scanner()
+        self.parallel = plan.parallel
+        self.text = ""
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """The new content and tool-call deltas once `text` is added."""
+        self.text += text
+        content, deltas = [], []
+        for piece in self.scanner.feed(self.text, final):
+            if isinstance(piece, Content):
+                content.append(piece.text)
+            elif isinstance(piece, ToolCall):
+                if self.calls and not self.parallel:
+                    continue  # parallel_tool_calls false: the first call only
+                deltas.append(piece.as_openai(index=len(self.calls)))
+                self.calls.append(piece)
+            elif piece.text:  # more of a named function's arguments
+                self.calls[piece.index].arguments += piece.text
+                deltas.append({"index": piece.index, "function": {"arguments": piece.text}})
+        return "".join(content), deltas
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.calls else reason
 
 
 def _join(a: dict | None, b: dict | None) -> dict | None:

@@ -10,6 +10,15 @@ import json
 from engine.api_reply import ReplyOptions
 from engine.grammar import GrammarError, GrammarSpec, check
 from engine.sequence import RequestError, SamplingParams
+from engine.tool_calls import (
+    PARSERS,
+    ToolPlan,
+    ToolServing,
+    ToolSetupError,
+    call_as_text,
+    call_for_template,
+    default_tool_prompt,
+)
 
 
 class ApiError(Exception):
@@ -41,6 +50,10 @@ def check_fields(body, chat: bool, llm) -> None:
             if value and getattr(value, "type", "json") != "text":
                 raise _bad(name, "not available while this server runs speculative "
                                  "decoding: leave it unset, or serve without --speculative")
+        if chat and body.tools and _forced(body.tool_choice):
+            raise _bad("tool_choice", "forcing a call needs constrained decoding, not "
+                                      "available while this server runs speculative decoding: "
+                                      "use 'auto' or 'none', or serve without --speculative")
     vocab = llm.config.vocab_size
     bad = next((t for t in (body.logit_bias or {}) if t >= vocab), None)
     if bad is not None:
@@ -61,29 +74,141 @@ def _check_chat(body, llm) -> None:
                                  "ends where the JSON does")
     if body.top_logprobs and not body.logprobs:
         raise _bad("top_logprobs", "needs 'logprobs': true")
-    if body.tools:
+    if _forced(body.tool_choice) and body.tools:
+        if body.ignore_eos:
+            raise _bad("ignore_eos", "cannot be used with a 'tool_choice' that forces a call: "
+                                     "the reply ends where the call does")
+        if fmt is not None and fmt.type != "text":
+            raise _bad("response_format", "cannot be combined with a 'tool_choice' that forces "
+                                          "a call (the call is the reply's format): leave one "
+                                          "unset")
+
+
+def _forced(choice) -> bool:
+    """tool_choice "required" or a named function: the reply is constrained to a call."""
+    return choice == "required" or isinstance(choice, dict)
+
+
+# ---- tools ----
+def tool_plan(body, serving: ToolServing) -> ToolPlan | None:
+    """What the request's tools and tool_choice do on this server's chat template; a 400 naming
+    `tools` or `tool_choice` where they cannot work. None: no tools."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise _bad("tool_choice", "needs 'tools' listing the functions to call: give "
+                                      "'tools', or leave 'tool_choice' unset or 'none'")
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    names = [t["function"]["name"] for t in tools]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise _bad("tools", f"the function name {twice!r} is given twice: names must be unique")
+    if choice == "none":
+        return ToolPlan("none")  # the tools are not shown to the model, as OpenAI's "none"
+    parallel = body.parallel_tool_calls is not False
+    if choice in (None, "auto"):
+        return _auto_plan(tools, serving, parallel)
+    name = None if choice == "required" else _named_choice(choice, names)
+    mode = "required" if name is None else "named"
+    # A template that shows no tools: the model is told them in a system message, and the
+    # grammar makes the reply a call all the same.
+    prompt = None if serving.renders_tools else default_tool_prompt(tools, mode, name)
+    return ToolPlan(mode, tools, function=name, parallel=parallel, prompt=prompt)
+
+
+def _auto_plan(tools: list[dict], serving: ToolServing, parallel: bool) -> ToolPlan:
+    if not serving.renders_tools:
         raise _bad("tools", "this model's chat template has no tool calling, so the model "
-                            "cannot call tools: leave 'tools' unset"
-                   if "tools" not in llm.tokenizer.chat_template else
-                   "tool-call parsing is not implemented for this model family: leave "
-                   "'tools' unset")
-    if body.tool_choice not in (None, "none"):
-        raise _bad("tool_choice", "needs 'tools', which this model cannot use: leave it "
-                                  "unset or 'none'")
+                            "cannot choose to call tools ('tool_choice' auto): leave 'tools' "
+                            "unset, force a call with 'tool_choice' 'required' or a named "
+                            "function, or serve with --chat-template and --tool-call-parser")
+    if serving.parser is None:
+        raise _bad("tools", "this chat template's tool-call format has no parser here, so "
+                            "calls could not be read ('tool_choice' auto): force a call with "
+                            "'tool_choice' 'required' or a named function, or serve with "
+                            f"--tool-call-parser ({', '.join(PARSERS)})")
+    return ToolPlan("auto", tools, parser=serving.parser, parallel=parallel)
 
 
-def grammar_spec(body, chat: bool, tokenizer) -> GrammarSpec | None:
-    """The grammar a response_format asks for, compiled once here to refuse a bad schema
-    (on a worker thread: a large schema takes a while)."""
+def _named_choice(choice: dict, names: list[str]) -> str:
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise _bad("tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', "
+                                  "'function': {'name': ...}}")
+    if name not in names:
+        raise _bad("tool_choice", f"names the function {name!r}, which is not in 'tools' "
+                                  f"({', '.join(names)})")
+    return name
+
+
+def chat_prompt_ids(body, tokenizer, plan: ToolPlan | None, serving: ToolServing) -> list[int]:
+    """The conversation rendered through the chat template (the server's --chat-template if
+    given), with the tools offered, then tokenized."""
+    messages = _template_messages(body.messages, serving)
+    offered = plan is not None and plan.tools is not None
+    if offered and plan.prompt is not None:
+        messages = _with_system_text(messages, plan.prompt)
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True,
+        chat_template=serving.template if serving.override else None,
+        tools=plan.tools if offered else None)
+    return tokenizer.encode(text)
+
+
+def _template_messages(messages, serving: ToolServing) -> list[dict]:
+    """The messages as chat templates read them (HF's form): assistant calls with their
+    arguments as objects, tool results with their call's id. A template that cannot render calls
+    gets them as JSON in the content, so the model still sees what it called."""
+    out = []
+    for m in messages:
+        entry = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            entry["name"] = m.name
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        calls = [c.model_dump(exclude_none=True) for c in m.tool_calls or []]
+        if calls and serving.renders_tool_calls:
+            entry["tool_calls"] = [call_for_template(c) for c in calls]
+        elif calls:
+            entry["content"] = "\n".join([entry["content"]] * bool(entry["content"]) +
+                                         [call_as_text(c) for c in calls])
+        out.append(entry)
+    return out
+
+
+def _with_system_text(messages: list[dict], text: str) -> list[dict]:
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = messages[0] | {"content": f"{messages[0]['content']}\n\n{text}".lstrip()}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+# ---- constrained decoding ----
+def grammar_spec(body, chat: bool, tokenizer, plan: ToolPlan | None = None) -> GrammarSpec | None:
+    """The grammar a response_format or a forced tool call asks for, compiled once here to
+    refuse a bad schema (on a worker thread: a large schema takes a while)."""
+    if plan is not None and plan.mode in ("named", "required"):
+        try:
+            schema = plan.schema()
+        except ToolSetupError as exc:
+            raise _bad("tools", str(exc)) from None
+        return _checked(GrammarSpec("json_schema", json.dumps(schema)), tokenizer, "tools")
     fmt = getattr(body, "response_format", None) if chat else None
     if fmt is None or fmt.type == "text":
         return None
     schema = json.dumps(fmt.json_schema.json_schema) if fmt.type == "json_schema" else ""
-    spec = GrammarSpec(fmt.type, schema)
+    return _checked(GrammarSpec(fmt.type, schema), tokenizer, "response_format")
+
+
+def _checked(spec: GrammarSpec, tokenizer, field: str) -> GrammarSpec:
     try:
         check(spec, tokenizer)
     except GrammarError as exc:
-        raise _bad("response_format", str(exc)) from None
+        what = str(exc).replace("the schema", "a function's 'parameters' schema", 1) \
+            if field == "tools" else str(exc)
+        raise _bad(field, what) from None
     return spec
 
 

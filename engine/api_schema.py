@@ -168,14 +168,52 @@ class TextPart(BaseModel):
     text: Text
 
 
+MAX_TOOLS = 128  # tools in a request, and calls in one assistant message
+# OpenAI's rule for function names (it answers 400 to others).
+FunctionName = Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class FunctionCall(BaseModel):
+    """A call an assistant message made: the arguments are JSON text, as OpenAI sends them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[Text, Field(min_length=1, max_length=256)]
+    arguments: Text = "{}"
+
+
+class ToolCallParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: Annotated[Text, Field(max_length=256)] | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; checked when a call is forced
+    strict: bool | None = None
+
+
+class ToolParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: Annotated[Any, _refused("this model has no tool calling", ([],))] = None
-    tool_call_id: str | None = None
+    name: Text | None = None
+    tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[Text, Field(max_length=256)] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -220,8 +258,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
     response_format: ResponseFormat | None = None
-    # Tools are checked against the model's chat template by the server (engine/server.py).
-    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    # Tools are checked against the chat template and tool_choice by engine/api_request.py
+    # (tool_plan); a named tool_choice is checked there too, to name `tool_choice` in the 400.
+    tools: Annotated[list[ToolParam], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI parameters of features this server does not have: refused, never ignored.

@@ -30,12 +30,14 @@ from starlette.exceptions import HTTPException
 from engine.api_reply import Reply, error_body
 from engine.api_request import (
     ApiError,
+    chat_prompt_ids,
     check_fields,
     check_model,
     grammar_spec,
     logprob_counts,
     reply_options,
     sampling_params,
+    tool_plan,
 )
 from engine.api_schema import ChatCompletionRequest, CompletionRequest, field_path
 from engine.http_guard import BodyGuard, GuardedH11Protocol
@@ -43,6 +45,7 @@ from engine.kv_eviction import parse_policy
 from engine.sequence import SEED_MAX, RequestError, SamplingParams, StreamDelta
 from engine.serve_loop import Admitted, EngineLoop
 from engine.serve_metrics import ServerMetrics
+from engine.tool_calls import ToolServing
 
 log = logging.getLogger("servescope.serve")
 
@@ -77,11 +80,13 @@ ERROR_RESPONSES = {
 
 # ---- the application ----
 def create_app(llm, loop: EngineLoop, metrics: ServerMetrics,
-               limits: ServerLimits = ServerLimits(), api_key: str | None = None):
+               limits: ServerLimits = ServerLimits(), api_key: str | None = None,
+               tools: ToolServing | None = None):
     """The ASGI application: routes, error handlers and the body guard around them."""
     app = FastAPI(title="servescope", version="0.1.0",
                   description="OpenAI-compatible API of the servescope engine.")
-    service = _Service(llm, loop, metrics, limits)
+    tools = tools or ToolServing.for_template(llm.tokenizer.chat_template)
+    service = _Service(llm, loop, metrics, limits, tools)
     _add_error_handlers(app)
 
     @app.get("/health", responses={503: ERROR_RESPONSES[503]})
@@ -167,8 +172,9 @@ class _Service:
     """What the routes share: the engine, its loop, the metrics and the limits."""
 
     def __init__(self, llm, loop: EngineLoop, metrics: ServerMetrics,
-                 limits: ServerLimits) -> None:
+                 limits: ServerLimits, tools: ToolServing) -> None:
         self.llm, self.loop, self.metrics, self.limits = llm, loop, metrics, limits
+        self.tools = tools  # the chat template in use and its tool-call parser
 
     async def generate(self, request: Request, body, chat: bool) -> Response:
         arrival = time.perf_counter()  # TTFT counts tokenizing and queueing, as vLLM's does
@@ -177,15 +183,17 @@ class _Service:
             raise ApiError(503, reason, "server_error")
         check_model(body, self.llm.model_name)
         check_fields(body, chat, self.llm)
+        tools = tool_plan(body, self.tools) if chat else None
         # Tokenizing a 4 MiB prompt takes seconds, and compiling a large schema a while: on a
         # worker thread, not the event loop and not the engine thread.
-        prompt_ids = await run_in_threadpool(self._prompt_ids, body, chat)
-        grammar = await run_in_threadpool(grammar_spec, body, chat, self.llm.tokenizer)
+        prompt_ids = await run_in_threadpool(self._prompt_ids, body, chat, tools)
+        grammar = await run_in_threadpool(grammar_spec, body, chat, self.llm.tokenizer, tools)
         params = self._sampling(body, len(prompt_ids), chat, grammar)
         streams = await self._submit(prompt_ids, params, arrival, body.n,
                                      logprob_counts(body, chat)[1])
         options = reply_options(body, chat, prompt_ids, self.llm.tokenizer)
         options.prompt_scores = streams[0].admitted.prompt_logprobs
+        options.tools = tools
         reply = Reply(self.llm.model_name, chat, self.llm.tokenizer, options, body.n)
         if body.stream:
             return _SseResponse(streams, reply, body.include_usage)
@@ -213,12 +221,11 @@ class _Service:
             stream.admitted = first
         return streams
 
-    def _prompt_ids(self, body, chat: bool) -> list[int]:
+    def _prompt_ids(self, body, chat: bool, tools=None) -> list[int]:
         self._check_text_length(body, chat)
         if chat:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
-                ids = self.llm.chat_prompt(messages)
+                ids = chat_prompt_ids(body, self.llm.tokenizer, tools, self.tools)
             except Exception as exc:  # a template error names the problem, not a traceback
                 raise ApiError(400, f"The chat template failed on these messages: {exc}",
                                param="messages") from exc
@@ -537,7 +544,8 @@ class Server:
     """uvicorn serving the application, the engine loop beside it; `.close()` stops both."""
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> None:
+                 api_key: str | None = None, limits: ServerLimits = ServerLimits(),
+                 tools: ToolServing | None = None) -> None:
         import socket
 
         import uvicorn
@@ -548,7 +556,7 @@ class Server:
         spec = getattr(llm, "spec", None)
         self.metrics = ServerMetrics(llm.model_name, None if spec is None else spec.counters)
         self.loop = EngineLoop(llm, self.metrics)
-        asgi, self.app = create_app(llm, self.loop, self.metrics, limits, api_key)
+        asgi, self.app = create_app(llm, self.loop, self.metrics, limits, api_key, tools)
         protocol = type("Protocol", (GuardedH11Protocol,),
                         {"header_timeout_s": limits.header_timeout_s})
         self.config = uvicorn.Config(
@@ -611,6 +619,8 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          limits: ServerLimits = ServerLimits()) -> Server:
-    """Start serving in background threads; call `.close()` on the result to stop."""
-    return Server(llm, host, port, api_key, limits).start()
+          limits: ServerLimits = ServerLimits(), tools: ToolServing | None = None) -> Server:
+    """Start serving in background threads; call `.close()` on the result to stop. `tools`:
+    another chat template or tool-call parser (ToolServing.for_template); default: the
+    model's template and the parser its tool format needs."""
+    return Server(llm, host, port, api_key, limits, tools).start()

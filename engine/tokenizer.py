@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
@@ -91,13 +91,23 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping], add_generation_prompt: bool = True, **kwargs
+        self,
+        messages: Sequence[Mapping],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs,
     ) -> str:
-        """Render `messages` ([{"role", "content"}, ...]) the way transformers does."""
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
+        """Render `messages` ([{"role", "content"}, ...]) the way transformers does; `chat_template`
+        replaces the model's own (as transformers' argument of that name), and other keywords
+        (`tools`, ...) are the template's variables."""
+        if chat_template is not None:
+            template = _compile_cached(chat_template)
+        else:
+            if self._template is None:
+                self._template = _compile_template(self.chat_template)
+            template = self._template
         try:
-            return self._template.render(
+            return template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -135,17 +145,33 @@ def _tojson(value, indent: int | None = None, **_: object) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=False)
 
 
-def _compile_template(source: str):
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _compile_template(source: str):
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
     except TemplateError as exc:
         raise ModelError(f"The model's chat template does not parse: {exc}") from exc
+
+
+# A server's --chat-template is compiled once, not per request.
+_compile_cached = functools.lru_cache(maxsize=8)(_compile_template)
+
+
+def template_variables(source: str) -> set[str]:
+    """The variables a chat template reads from its caller (`messages`, `tools`, ...)."""
+    try:
+        return meta.find_undeclared_variables(_environment().parse(source))
+    except TemplateError as exc:
+        raise ModelError(f"The chat template does not parse: {exc}") from exc
 
 
 # --- building a tokenizer from GGUF metadata (llama.cpp's vocabulary description) ---
