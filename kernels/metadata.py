@@ -44,3 +44,26 @@ class AttentionMass:
 
     decode: torch.Tensor | None
     prefill: list[torch.Tensor]
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each node's depth in a token tree whose node i hangs under `parents[i]` (-1: under the
+    root, the sequence's last real token, at depth 0). Parents come before their children."""
+    depths: list[int] = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"tree node {i} has parent {parent}: a parent must be an earlier "
+                             "node or -1 (the root)")
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def ancestor_mask(parents: list[int], device: torch.device | None = None) -> torch.Tensor:
+    """[n, n] bool: row i is True at node i and each of its ancestors (not the root), the tree
+    nodes a tree-verification query attends to beside the context."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]  # the parent's row is complete: parents come first
+    return mask.to(device) if device is not None else mask
