@@ -255,18 +255,19 @@ def test_teacher_forced_quality_is_measured_against_the_full_cache(llm, text_ids
 
 
 def test_streaming_generates_past_the_context_length(demo_gguf):
-    small = LLM(str(demo_gguf), device="cpu", max_model_len=128, max_num_batched_tokens=32,
+    # (A 64-token context keeps the run short: 100 tokens already go well past it.)
+    small = LLM(str(demo_gguf), device="cpu", max_model_len=64, max_num_batched_tokens=32,
                 kv_cache_tokens=512)
     out = small.generate(["Count from one to two hundred: one, two, three,"],
-                         SamplingParams(temperature=0, max_tokens=200, ignore_eos=True,
-                                        kv_policy="streaming", kv_budget=64))[0]
-    assert len(out.token_ids) == 200 and out.finish_reason == "length"
-    assert small.evictor.tokens_evicted > 100
+                         SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
+                                        kv_policy="streaming", kv_budget=32))[0]
+    assert len(out.token_ids) == 100 and out.finish_reason == "length"
+    assert small.evictor.tokens_evicted > 50
     # Policies that keep original positions stop at the context length, as without eviction.
-    h2o = small.generate(["hello " * 10], SamplingParams(max_tokens=300, kv_policy="h2o",
-                                                         kv_budget=64, ignore_eos=True))[0]
+    h2o = small.generate(["hello " * 10], SamplingParams(max_tokens=150, kv_policy="h2o",
+                                                         kv_budget=32, ignore_eos=True))[0]
     assert h2o.finish_reason == "length"
-    assert len(h2o.prompt_token_ids) + len(h2o.token_ids) == 128
+    assert len(h2o.prompt_token_ids) + len(h2o.token_ids) == 64
     assert small.block_manager.num_used_blocks == 0
 
 
@@ -472,17 +473,17 @@ def test_a_preempted_streaming_request_past_the_context_recomputes_within_it(dem
     """Preemption recomputes a sequence from its first token, outputs included: for
     StreamingLLM, which may have run past the context length, that recompute must still come
     in chunks the cache and the rotary table hold (not all its tokens at once)."""
-    small = LLM(str(demo_gguf), device="cpu", max_model_len=128, kv_cache_tokens=512)
+    small = LLM(str(demo_gguf), device="cpu", max_model_len=64, kv_cache_tokens=512)
     rid = small.add_request("Count: one, two, three,", SamplingParams(
-        temperature=0, max_tokens=150, ignore_eos=True, kv_policy="streaming", kv_budget=64))
+        temperature=0, max_tokens=80, ignore_eos=True, kv_policy="streaming", kv_budget=32))
     seq = small.sequence(rid)
-    while len(seq.output_token_ids) < 135:
+    while len(seq.output_token_ids) < 70:
         small.step()
     small.scheduler.preempt(seq)  # what the scheduler does when the pool runs dry
     while not seq.is_finished:
         small.step()
-        assert seq.kv_len < 128
-    assert seq.finish_reason == "length" and len(seq.output_token_ids) == 150
+        assert seq.kv_len < 64
+    assert seq.finish_reason == "length" and len(seq.output_token_ids) == 80
     assert small.block_manager.num_used_blocks == 0
 
 
@@ -533,20 +534,20 @@ def test_speculative_drafts_stay_within_the_context(demo_gguf):
     indices) they must not carry the cache past the positions the context holds, nor, with
     true positions, past the context's end."""
     spec = LLM(str(demo_gguf), device="cpu", speculative="ngram:k=8,adaptive=0",
-               max_model_len=128, kv_cache_tokens=512)
+               max_model_len=64, kv_cache_tokens=512)
     prompt = spec.tokenizer.encode("one one one")
     assert len(prompt) < 9
     with pytest.raises(RequestError, match=r"a step's chunk of up to 9: prompt or speculative"):
-        spec.add_request(prompt, SamplingParams(kv_policy="streaming", kv_budget=103))
-    budget = 128 - 16 - 9 - 1  # the largest budget the context allows with 8 drafts a step
-    out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True,
+        spec.add_request(prompt, SamplingParams(kv_policy="streaming", kv_budget=39))
+    budget = 64 - 16 - 9 - 1  # the largest budget the context allows with 8 drafts a step
+    out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
                                                  kv_policy="streaming", kv_budget=budget))[0]
-    assert len(out.token_ids) == 200 and spec.spec.counters.draft_tokens > 0
+    assert len(out.token_ids) == 100 and spec.spec.counters.draft_tokens > 0
     # Without eviction, or with a policy that keeps true positions, drafts near the end of the
     # context must not run past it either: the request stops at the context length.
     for policy in (None, "h2o"):
-        out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=200,
+        out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=100,
                                                      ignore_eos=True, kv_policy=policy,
                                                      kv_budget=32))[0]
         assert out.finish_reason == "length"
-        assert len(out.prompt_token_ids) + len(out.token_ids) == 128
+        assert len(out.prompt_token_ids) + len(out.token_ids) == 64
