@@ -72,6 +72,11 @@ class ToolServing:
             raise ToolSetupError(f"--tool-call-parser {parser} needs a chat template that shows "
                                  "the model its tools (this one never reads `tools`): pass "
                                  "--chat-template with one that does.")
+        if auto_tool_choice and not renders:
+            raise ToolSetupError("--enable-auto-tool-choice needs a chat template that shows the "
+                                 "model its tools (this one never reads `tools`): pass "
+                                 "--chat-template with one that does, and --tool-call-parser "
+                                 "unless its format is one servescope knows.")
         if auto_tool_choice and chosen is None:
             raise ToolSetupError("--enable-auto-tool-choice needs a tool-call parser, and this "
                                  "chat template's tool format is not one servescope knows: pass "
