@@ -79,6 +79,33 @@ HERMES_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
 
+# A Llama 3.1-style template (its tool prompt and JSON calls, results in an `ipython` turn), on
+# the same ChatML tokens.
+LLAMA3_TEMPLATE = r"""
+{%- if tools %}
+{{- '<|im_start|>system\nYou have access to the following functions. To call a function, ' }}
+{{- 'please respond with JSON for a function call. Respond in the format {"name": function ' }}
+{{- 'name, "parameters": dictionary of argument name and its value}. Do not use variables.\n\n' }}
+{%- for t in tools %}{{- (t | tojson(indent=4)) + '\n\n' }}{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant\n' }}
+{%- for call in message.tool_calls %}
+{{- '{"name": "' + call.function.name + '", "parameters": ' }}
+{{- (call.function.arguments | tojson) + '}' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>ipython\n' + message.content + '<|im_end|>\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
 
 def _call(city: str, call_id: str = "call_1") -> dict:
     return {"role": "assistant", "content": None, "tool_calls": [
@@ -388,73 +415,123 @@ def test_a_bad_call_in_the_history_is_a_400_not_a_500(client, name):
     assert info.value.body["param"].startswith("messages")
 
 
-# ---- a Hermes-style --chat-template: tool_choice auto, the hermes parser ----
+# ---- another --chat-template: tool_choice auto, the parser its format needs ----
 @pytest.fixture(scope="module")
-def hermes_client(demo_gguf):
-    llm = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=4096, max_num_seqs=8)
-    srv = serve(llm, "127.0.0.1", 0,
-                tools=ToolServing.for_template(HERMES_TEMPLATE, override=True))
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+def template_llm(demo_gguf):
+    """The engine behind the servers with another chat template, one after the other."""
+    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=4096, max_num_seqs=8)
+
+
+def _template_client(llm, template: str):
+    serving = ToolServing.for_template(template, override=True)
+    srv = serve(llm, "127.0.0.1", 0, tools=serving)
+    return srv, openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0,
+                              timeout=120)
+
+
+@pytest.fixture(scope="class")
+def hermes_client(template_llm):
+    srv, client = _template_client(template_llm, HERMES_TEMPLATE)
+    yield client
     srv.close()
 
 
-def test_the_template_gets_the_tools_calls_and_results(hermes_client, name):
-    messages = [_user("Oslo"), _call("Oslo", "call_7"),
-                {"role": "tool", "tool_call_id": "call_7", "content": '{"temperature": -3}'},
-                _user("And in Rome?")]
-    out = _chat(hermes_client, name, messages, max_tokens=2, tools=TOOLS, tool_choice=NAMED,
-                extra_body={"prompt_logprobs": 0})
-    prompt = _prompt_text(out)
-    assert "<tools>\n" + json.dumps(WEATHER) + "\n" + json.dumps(CLOCK) + "\n</tools>" in prompt
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
-            '{"city": "Oslo", "unit": "celsius"}}\n</tool_call><|im_end|>') in prompt
-    assert '<tool_response>\n{"temperature": -3}\n</tool_response>' in prompt
-    assert "You can call these functions" not in prompt  # the template shows them itself
+@pytest.fixture(scope="class")
+def llama3_client(template_llm):
+    srv, client = _template_client(template_llm, LLAMA3_TEMPLATE)
+    yield client
+    srv.close()
 
 
-def test_hermes_calls_in_the_models_own_text_are_parsed(hermes_client, name):
-    out = _chat(hermes_client, name, FEW_SHOT, tools=TOOLS)
-    choice = out.choices[0]
-    assert choice.finish_reason == "tool_calls", choice.message.content
-    [call] = choice.message.tool_calls
-    assert call.function.name == "get_weather" and _valid_call(call)["city"] == "Paris"
-    assert choice.message.content is None
-    content, calls, finish = _streamed(hermes_client, name, FEW_SHOT, tools=TOOLS)
-    assert (content.strip(), finish) == ("", "tool_calls")
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
-        [(call.function.name, call.function.arguments)]
-    with hermes_client.chat.completions.stream(model=name, messages=FEW_SHOT, tools=TOOLS,
-                                               max_tokens=80, temperature=0) as stream:
-        final = stream.get_final_completion()
-    assert final.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+class TestHermesTemplate:
+    """A Hermes-style template: the hermes parser, picked from its text."""
+
+    def test_the_template_gets_the_tools_calls_and_results(self, hermes_client, name):
+        messages = [_user("Oslo"), _call("Oslo", "call_7"),
+                    {"role": "tool", "tool_call_id": "call_7", "content": '{"temperature": -3}'},
+                    _user("And in Rome?")]
+        out = _chat(hermes_client, name, messages, max_tokens=2, tools=TOOLS, tool_choice=NAMED,
+                    extra_body={"prompt_logprobs": 0})
+        prompt = _prompt_text(out)
+        assert "<tools>\n" + json.dumps(WEATHER) + "\n" + json.dumps(CLOCK) + "\n</tools>" in prompt
+        assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+                '{"city": "Oslo", "unit": "celsius"}}\n</tool_call><|im_end|>') in prompt
+        assert '<tool_response>\n{"temperature": -3}\n</tool_response>' in prompt
+        assert "You can call these functions" not in prompt  # the template shows them itself
+
+    def test_hermes_calls_in_the_models_own_text_are_parsed(self, hermes_client, name):
+        out = _chat(hermes_client, name, FEW_SHOT, tools=TOOLS)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and _valid_call(call)["city"] == "Paris"
+        assert choice.message.content is None
+        content, calls, finish = _streamed(hermes_client, name, FEW_SHOT, tools=TOOLS)
+        assert (content.strip(), finish) == ("", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [(call.function.name, call.function.arguments)]
+        with hermes_client.chat.completions.stream(model=name, messages=FEW_SHOT, tools=TOOLS,
+                                                   max_tokens=80, temperature=0) as stream:
+            final = stream.get_final_completion()
+        assert final.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+
+    def test_hermes_replies_cut_short_stay_content(self, hermes_client, name):
+        """The model's call cut by max_tokens (invalid JSON in an unclosed tag) is content, whole
+        and streamed; cut before its end tag by a stop string, complete JSON is still the call."""
+        out = _chat(hermes_client, name, FEW_SHOT, tools=TOOLS, max_tokens=8)
+        choice = out.choices[0]
+        assert choice.finish_reason == "length" and choice.message.tool_calls is None
+        assert choice.message.content.startswith("<tool_call>")
+        content, calls, finish = _streamed(hermes_client, name, FEW_SHOT, tools=TOOLS, max_tokens=8)
+        assert (content, calls, finish) == (choice.message.content, {}, "length")
+        stopped = _chat(hermes_client, name, FEW_SHOT, tools=TOOLS, stop=["</tool_call>"])
+        assert stopped.choices[0].finish_reason == "tool_calls"
+        assert _valid_call(stopped.choices[0].message.tool_calls[0])
+
+    def test_prose_is_content_under_auto(self, hermes_client, name):
+        out = _chat(hermes_client, name, ASK, tools=TOOLS, max_tokens=12)
+        choice = out.choices[0]
+        assert choice.message.tool_calls is None and choice.message.content
+        assert choice.finish_reason == "length"
+
+    def test_required_with_a_template_that_shows_tools(self, hermes_client, name):
+        out = _chat(hermes_client, name, ASK, tools=TOOLS, tool_choice="required",
+                    parallel_tool_calls=False)
+        [call] = out.choices[0].message.tool_calls
+        assert _valid_call(call) and out.choices[0].finish_reason == "tool_calls"
 
 
-def test_hermes_replies_cut_short_stay_content(hermes_client, name):
-    """The model's call cut by max_tokens (invalid JSON in an unclosed tag) is content, whole
-    and streamed; cut before its end tag by a stop string, complete JSON is still the call."""
-    out = _chat(hermes_client, name, FEW_SHOT, tools=TOOLS, max_tokens=8)
-    choice = out.choices[0]
-    assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content.startswith("<tool_call>")
-    content, calls, finish = _streamed(hermes_client, name, FEW_SHOT, tools=TOOLS, max_tokens=8)
-    assert (content, calls, finish) == (choice.message.content, {}, "length")
-    stopped = _chat(hermes_client, name, FEW_SHOT, tools=TOOLS, stop=["</tool_call>"])
-    assert stopped.choices[0].finish_reason == "tool_calls"
-    assert _valid_call(stopped.choices[0].message.tool_calls[0])
+class TestLlama3Template:
+    """A Llama 3.1-style template: the llama3_json parser, picked from its text."""
 
+    def test_the_template_gets_the_tools(self, llama3_client, name):
+        out = _chat(llama3_client, name, FEW_SHOT, max_tokens=2, tools=TOOLS,
+                    tool_choice=NAMED, extra_body={"prompt_logprobs": 0})
+        prompt = _prompt_text(out)
+        assert json.dumps(WEATHER, indent=4) in prompt and "dictionary of argument" in prompt
+        assert ('assistant\n{"name": "get_weather", "parameters": {"city": "London", "unit": '
+                '"celsius"}}<|im_end|>') in prompt
 
-def test_prose_is_content_under_auto(hermes_client, name):
-    out = _chat(hermes_client, name, ASK, tools=TOOLS, max_tokens=12)
-    choice = out.choices[0]
-    assert choice.message.tool_calls is None and choice.message.content
-    assert choice.finish_reason == "length"
+    def test_llama3_calls_in_the_models_own_text_are_parsed(self, llama3_client, name):
+        out = _chat(llama3_client, name, FEW_SHOT, tools=TOOLS)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and _valid_call(call)["city"] == "Paris"
+        content, calls, finish = _streamed(llama3_client, name, FEW_SHOT, tools=TOOLS)
+        assert (content, finish) == ("", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [(call.function.name, call.function.arguments)]
 
-
-def test_required_with_a_template_that_shows_tools(hermes_client, name):
-    out = _chat(hermes_client, name, ASK, tools=TOOLS, tool_choice="required",
-                parallel_tool_calls=False)
-    [call] = out.choices[0].message.tool_calls
-    assert _valid_call(call) and out.choices[0].finish_reason == "tool_calls"
+    def test_llama3_prose_and_cut_calls_stay_content(self, llama3_client, name):
+        prose = _chat(llama3_client, name, ASK, tools=TOOLS, max_tokens=12).choices[0]
+        assert prose.message.tool_calls is None and prose.message.content
+        cut = _chat(llama3_client, name, FEW_SHOT, tools=TOOLS, max_tokens=6).choices[0]
+        assert cut.finish_reason == "length" and cut.message.tool_calls is None
+        assert cut.message.content.startswith('{"name"')
+        content, calls, finish = _streamed(llama3_client, name, FEW_SHOT, tools=TOOLS,
+                                           max_tokens=6)
+        assert (content, calls, finish) == (cut.message.content, {}, "length")
 
 
 # ---- the command line ----
