@@ -62,12 +62,12 @@ def check_fields(body, chat: bool, llm) -> None:
         raise _bad("best_of", "choosing the best of more choices than 'n' is not supported: "
                               "leave it unset or equal to 'n'")
     if chat:
-        _check_chat(body, llm)
+        _check_chat(body)
     elif body.max_tokens == 0 and not body.echo:
         raise _bad("max_tokens", "0 is only meaningful with 'echo': true (score the prompt)")
 
 
-def _check_chat(body, llm) -> None:
+def _check_chat(body) -> None:
     fmt = body.response_format
     if body.ignore_eos and fmt is not None and fmt.type != "text":
         raise _bad("ignore_eos", "cannot be used with a JSON 'response_format': the reply "
