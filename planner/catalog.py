@@ -44,10 +44,19 @@ class Gpu:
     price_source: str = ""
     price_date: str = ""
     aliases: tuple[str, ...] = ()
+    # The engine's own per-step host overhead measured on this device (engine/device_profile.py
+    # writes it for the machine the app runs on); the step-time model never goes below it.
+    step_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("memory_gb", "bandwidth_gbs", "link_gbs", "power_w"):
+        for name in ("memory_gb", "bandwidth_gbs", "link_gbs"):
             _positive(getattr(self, name), name)
+        if self.power_w != 0:  # 0: not known (a CPU measured here)
+            _positive(self.power_w, "power_w")
+        if isinstance(self.step_overhead_ms, bool) or not isinstance(
+                self.step_overhead_ms, int | float) or self.step_overhead_ms < 0:
+            raise ValueError(f"step_overhead_ms must be a non-negative number, got "
+                             f"{self.step_overhead_ms!r}")
         if "bf16" not in self.tflops:
             raise ValueError("tflops needs a bf16 figure")
         for key, value in self.tflops.items():
@@ -91,6 +100,7 @@ class Model:
     qk_rope_dim: int = 0
     max_context: int = 4096
     aliases: tuple[str, ...] = ()
+    tied_embeddings: bool = False  # the LM head reuses the embedding matrix (small models)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "params_b"):
@@ -119,7 +129,8 @@ class Model:
 
     @property
     def embedding_params(self) -> float:
-        return 2.0 * self.vocab * self.hidden
+        """The embedding and LM-head matrices inside params_b (one when they are tied)."""
+        return (1.0 if self.tied_embeddings else 2.0) * self.vocab * self.hidden
 
 
 @dataclass(frozen=True)
@@ -196,18 +207,25 @@ def _sections(path: Path, table: str) -> dict[str, dict[str, Any]]:
     return data
 
 
-def _merged(table: str, filename: str, user_dir: Path | None) -> tuple[dict, dict, list[str]]:
-    """Entries of the shipped file overlaid field-by-field with the user's file."""
+# The machine the app runs on, measured by engine/device_profile.py (a file of its own, so the
+# user's gpus.toml is never rewritten); read after gpus.toml.
+MACHINE_FILE = "machine.toml"
+
+
+def _merged(table: str, filename: str, user_dir: Path | None,
+            extra: tuple[str, ...] = ()) -> tuple[dict, dict, list[str]]:
+    """Entries of the shipped file overlaid field-by-field with the user's file(s)."""
     shipped = ASSETS / filename
     entries = {k: dict(v) for k, v in _sections(shipped, table).items()}
     origin = {k: shipped for k in entries}
     used = [str(shipped)]
-    user = (user_dir or config_dir()) / "catalogs" / filename
-    if user.is_file():
-        used.append(str(user))
-        for name, values in _sections(user, table).items():
-            entries.setdefault(name, {}).update(values)
-            origin[name] = user
+    for name in (filename, *extra):
+        user = (user_dir or config_dir()) / "catalogs" / name
+        if user.is_file():
+            used.append(str(user))
+            for entry, values in _sections(user, table).items():
+                entries.setdefault(entry, {}).update(values)
+                origin[entry] = user
     return entries, origin, used
 
 
@@ -252,7 +270,7 @@ class _Named:
 
 def load_catalog(user_dir: Path | None = None) -> Catalog:
     """The shipped catalogs merged with `<config dir>/catalogs/{gpus,models,prices}.toml`."""
-    gpu_entries, gpu_origin, files = _merged("gpu", "gpus.toml", user_dir)
+    gpu_entries, gpu_origin, files = _merged("gpu", "gpus.toml", user_dir, (MACHINE_FILE,))
     price_entries, price_origin, more = _merged("price", "prices.toml", user_dir)
     model_entries, model_origin, most = _merged("model", "models.toml", user_dir)
     for name in price_entries:

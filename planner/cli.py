@@ -57,7 +57,38 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="also search separate prefill and decode pools and rank the best "
                          "against the best aggregated plan")
     se.set_defaults(func=run_search)
+    ma = sub.add_parser("machine", help="measure this machine (bandwidth, matmul, engine step) "
+                                        "and add it to the catalog as 'this machine'")
+    ma.add_argument("--quick", action="store_true", help="fewer, smaller measurements")
+    ma.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ma.set_defaults(func=run_machine)
     return plan
+
+
+def run_machine(args: argparse.Namespace) -> int:
+    """engine/device_profile.py in its own interpreter: the planner itself runs without torch."""
+    import subprocess
+
+    from planner.catalog import config_dir
+
+    command = [sys.executable, "-m", "engine.device_profile", "--write", str(config_dir())]
+    done = subprocess.run(command + (["--quick"] if args.quick else []), capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"servescope: measuring this machine failed ({last}): check that the engine "
+              "runs here (`servescope bench --quick`).", file=sys.stderr)
+        return 1
+    profile = json.loads(done.stdout.strip().splitlines()[-1])
+    if getattr(args, "json", False):
+        print(json.dumps(profile))
+        return 0
+    entry = profile["entry"]
+    print(f"{entry['name']}: read {profile['read_bandwidth_gbs']} GB/s, bf16 matmul "
+          f"{profile['matmul_tflops']['bf16']} TFLOP/s, engine step overhead "
+          f"{entry['step_overhead_ms']} ms; written to {profile['written']} "
+          f"(plan on it with --gpu 'this machine')")
+    return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:

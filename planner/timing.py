@@ -197,7 +197,8 @@ class StepCost:
         self.handoff_fixed = (d.pp - 1) * send_seconds(g, 0.0, self.eff.link)
         self.handoff_per_token = (d.pp - 1) * (send_seconds(g, 2.0 * m.hidden, self.eff.link)
                                                - send_seconds(g, 0.0, self.eff.link))
-        self.overhead = self.eff.overhead_ms * 1e-3
+        # A device measured here knows the engine's own per-step overhead: never below it.
+        self.overhead = max(self.eff.overhead_ms, g.step_overhead_ms) * 1e-3
         self.draft_seconds = self.draft_fraction * self.dense_bytes / self.bw * d.pp
 
     def _experts_touched(self, tokens: float) -> float:

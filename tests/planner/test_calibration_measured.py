@@ -109,19 +109,23 @@ def test_stored_load_tests_fit_per_gpu(catalog):
     assert cal.fit_error_pct < 2.0 and "6 point" in report.summary()
 
 
-def test_the_local_engines_model_calibrates_once_added(catalog):
-    """The demo model (SmolLM2-135M's architecture) is not in the catalog; built from its
-    loaded architecture and added, its benchmark on a catalog GPU becomes calibration points."""
+def test_the_demo_model_calibrates_and_a_model_not_in_the_catalog_once_added(catalog):
+    """The demo model ships in the catalog, so its benchmark on a catalog GPU becomes
+    calibration points at once; a model the catalog lacks, built from its loaded architecture
+    (SmolLM2-135M's, under another name) and added, does too."""
     from planner.hf_import import model_from_architecture
 
-    model = model_from_architecture("smollm2-135m-instruct", "loaded", 30, 576, 9, 3, 64, 1536,
-                                    49152, 8192)
-    # 30 x (576*64*(18+6) + 3*576*1536 + 2*576) + 2*49152*576 + 576 parameters
-    assert model.params_b * 1e9 == pytest.approx(162_826_560)
     record = {"model": "smollm2-135m-instruct", "device": "cuda:0", "dtype": "bfloat16",
               "machine": {"gpus": ["NVIDIA H200"]}, "config": {"prompt_tokens": 32,
                                                                "new_tokens": 16},
               "throughput_tokens_per_s": {"1": 300.0, "4": 1100.0}}
+    points, skipped = from_engine([record], catalog)
+    assert skipped == [] and {p.model for p in points} == {"SmolLM2-135M"}
+    model = model_from_architecture("my-tiny-llama", "loaded", 30, 576, 9, 3, 64, 1536,
+                                    49152, 8192)
+    # 30 x (576*64*(18+6) + 3*576*1536 + 2*576) + 2*49152*576 + 576 parameters
+    assert model.params_b * 1e9 == pytest.approx(162_826_560)
+    record = {**record, "model": "my-tiny-llama"}
     _, skipped = from_engine([record], catalog)
     assert "model not in the catalog" in skipped[0]
     points, skipped = from_engine([record], catalog.with_model(model))
