@@ -12,6 +12,7 @@ from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
 from kernels import AttentionMetadata, PrefillChunk, kv_quant
 from kernels.kv_quant import QuantizedCache
+from kernels.metadata import ancestor_mask, tree_depths
 from kernels.reference import rotate_half
 
 
@@ -25,6 +26,10 @@ class RunItem:
     logit_rows: int  # how many of the last new tokens need logits (0 = none)
     position_offset: int = 0  # position = cache index + offset (KV eviction shifts them apart)
     mass_rows: int | None = None  # with attention statistics: sum only the last rows (SnapKV)
+    # Draft trees: the parent of each of the last len(draft_parents) tokens among them (-1: the
+    # token before them). Each sits at its parent's position + 1 and attends to the tokens
+    # before the drafts and its own ancestors only. None: the tokens are one causal chain.
+    draft_parents: list[int] | None = None
 
     @classmethod
     def from_scheduled(cls, s: ScheduledSeq) -> RunItem:
@@ -34,7 +39,23 @@ class RunItem:
         mass_rows = None if seq.kv is None else seq.kv.policy.mass_rows(seq, len(tokens))
         # The last real token and every draft: the model's distribution at each.
         return cls(tokens, seq.kv_len, seq.block_table, 1 + s.num_draft if s.samples else 0,
-                   seq.position_offset, mass_rows)
+                   seq.position_offset, mass_rows, _draft_parents(seq, s.num_draft))
+
+    def offsets(self) -> list[int]:
+        """Each token's position relative to the first: consecutive, except that a draft tree's
+        nodes sit at their depth below the last token before the drafts."""
+        if self.draft_parents is None:
+            return list(range(len(self.tokens)))
+        before = len(self.tokens) - len(self.draft_parents)
+        return list(range(before)) + [before - 1 + d for d in tree_depths(self.draft_parents)]
+
+
+def _draft_parents(seq, num_draft: int) -> list[int] | None:
+    """The scheduled drafts' tree, read off the sequence's speculative state as
+    Sequence.draft_tokens reads its drafts (the runner does not import the spec feature). The
+    scheduler may cut the drafts short; the first nodes of a tree are still a tree."""
+    parents = getattr(seq.spec, "draft_parents", None)
+    return None if parents is None or not num_draft else parents[:num_draft]
 
 
 @dataclass
@@ -46,6 +67,9 @@ class StepResult:
     hidden: torch.Tensor  # [rows, hidden]: the states behind the logits (a hidden-state draft)
     # With want_mass: each item's attention statistics over its context (KV eviction), on the CPU.
     mass: list[torch.Tensor] | None = None
+    # The runner that ran the step: features that keep only part of the step's KV (tree
+    # speculation keeps the accepted path) rearrange its cache through it.
+    runner: ModelRunner | None = None
 
 
 class ModelRunner:
@@ -122,7 +146,17 @@ class ModelRunner:
         if not all_logits:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         return StepResult(self.model.logits(hidden), hidden,
-                          _per_item_mass(items, masses) if want_mass else None)
+                          _per_item_mass(items, masses) if want_mass else None, self)
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy every layer's cached K/V from slots `src` to slots `dst` (quantized values as
+        bytes with their scales): a tree's accepted nodes moved to consecutive positions."""
+        if not src:
+            return
+        c = self.model.config
+        index = torch.tensor(src, dtype=torch.long)
+        self.move_kv(index.expand(c.num_layers, c.num_kv_heads, len(src)),
+                     torch.tensor(dst, dtype=torch.long), None)
 
     @torch.inference_mode()
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor | None) -> None:
@@ -172,7 +206,7 @@ class ModelRunner:
         for item in items:
             ids.extend(item.tokens)
             first = item.start + item.position_offset
-            pos.extend(range(first, first + len(item.tokens)))
+            pos.extend(first + offset for offset in item.offsets())
             rows.extend(range(len(ids) - item.logit_rows, len(ids)))
         as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), rows
@@ -191,8 +225,10 @@ class ModelRunner:
                 decode_rows.append(i)
                 decode_idx.append(row)
             else:
-                prefills.append(PrefillChunk(row, row + n, slots[i, :ctx],
-                                             _chunk_mask(n, ctx, self.device), item.mass_rows))
+                mask = (_chunk_mask(n, ctx, self.device) if item.draft_parents is None
+                        else _tree_chunk_mask(n, ctx, item.draft_parents, self.device))
+                prefills.append(PrefillChunk(row, row + n, slots[i, :ctx], mask,
+                                             item.mass_rows))
             row += n
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), prefills=prefills)
         if decode_rows:
@@ -250,3 +286,12 @@ def _chunk_mask(n: int, ctx: int, device: torch.device) -> torch.Tensor | None:
         return None
     q_pos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
     return torch.arange(ctx, device=device).unsqueeze(0) <= q_pos
+
+
+def _tree_chunk_mask(n: int, ctx: int, parents: list[int], device: torch.device) -> torch.Tensor:
+    """A chunk ending in a draft tree: causal up to the drafts; each draft sees everything before
+    the drafts and, among them, itself and its ancestors only (never its siblings' branches)."""
+    mask = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+    d = len(parents)
+    mask[n - d :, ctx - d :] = ancestor_mask(parents)
+    return mask.to(device)

@@ -203,3 +203,200 @@ def test_a_chain_verified_as_a_tree_accepts_as_verify_does():
     pooled = (by_tree + by_chain) / 2
     assert float(((by_tree - pooled) ** 2 / pooled).sum() * 2) < 13.8
 
+
+# ---- one forward pass over a tree, on the demo model ----
+@pytest.fixture(scope="module")
+def demo(demo_gguf):
+    from engine import LLM
+
+    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=512)
+
+
+def _sequence(llm, prompt: list[int], extra: int):
+    from engine import SamplingParams
+    from engine.sequence import Sequence
+
+    seq = Sequence("tree", prompt, SamplingParams(), 0.0)
+    llm.block_manager.append_slots(seq, len(prompt) + extra)
+    return seq
+
+
+def test_a_tree_pass_gives_each_node_the_logits_of_its_root_path(demo):
+    from engine.runner import RunItem
+
+    runner, bm = demo.runner, demo.block_manager
+    prompt = demo.tokenizer.encode("The quick brown fox jumps over")
+    a, b, c, d, e = demo.tokenizer.encode(" the lazy dog cat bird")[:5]
+    tree = TokenTree.from_paths([[a, b, c], [a, d], [e, a]])  # nodes a b c d e a
+    seq = _sequence(demo, prompt, len(tree) + 1)
+    ctx = len(prompt) - 1
+    try:
+        runner.run_items([RunItem(prompt[:-1], 0, seq.block_table, 0)])
+        got = runner.run_items([RunItem([prompt[-1], *tree.tokens], ctx, seq.block_table,
+                                        1 + len(tree), draft_parents=list(tree.parents))]).logits
+        # Keep the branch e, a (nodes 4, 5): its KV moves to the indices right after the root,
+        # and the next token then sees the same context as after the chain e, a.
+        runner.copy_slots([bm.slot(seq, ctx + 1 + node) for node in (4, 5)],
+                          [bm.slot(seq, ctx + 1 + depth) for depth in (0, 1)])
+        after_move = runner.run_items([RunItem([b], ctx + 3, seq.block_table, 1)]).logits[0]
+        chain = runner.run_items([RunItem([prompt[-1], e, a, b], ctx, seq.block_table,
+                                          4)]).logits
+        torch.testing.assert_close(after_move, chain[-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[0], chain[0], atol=1e-4, rtol=1e-4)
+        for node in range(len(tree)):
+            path = tree.path_tokens(node)
+            chain = runner.run_items([RunItem([prompt[-1], *path], ctx, seq.block_table,
+                                              1 + len(path))]).logits
+            torch.testing.assert_close(got[1 + node], chain[-1], atol=1e-4, rtol=1e-4)
+    finally:
+        bm.free(seq)
+
+
+def test_copy_slots_moves_quantized_values_with_their_scales(demo):
+    from engine.block_manager import BlockManager
+    from engine.runner import ModelRunner
+
+    runner = ModelRunner(demo.model, BlockManager(2, 16), "int8")
+    gen = torch.Generator().manual_seed(0)
+    runner.kv_scale.copy_(torch.rand(runner.kv_scale.shape, generator=gen))
+    runner._kv_bytes.copy_(torch.randint(0, 256, runner._kv_bytes.shape, generator=gen,
+                                         dtype=torch.uint8))
+    before_bytes, before_scales = runner._kv_bytes.clone(), runner.kv_scale.clone()
+    runner.copy_slots([7, 9, 3], [1, 2, 20])
+    for src, dst in ((7, 1), (9, 2), (3, 20)):
+        assert runner._kv_bytes[:, :, dst].equal(before_bytes[:, :, src])
+        assert runner.kv_scale[:, :, dst].equal(before_scales[:, :, src])
+    untouched = [s for s in range(32) if s not in (1, 2, 20)]
+    assert runner._kv_bytes[:, :, untouched].equal(before_bytes[:, :, untouched])
+
+
+def test_prompt_lookup_branches_over_the_different_continuations():
+    from engine.spec import parse_spec
+    from engine.spec.ngram import propose_ngram, propose_ngram_paths
+
+    assert parse_spec("ngram:branches=3").num_branches == 3
+    assert parse_spec("draft:/a,b/d.gguf,branches=2").draft_model == "/a,b/d.gguf"
+    with pytest.raises(ValueError, match="branches must be"):
+        parse_spec("ngram:branches=0")
+    tokens = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 7, 3, 5, 6]
+    paths = propose_ngram_paths(tokens, 3, 4, 2, branches=3)
+    assert paths == [[7, 3, 5], [8, 2, 5], [7, 1, 5]]
+    assert paths[0] == propose_ngram(tokens, 3, 4, 2)
+    assert propose_ngram_paths(tokens, 3, 4, 2, branches=2) == paths[:2]
+    tree = TokenTree.from_paths(paths)  # 7 -> {3 -> 5, 1 -> 5}, 8 -> 2 -> 5
+    assert tree.children(ROOT) == (0, 3) and tree.children(0) == (1, 6)
+    # A continuation already taken (or the start of one) adds no branch.
+    assert propose_ngram_paths([1, 2, 3, 1, 2, 3, 1, 2], 2, 2, 2, branches=3) == [[3, 1]]
+
+
+def test_a_tree_the_free_blocks_cannot_hold_becomes_its_first_path():
+    from engine import SamplingParams
+    from engine.block_manager import BlockManager
+    from engine.sequence import Sequence
+    from engine.spec import SpecConfig
+    from engine.spec.decoder import SpecDecoder, set_draft_paths, spec_state
+
+    bm = BlockManager(2, 4)
+    seq = Sequence("s", [1, 2, 3, 4, 5], SamplingParams(), 0.0)
+    bm.append_slots(seq, 5)
+    seq.num_computed_tokens = 4
+    decoder = SpecDecoder(SpecConfig(num_branches=2), block_manager=bm)
+    set_draft_paths(seq, [[7, 8], [9]])  # 1 + 3 more tokens: 8 in all, the 2 blocks hold them
+    decoder._fit_trees([seq])
+    assert spec_state(seq).tree is not None
+    set_draft_paths(seq, [[7, 8, 6], [9, 6]])  # 1 + 5 more: 10 tokens, a third block
+    decoder._fit_trees([seq])
+    assert spec_state(seq).tree is None and spec_state(seq).tokens == [7, 8, 6]
+
+
+def test_an_accepted_branch_is_laid_out_as_a_chain():
+    """After verification the accepted nodes' KV moves to the indices right after the root, and
+    their logits and hidden rows to the rows right after the root's, where a chain's would be."""
+    from engine import SamplingParams
+    from engine.block_manager import BlockManager
+    from engine.features import Step
+    from engine.runner import StepResult
+    from engine.scheduler import SchedulerOutput
+    from engine.sequence import Sequence
+    from engine.spec import SpecConfig
+    from engine.spec.decoder import SpecDecoder
+
+    class Runner:
+        def __init__(self):
+            self.copies = []
+
+        def copy_slots(self, src, dst):
+            self.copies.append((src, dst))
+
+    bm = BlockManager(6, 4)
+    seq = Sequence("s", [1, 2, 3, 4, 5], SamplingParams(), 0.0)
+    bm.append_slots(seq, 5 + 6)
+    seq.num_computed_tokens = 5  # the root, the last real token, is computed: kv_len 5
+    runner = Runner()
+    logits = torch.arange(9.0).unsqueeze(1).repeat(1, 3)  # another sequence's 2 rows, then 7
+    hidden = logits.clone() * 10
+    step = Step(SchedulerOutput())
+    step.result = StepResult(logits, hidden, None, runner)
+    SpecDecoder(SpecConfig(num_branches=3), block_manager=bm)._keep_path(step, seq, 2, [3, 4])
+    assert runner.copies == [([bm.slot(seq, 8), bm.slot(seq, 9)],
+                              [bm.slot(seq, 5), bm.slot(seq, 6)])]
+    assert logits[:, 0].tolist() == [0, 1, 2, 6, 7, 5, 6, 7, 8]
+    assert hidden[:, 0].tolist() == [0, 10, 20, 60, 70, 50, 60, 70, 80]
+    # A chain's path, or a tree's first branch, moves nothing.
+    SpecDecoder(SpecConfig(), block_manager=bm)._keep_path(step, seq, 2, [0, 1])
+    assert len(runner.copies) == 1
+
+
+# ---- the engine: tree speculation leaves greedy output unchanged ----
+COPY_PROMPT = ("Copy this text exactly.\n\nThe cat sat on the mat. The cat ate the fish. The dog "
+               "sat on the cat. The bird sang on the fence while the dog ate the bone.\n\nCopy:\n"
+               "The cat")
+PROMPTS = [COPY_PROMPT, "List the colors of the rainbow: red, orange, yellow, green, blue, red,",
+           "def fibonacci(n):\n    if n < 2:", "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def greedy_expected(demo):
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    outputs = demo.generate(PROMPTS, params)
+    return params, [o.token_ids for o in outputs], [o.logprobs for o in outputs]
+
+
+@pytest.mark.parametrize("spec,options", [
+    ("ngram:k=4,min=1,branches=3,adaptive=0", {}),
+    ("ngram:k=4,min=1,branches=3,adaptive=0", {"prefix_caching": True}),
+    ("demo-draft:branches=2,adaptive=0,lookup=0", {}),
+], ids=["lookup-branches", "lookup-branches-prefix-cache", "demo-draft-top2"])
+def test_tree_speculation_keeps_greedy_output(demo_gguf, greedy_expected, spec, options):
+    from engine import LLM, SamplingParams
+
+    params, expected, expected_logprobs = greedy_expected
+    llm = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, speculative=spec, **options)
+    moved = []
+    copy_slots = llm.runner.copy_slots
+
+    def spy(src, dst):
+        moved.append(len(src))
+        copy_slots(src, dst)
+
+    llm.runner.copy_slots = spy
+    outputs = llm.generate(PROMPTS, params)
+    together = [o.token_ids for o in outputs]
+    alone = [llm.generate([p], params)[0].token_ids for p in PROMPTS]
+    assert together == expected and alone == expected
+    # Log-probabilities are read from the rows that chose the tokens (laid out as a chain's:
+    # test_an_accepted_branch_is_laid_out_as_a_chain), so they are the plain engine's.
+    for out, want in zip(outputs, expected_logprobs, strict=True):
+        assert all(lp.rank == 1 for lp in out.logprobs)
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(
+            [lp.logprob for lp in want], abs=1e-3)
+    c = llm.spec.counters
+    assert c.accepted_tokens > 0
+    assert moved, "no accepted branch other than the first: the KV move went untested"
+    # Sampled trees: a seed still gives one reply.
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=5, ignore_eos=True)
+    first, again = (llm.generate([COPY_PROMPT], sampled)[0].token_ids for _ in range(2))
+    assert first == again and len(first) == 16
+    assert llm.block_manager.num_used_blocks == 0

@@ -12,6 +12,7 @@ METHODS = ("ngram", "draft")
 DEMO_DRAFT = "demo-draft"
 DEMO_DRAFT_PATH = (Path(__file__).resolve().parents[2] / "assets" / "drafts"
                    / "smollm2-135m-hidden.safetensors")
+MAX_BRANCHES = 8
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class SpecConfig:
     draft_model: str | None = None
     # With a draft model: prompt lookup first, the draft model only where lookup finds nothing.
     lookup: bool = False
+    # Draft trees (engine/spec/tree.py): up to this many candidate continuations verified in one
+    # pass (prompt lookup: distinct earlier continuations; the hidden-state draft: its most
+    # likely first tokens). 1: one chain, as before.
+    num_branches: int = 1
 
     def __post_init__(self) -> None:
         if (self.method == "draft") != (self.draft_model is not None):
@@ -38,13 +43,16 @@ class SpecConfig:
         if self.lookup and self.method != "draft":
             raise ValueError("lookup=1 goes with a draft model (draft:PATH or demo-draft); "
                              "ngram always looks up.")
+        if not 1 <= self.num_branches <= MAX_BRANCHES:
+            raise ValueError(f"branches must be 1..{MAX_BRANCHES}, got {self.num_branches}.")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("ngram sizes need 1 <= ngram_min <= ngram_max.")
 
 
 def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
     """`None`/"off" -> None; "ngram", "ngram:k=6,adaptive=0", "draft:PATH[,k=4]" or
-    "demo-draft[:k=2,lookup=1]" (the demo model's shipped draft) -> SpecConfig.
+    "demo-draft[:k=2,lookup=1]" (the demo model's shipped draft) -> SpecConfig; any of them
+    with "branches=N" verifies draft trees of up to N candidate continuations.
 
     A draft model's PATH may itself hold ',' or ':', so only trailing ",key=value" options
     that name a known option are split off it.
@@ -66,7 +74,7 @@ def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
             raise ValueError("--spec draft needs a model: draft:PATH (a GGUF file or HF folder).")
         fields["draft_model"] = path
     names = {"k": "num_draft_tokens", "n": "ngram_max", "min": "ngram_min",
-             "adaptive": "adaptive", "lookup": "lookup"}
+             "adaptive": "adaptive", "lookup": "lookup", "branches": "num_branches"}
     for item in filter(None, options.split(",")):
         key, _, raw = item.partition("=")
         if key not in names:
@@ -88,6 +96,6 @@ def _integer(key: str, raw: str, value: str) -> int:
 def _split_trailing_options(text: str) -> tuple[str, str]:
     parts = text.split(",")
     cut = len(parts)
-    while cut > 1 and re.fullmatch(r"(k|adaptive|lookup)=\w+", parts[cut - 1]):
+    while cut > 1 and re.fullmatch(r"(k|adaptive|lookup|branches)=\w+", parts[cut - 1]):
         cut -= 1
     return ",".join(parts[:cut]), ",".join(parts[cut:])

@@ -20,8 +20,9 @@ from engine.features import Step, StepFeature
 from engine.sequence import Sequence
 from engine.spec.break_even import PROBE_EVERY, StepCosts, draft_lengths
 from engine.spec.config import SpecConfig
-from engine.spec.ngram import propose_ngram
+from engine.spec.ngram import propose_ngram, propose_ngram_paths
 from engine.spec.state import SpecState
+from engine.spec.tree import TokenTree, TreeDrafted, verify_tree_all
 from engine.spec.verify import Drafted, verify_all
 
 # Acceptance is tracked per sequence as an exponential moving average. Once the step costs are
@@ -63,8 +64,13 @@ class SpecCounters:
 
 
 class Proposer(ABC):
-    """Drafts tokens for decoding sequences: fills `spec_state(seq).tokens` with up to k. The
-    other hooks are optional; by default they do nothing."""
+    """Drafts tokens for decoding sequences: fills `spec_state(seq).tokens` with up to k (and,
+    where it branches, `spec_state(seq).tree`). The other hooks are optional; by default they do
+    nothing."""
+
+    # Candidate continuations a proposal may branch into (SpecDecoder sets it from its config;
+    # a proposer that only drafts chains ignores it).
+    num_branches: int = 1
 
     @abstractmethod
     def propose(self, requests: list[tuple[Sequence, int]]) -> None: ...
@@ -90,17 +96,43 @@ def spec_state(seq: Sequence) -> SpecState:
     return seq.spec
 
 
+def branches_for(seq: Sequence, num_branches: int) -> int:
+    """How many candidate continuations the sequence's drafts may branch into. A sequence under
+    a KV-eviction policy drafts a chain: its attention statistics are kept by cache index, and a
+    tree's rejected branches would be counted at the accepted path's indices."""
+    return num_branches if seq.kv is None else 1
+
+
+def set_draft_paths(seq: Sequence, paths: list[list[int]]) -> None:
+    """The sequence's drafts from candidate continuations: one chain, or their tree."""
+    state = spec_state(seq)
+    if len(paths) <= 1:
+        state.tokens, state.tree = (paths[0] if paths else []), None
+        return
+    state.tree = TokenTree.from_paths(paths)
+    state.tokens = list(state.tree.tokens)
+
+
 class LookupProposer(Proposer):
-    """Prompt lookup: the continuation of the latest earlier occurrence of the last n-gram."""
+    """Prompt lookup: the continuation of the latest earlier occurrence of the last n-gram (with
+    branches, the different continuations of its earlier occurrences, as a tree)."""
 
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
+        self.num_branches = config.num_branches
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> None:
         c = self.config
         for seq, k in requests:
-            spec_state(seq).tokens = (propose_ngram(seq.all_token_ids, k, c.ngram_max, c.ngram_min)
-                                      if k else [])
+            branches = branches_for(seq, self.num_branches)
+            if not k:
+                spec_state(seq).tokens = []
+            elif branches == 1:
+                spec_state(seq).tokens = propose_ngram(seq.all_token_ids, k, c.ngram_max,
+                                                       c.ngram_min)
+            else:
+                set_draft_paths(seq, propose_ngram_paths(seq.all_token_ids, k, c.ngram_max,
+                                                         c.ngram_min, branches))
 
 
 class LookupFirst(Proposer):
@@ -140,6 +172,8 @@ class SpecDecoder(StepFeature):
                  block_manager: BlockManager | None = None) -> None:
         self.config = config
         self.draft = draft  # a model proposer (DraftModel, HiddenDraft) for method "draft"
+        if draft is not None:
+            draft.num_branches = config.num_branches
         lookup = LookupProposer(config)
         if draft is None:
             self.proposer: Proposer = lookup
@@ -166,24 +200,49 @@ class SpecDecoder(StepFeature):
                chosen: list[list[int] | None]) -> None:
         """Verify every drafted sequence of the step in one batch."""
         drafted = [i for i, s in enumerate(step.sampling) if s.num_draft]
-        if not drafted:
-            return
+        chains = [i for i in drafted if spec_state(step.sampling[i].seq).tree is None]
+        trees = [i for i in drafted if spec_state(step.sampling[i].seq).tree is not None]
+        if chains:
+            self._verify_chains(step, logits, rows, chains, chosen)
+        if trees:
+            self._verify_trees(step, logits, rows, trees, chosen)
+
+    def _verify_chains(self, step: Step, logits: torch.Tensor, rows: list[int],
+                       indices: list[int], chosen: list[list[int] | None]) -> None:
         items = []
-        for i in drafted:
+        for i in indices:
             s = step.sampling[i]
             state = spec_state(s.seq)
             q = state.probs[: s.num_draft] if state.probs else None
             items.append(Drafted(s.seq, logits[rows[i] : rows[i] + 1 + s.num_draft],
                                  state.tokens[: s.num_draft],
                                  None if q is None else torch.stack(q)))
-        for i, tokens in zip(drafted, verify_all(items), strict=True):
+        for i, tokens in zip(indices, verify_all(items), strict=True):
             chosen[i] = tokens
+            spec_state(step.sampling[i].seq).path = list(range(len(tokens) - 1))
             self.record(step.sampling[i].seq, step.sampling[i].num_draft, len(tokens) - 1)
+
+    def _verify_trees(self, step: Step, logits: torch.Tensor, rows: list[int],
+                      indices: list[int], chosen: list[list[int] | None]) -> None:
+        """Tree drafts (deterministic proposals: prompt lookup, a draft's top tokens)."""
+        items = []
+        for i in indices:
+            s = step.sampling[i]
+            tree = spec_state(s.seq).tree.prefix(s.num_draft)
+            items.append(TreeDrafted(s.seq, logits[rows[i] : rows[i] + 1 + s.num_draft], tree))
+        for i, item, verdict in zip(indices, items, verify_tree_all(items), strict=True):
+            chosen[i] = verdict.tokens
+            spec_state(item.seq).path = verdict.path
+            # A tree counts as a draft of its depth: acceptance is per draft position.
+            self.record(item.seq, item.tree.max_depth, len(verdict.path))
 
     def after_forward(self, step: Step) -> None:
         """Count accepted drafts as computed, trim the rejected ones' slots, clear drafts;
         learn the step's cost if it only decoded."""
         self._observe_step_cost(step)
+        for s, row in zip(step.sampling, step.rows, strict=False):
+            if s.num_draft:
+                self._keep_path(step, s.seq, row, spec_state(s.seq).path)
         self.proposer.remember(step.sampling, step.tokens, step.result.hidden)
         for s, tokens in zip(step.sampling, step.tokens, strict=True):
             seq, state = s.seq, spec_state(s.seq)
@@ -193,6 +252,26 @@ class SpecDecoder(StepFeature):
                                            len(tokens) - 1)
                 self.block_manager.trim(seq, seq.kv_len + 1)  # cached, not computed: eviction
             state.clear_drafts()
+
+    def _keep_path(self, step: Step, seq: Sequence, row: int, path: list[int]) -> None:
+        """Lay the accepted drafts out as a chain's would be: their KV at the cache indices
+        right after the last real token (draft node i was written at index kv_len + i), and
+        their logits and hidden rows right after the root's row (`row`), where the output's
+        log-probabilities and a hidden-state draft read them. A chain's path is 0, 1, ..., so
+        nothing moves; a tree's accepted branch may sit anywhere among its nodes. The KV
+        destinations lie past the sequence's computed tokens, in blocks not yet full of them, so
+        never in a block the prefix cache has indexed or another sequence shares."""
+        moves = [(node, depth) for depth, node in enumerate(path) if node != depth]
+        if not moves:
+            return
+        base = seq.kv_len  # the last real token counts as computed already
+        bm, result = self.block_manager, step.result
+        result.runner.copy_slots([bm.slot(seq, base + node) for node, _ in moves],
+                                 [bm.slot(seq, base + depth) for _, depth in moves])
+        src = torch.tensor([row + 1 + node for node, _ in moves], device=result.logits.device)
+        dst = torch.tensor([row + 1 + depth for _, depth in moves], device=result.logits.device)
+        result.logits[dst] = result.logits[src]
+        result.hidden[dst] = result.hidden[src]
 
     def on_preempt(self, seq: Sequence) -> None:
         state = spec_state(seq)
@@ -215,9 +294,21 @@ class SpecDecoder(StepFeature):
         lengths = self.draft_lengths(seqs)
         start = time.perf_counter()
         self.proposer.propose(list(zip(seqs, lengths, strict=True)))
+        self._fit_trees(seqs)
         self._drafted_at = time.perf_counter()
         proposed = sum(len(spec_state(seq).tokens) for seq in seqs)
         self.costs.observe_drafting(proposed, self._drafted_at - start)
+
+    def _fit_trees(self, seqs: list[Sequence]) -> None:
+        """A tree's nodes beyond its first path are drafts admission did not plan a request's
+        blocks for: keep them only where the free blocks hold them now, else draft the first
+        path alone (a sequence the pool cannot hold would be preempted by its own drafts)."""
+        for seq in seqs:
+            state = spec_state(seq)
+            tree = state.tree
+            if tree is not None and not self.block_manager.can_append(seq, 1 + len(tree)):
+                # Nodes are numbered in proposal order: the first leaf ends the first path.
+                state.tokens, state.tree = tree.path_tokens(tree.leaves()[0]), None
 
     def draft_lengths(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's draft length: at most the configured one and the positions left in

@@ -25,9 +25,12 @@ import torch.nn.functional as F
 from engine.config import ModelError
 from engine.model import LlamaModel
 from engine.sequence import Sequence
-from engine.spec.decoder import Proposer, spec_state
+from engine.spec.decoder import Proposer, branches_for, set_draft_paths, spec_state
 
 FORMAT = "servescope-hidden-draft"
+# A first token the draft finds at least this fraction as likely as its best one gets a branch
+# of its own (with branches > 1). Not tuned yet: trees are built for correctness first.
+BRANCH_RATIO = 0.1
 TENSORS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "embed_norm.weight",
            "draft.vocab_ids")
 
@@ -109,7 +112,9 @@ class HiddenDraft(Proposer):
         self.head = target.embed[self.vocab_ids].float()  # the tied LM head's kept rows
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> None:
-        """Fill each sequence's draft (up to k tokens) from its remembered hidden state."""
+        """Fill each sequence's draft (up to k tokens) from its remembered hidden state; with
+        branches, a tree whose first tokens are the draft's most likely ones (see
+        _first_tokens), each continued as a chain."""
         active = [(seq, k) for seq, k in requests
                   if k > 0 and spec_state(seq).hidden is not None]
         if not active:
@@ -117,15 +122,40 @@ class HiddenDraft(Proposer):
         s = torch.stack([spec_state(seq).hidden for seq, _ in active])
         tokens = torch.tensor([seq.all_token_ids[-1] for seq, _ in active],
                               device=self.head.device)
-        drafts = []
         with torch.inference_mode():
-            for _ in range(max(k for _, k in active)):
+            s = draft_step(s, self.embed[tokens].float(), self.weights, self.eps)
+            firsts = self._first_tokens(s @ self.head.T, [seq for seq, _ in active])
+            # One row per branch from here on: its sequence's state, its own first token.
+            owner = [i for i, f in enumerate(firsts) for _ in f]
+            s = s[owner]
+            tokens = self.vocab_ids[torch.tensor([t for f in firsts for t in f],
+                                                 device=self.head.device)]
+            drafts = [tokens]
+            for _ in range(max(k for _, k in active) - 1):
                 s = draft_step(s, self.embed[tokens].float(), self.weights, self.eps)
                 tokens = self.vocab_ids[(s @ self.head.T).argmax(-1)]
                 drafts.append(tokens)
         table = torch.stack(drafts, dim=1).tolist()
-        for (seq, k), row in zip(active, table, strict=True):
-            spec_state(seq).tokens = row[:k]
+        paths: list[list[list[int]]] = [[] for _ in active]
+        for i, row in zip(owner, table, strict=True):
+            paths[i].append(row[: active[i][1]])
+        for (seq, _), seq_paths in zip(active, paths, strict=True):
+            set_draft_paths(seq, seq_paths)
+
+    def _first_tokens(self, scores: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
+        """Per sequence, the head indices of its draft's first tokens: the most likely one and,
+        with branches (EAGLE-2's expansion by the draft's confidence), the next most likely
+        ones the draft gives at least BRANCH_RATIO of the first's probability."""
+        best = scores.argmax(-1).tolist()
+        branches = [branches_for(seq, self.num_branches) for seq in seqs]
+        if max(branches) == 1:
+            return [[b] for b in best]
+        probs, order = torch.softmax(scores, dim=-1).topk(max(branches), dim=-1)
+        out = []
+        for b, n, p, o in zip(best, branches, probs.tolist(), order.tolist(), strict=True):
+            kept = [t for t, pt in zip(o[1:n], p[1:n], strict=True) if pt >= BRANCH_RATIO * p[0]]
+            out.append([b] + kept)
+        return out
 
     def remember(self, sampling: list, new_tokens: list[list[int]],
                  hidden: torch.Tensor) -> None:
@@ -133,5 +163,6 @@ class HiddenDraft(Proposer):
         chose its newest token: the step's rows are 1 + num_draft per sequence, in order."""
         start = 0
         for s, tokens in zip(sampling, new_tokens, strict=True):
+            # A tree's accepted rows were laid out as a chain's already (SpecDecoder._keep_path).
             spec_state(s.seq).hidden = hidden[start + len(tokens) - 1].float()
             start += 1 + s.num_draft

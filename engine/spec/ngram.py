@@ -18,3 +18,24 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
                 if follow:
                     return follow
     return []
+
+
+def propose_ngram_paths(tokens: list[int], k: int, n_max: int, n_min: int,
+                        branches: int) -> list[list[int]]:
+    """Up to `branches` different continuations (k tokens at most each) of earlier occurrences of
+    the tail n-gram, the branches of a draft tree: the longest n-grams first, the most recent
+    occurrence first within each, so the first path is propose_ngram's. A continuation that
+    repeats one already taken, or is a start of one, adds nothing and is skipped."""
+    size = len(tokens)
+    paths: list[list[int]] = []
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        tail = tokens[size - n :]
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start : start + n] != tail:
+                continue
+            follow = tokens[start + n : start + n + k]
+            if follow and not any(p[: len(follow)] == follow for p in paths):
+                paths.append(follow)
+                if len(paths) == branches:
+                    return paths
+    return paths

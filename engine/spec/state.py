@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.spec.tree import TokenTree
+
 
 @dataclass
 class SpecState:
@@ -19,6 +21,16 @@ class SpecState:
     idle_steps: int = 0  # steps without drafts since the last (break-even said no)
     cooldown: int = 0  # steps left without drafting after acceptance collapsed
     hidden: torch.Tensor | None = None  # the target's last hidden state (a hidden-state draft)
+    tree: TokenTree | None = None  # the drafts as a tree (`tokens` are its nodes); None: a chain
+    # The drafts accepted by the last verification (node indices; a chain's are 0, 1, ...): the
+    # rows whose KV and logits are kept.
+    path: list[int] = field(default_factory=list)
+
+    @property
+    def draft_parents(self) -> list[int] | None:
+        """Each draft's parent among the drafts (-1: the last real token) when they form a tree;
+        the runner reads it to lay out the tree's positions and attention mask."""
+        return None if self.tree is None else list(self.tree.parents)
 
     def clear_drafts(self) -> None:
-        self.tokens, self.probs = [], None
+        self.tokens, self.probs, self.tree, self.path = [], None, None, []
