@@ -126,3 +126,23 @@ def test_a_sequence_left_without_drafts_probes_now_and_then(demo_gguf, monkeypat
     seq.spec.position_rate = 0.0
     lengths = [spec.spec.draft_lengths([seq])[0] for _ in range(2 * PROBE_EVERY)]
     assert lengths.count(1) == 2 and set(lengths) == {0, 1}
+
+
+def test_the_old_rule_runs_only_where_break_even_does_not_decide():
+    from engine.sequence import Sequence
+    from engine.spec import SpecConfig
+    from engine.spec.decoder import SpecDecoder, spec_state
+
+    decoder = SpecDecoder(SpecConfig())
+    decoder.costs = costs(CPU_MS)
+    plain = Sequence("plain", [1, 2, 3], SamplingParams(temperature=0), 0.0)
+    seeded = Sequence("seeded", [1, 2, 3], SamplingParams(temperature=0.8, seed=1), 0.0)
+    for seq in (plain, seeded):
+        spec_state(seq).cooldown = 5
+    decoder.draft_lengths([plain, seeded])
+    # Break-even decided the plain request's length: its cooldown is left alone. The seeded one
+    # follows the acceptance rule, whose cooldown counts down.
+    assert spec_state(plain).cooldown == 5 and spec_state(seeded).cooldown == 4
+    decoder.costs = StepCosts()  # costs unknown: the acceptance rule decides for both
+    decoder.draft_lengths([plain, seeded])
+    assert spec_state(plain).cooldown == 4 and spec_state(seeded).cooldown == 3

@@ -317,17 +317,17 @@ class SpecDecoder(StepFeature):
         caps = [min(self.config.num_draft_tokens, self._room(seq)) for seq in seqs]
         if not self.config.adaptive:
             return caps
-        lengths = [min(self._adaptive_length(seq), cap) for seq, cap in zip(seqs, caps,
-                                                                             strict=True)]
         # A seeded sampled request must come out the same every time, and its random draws
         # depend on where drafts fall: its lengths may not depend on measured times.
         timed = [i for i, seq in enumerate(seqs) if not _reproducible(seq)]
         paying = draft_lengths([spec_state(seqs[i]).position_rate for i in timed],
                                [caps[i] for i in timed], self.costs)
-        if paying is not None:
-            for i, k in zip(timed, paying, strict=True):
-                lengths[i] = self._probe(seqs[i], k, caps[i])
-        return lengths
+        decided = {} if paying is None else dict(zip(timed, paying, strict=True))
+        # The acceptance rule only where break-even did not decide: it counts down a cooldown
+        # each time it is asked, which must not run on for sequences it does not rule.
+        return [self._probe(seq, decided[i], cap) if i in decided
+                else min(self._adaptive_length(seq), cap)
+                for i, (seq, cap) in enumerate(zip(seqs, caps, strict=True))]
 
     @staticmethod
     def _probe(seq: Sequence, k: int, cap: int) -> int:
