@@ -45,9 +45,88 @@ def _parser() -> argparse.ArgumentParser:
     from monitor.cli import add_monitor_parsers
     from planner.cli import add_plan_parser
 
-    add_plan_parser(sub)
+    add_plan_parser(sub, more=_run_here_parser)
     add_monitor_parsers(sub)
     return p
+
+
+# ---- plan run-here ----
+def _run_here_parser(plan_sub, common_arguments, layout_arguments) -> None:
+    p = plan_sub.add_parser(
+        "run-here", help="run one layout on this machine: predict it, start its server, drive "
+                         "its workload while recording, store the run beside the prediction",
+        description="Predict the layout as `plan evaluate` does, start `servescope serve` with "
+                    "the layout's settings on this machine's loopback, send the workload "
+                    "(prompt lengths in words), record the server's /metrics into the "
+                    "database and store the run with its deployment and the prediction "
+                    "(`servescope plan machine` first adds this machine to the catalog).")
+    common_arguments(p)
+    layout_arguments(p, gpu_default="this machine")
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rate", type=float, help="requests per second (Poisson)")
+    load.add_argument("--concurrency", type=int)
+    p.add_argument("--model-path", help="the model's GGUF file or folder (default: the demo "
+                                        "model's GGUF for the demo model)")
+    p.add_argument("--requests", type=int, default=20, help="requests to send")
+    p.add_argument("--db", help="SQLAlchemy URL (default: SQLite in the user's data folder)")
+    p.set_defaults(func=_run_here)
+
+
+def _run_here(args) -> int:
+    from types import SimpleNamespace
+
+    from app.plan_run import PlanRun, PlanRunError, run_here
+    from planner.catalog import load_catalog
+    from planner.cli import deployment_from
+    from planner.evaluate import evaluate
+    from planner.workload import Workload
+    from storage.db import StorageError, display_url, open_database
+
+    catalog = load_catalog()
+    d = deployment_from(args, catalog)
+    w = Workload(args.input_len, args.output_len, rate=args.rate, concurrency=args.concurrency,
+                 num_requests=args.num_requests)
+    ev = evaluate(d, w, args.replicas)
+    predicted = _predicted(ev)
+    model_path = args.model_path or _demo_path_for(d.model)
+    try:
+        db = open_database(args.db)
+    except StorageError as exc:
+        return _fail(args, exc)
+    say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        out = run_here(PlanRun(SimpleNamespace(deployment=d, memory=ev.memory), w, model_path,
+                               args.requests, predicted), db, progress=say)
+    except (PlanRunError, StorageError, RuntimeError) as exc:
+        return _fail(args, exc)
+    finally:
+        db.close()
+    out["db"] = display_url(db.url)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'':14}{'predicted':>12}{'measured':>12}")
+    for key in ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+        print(f"{key:14}{predicted[key]:12.1f}{out['measured'][key]:12.1f}")
+    print(f"stored as run {out['run_id']} in {out['db']} (server metrics as source "
+          f"{out['source']!r})")
+    return 0
+
+
+def _predicted(ev) -> dict:
+    ttft, tpot = ev.result.summary("ttft"), ev.result.summary("tpot")
+    return {"throughput_tok_s": ev.result.throughput_tok_s, "ttft_p50_ms": ttft["p50"],
+            "ttft_p99_ms": ttft["p99"], "tpot_p50_ms": tpot["p50"], "tpot_p99_ms": tpot["p99"],
+            "calibration": ev.calibration}
+
+
+def _demo_path_for(model) -> str:
+    from engine.models import DEMO_MODEL, fetch_demo_model
+
+    if model.hf_id != "HuggingFaceTB/SmolLM2-135M-Instruct":
+        raise ValueError(f"{model.name} is not the demo model: give --model-path, the model's "
+                         f"GGUF file or folder (the app serves {DEMO_MODEL} without one).")
+    return str(fetch_demo_model(progress=lambda message, fraction: None))
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

@@ -282,14 +282,17 @@ def run_load(spec: LoadSpec, progress: Callable[[int, int], None] | None = None)
     return asyncio.run(_run(spec, progress))
 
 
-def store_run(db, result: LoadResult, name: str = "", server: ServerInfo | None = None) -> int:
+def store_run(db, result: LoadResult, name: str = "", server: ServerInfo | None = None,
+              extra: dict | None = None) -> int:
     """Save a load test as a run with its request records; returns the run id. `server` adds
-    the measured deployment (GPU, TP/PP, precisions, engine) to the run's config."""
+    the measured deployment (GPU, TP/PP, precisions, engine) to the run's config, `extra` more
+    keys (a plan run's predictions)."""
     from storage.queries import finish_run, save_run
     from storage.writer import Writer
 
     config = {k: v for k, v in asdict(result.spec).items() if k != "token"}
     config.update(server.as_config() if server is not None else {})
+    config.update(extra or {})
     run_id = save_run(db, "loadtest", name or result.spec.url, config, result.summary,
                       result.started)
     for r in result.records:

@@ -21,28 +21,22 @@ from planner.workload import Slo, Workload
 USER_ERRORS = (CatalogError, KeyError, ValueError)
 
 
-def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `plan` with its `evaluate` and `search` sub-commands to an argparse subparsers."""
+def add_plan_parser(subparsers: Any, more: Any = None) -> argparse.ArgumentParser:
+    """Add `plan` with its `evaluate`, `search` and `machine` sub-commands to an argparse
+    subparsers; `more(sub, common_arguments, layout_arguments)` adds the app's own
+    (`run-here`, which starts servers: the planner itself stays a pure model)."""
     plan = subparsers.add_parser("plan", help="size a deployment against a workload and SLOs")
     sub = plan.add_subparsers(dest="plan_command", required=True)
     ev = sub.add_parser("evaluate", help="predict latency, throughput and cost of one layout")
-    _common(ev)
-    ev.add_argument("--gpu", required=True)
-    ev.add_argument("--tp", type=int, default=1)
-    ev.add_argument("--pp", type=int, default=1)
-    ev.add_argument("--dcp", type=int, default=1,
-                    help="decode context parallel size: TP ranks striping each KV cache")
-    ev.add_argument("--replicas", type=int, default=1)
-    ev.add_argument("--weights", choices=PRECISIONS, default="bf16")
-    ev.add_argument("--kv", choices=KV_PRECISIONS, default="bf16")
-    ev.add_argument("--max-seqs", type=int, default=256)
+    common_arguments(ev)
+    layout_arguments(ev)
     load = ev.add_mutually_exclusive_group(required=True)
     load.add_argument("--offline", action="store_true")
     load.add_argument("--rate", type=float, help="requests per second (Poisson)")
     load.add_argument("--concurrency", type=int)
     ev.set_defaults(func=run_evaluate)
     se = sub.add_parser("search", help="rank layouts meeting p99 SLOs at a request rate")
-    _common(se)
+    common_arguments(se)
     se.add_argument("--rate", type=float, required=True, help="requests per second (Poisson)")
     se.add_argument("--ttft-p99-ms", type=float, required=True)
     se.add_argument("--tpot-p99-ms", type=float, required=True)
@@ -62,7 +56,27 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     ma.add_argument("--quick", action="store_true", help="fewer, smaller measurements")
     ma.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ma.set_defaults(func=run_machine)
+    if more is not None:
+        more(sub, common_arguments, layout_arguments)
     return plan
+
+
+def layout_arguments(p: argparse.ArgumentParser, gpu_default: str | None = None) -> None:
+    """One replica's layout: the flags of `plan evaluate` (and of `plan run-here`)."""
+    p.add_argument("--gpu", required=gpu_default is None, default=gpu_default)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dcp", type=int, default=1,
+                   help="decode context parallel size: TP ranks striping each KV cache")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--weights", choices=PRECISIONS, default="bf16")
+    p.add_argument("--kv", choices=KV_PRECISIONS, default="bf16")
+    p.add_argument("--max-seqs", type=int, default=256)
+
+
+def deployment_from(args: argparse.Namespace, catalog: Catalog) -> Deployment:
+    return Deployment(_model(catalog, args.model), catalog.gpu(args.gpu), args.weights, args.kv,
+                      args.tp, args.pp, args.max_seqs, dcp=args.dcp)
 
 
 def run_machine(args: argparse.Namespace) -> int:
@@ -91,7 +105,7 @@ def run_machine(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="catalog name or a Hugging Face config.json")
     p.add_argument("--input-len", type=int, required=True)
     p.add_argument("--output-len", type=int, required=True)
@@ -109,8 +123,7 @@ def _model(catalog: Catalog, name: str):
 def run_evaluate(args: argparse.Namespace) -> int:
     def work() -> dict:
         catalog = load_catalog()
-        d = Deployment(_model(catalog, args.model), catalog.gpu(args.gpu), args.weights, args.kv,
-                       args.tp, args.pp, args.max_seqs, dcp=args.dcp)
+        d = deployment_from(args, catalog)
         w = Workload(args.input_len, args.output_len, rate=args.rate,
                      concurrency=args.concurrency, offline=args.offline,
                      num_requests=args.num_requests)

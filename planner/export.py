@@ -83,6 +83,47 @@ def vllm_command(plan: Plan, prefix_caching: bool = True) -> str:
     return shlex.join(args)
 
 
+# How `servescope serve` spells the planner's precisions (engine/engine_config.py).
+SERVESCOPE_WEIGHTS = {"bf16": ["--dtype", "bfloat16"], "fp16": ["--dtype", "float16"],
+                      "int8": ["--dtype", "bfloat16", "--weights", "int8"],
+                      "int4": ["--dtype", "bfloat16", "--weights", "int4"]}
+SERVESCOPE_KV = {"bf16": [], "fp16": [], "fp8": ["--kv-cache-dtype", "fp8"],
+                 "int8": ["--kv-cache-dtype", "int8"]}
+
+
+def servescope_serve_args(plan: Plan, prefix_caching: bool = True,
+                          sized_context: bool = True) -> list[str]:
+    """The plan's settings as `servescope serve` flags (model and port left to the caller);
+    NotServable says what the embedded engine cannot run (it serves one device, no fp8
+    weights, and speculates by prompt lookup or the demo model's own draft)."""
+    d = plan.deployment
+    if d.gpus > 1 or d.dcp > 1:
+        raise NotServable(f"servescope serve runs on one device; this plan shards the model "
+                          f"over {d.gpus} (tp {d.tp}, pp {d.pp}): run it with vLLM")
+    if d.weights not in SERVESCOPE_WEIGHTS:
+        raise NotServable(f"servescope serve has no {d.weights} weights: plan with bf16, int8 "
+                          "or int4")
+    args = [*SERVESCOPE_WEIGHTS[d.weights], *SERVESCOPE_KV[d.kv], "--max-num-seqs",
+            str(d.max_seqs), "--max-num-batched-tokens", str(d.max_batched_tokens)]
+    if sized_context and max_model_len(plan):
+        args += ["--max-model-len", str(max_model_len(plan))]
+    if prefix_caching:
+        args.append("--prefix-caching")
+    if d.spec is not None:
+        if d.spec.method != "ngram":
+            raise NotServable(f"servescope serve has no {d.spec.method} speculation for "
+                              f"{d.model.name}: plan with n-gram speculation or none")
+        args += ["--spec", f"ngram:k={d.spec.draft_len}"]
+    return args
+
+
+def servescope_command(plan: Plan, model: str = "", prefix_caching: bool = True) -> str:
+    """A `servescope serve` command line for the plan, on `model` (a GGUF or folder path;
+    default the model's Hugging Face id)."""
+    return shlex.join(["servescope", "serve", "--model", model or plan.deployment.model.hf_id,
+                       *servescope_serve_args(plan, prefix_caching)])
+
+
 # vLLM's NIXL connector moves the KV cache GPU to GPU (vllm/distributed/kv_transfer/kv_connector/
 # v1/nixl); "kv_both" lets an instance send and receive, as vLLM's disaggregation examples run
 # both sides. The proxy in front sends each request to a prefill instance with max_tokens 1, then

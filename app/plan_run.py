@@ -1,0 +1,206 @@
+"""Run a plan here: start the plan's server on this machine with the plan's settings, record it
+with the monitor while the plan's workload drives it, and store the run with its deployment and
+the plan's predictions, so plan -> run -> measure -> calibrate closes on one machine (issue #15
+item 5; the planner's calibration reads such runs through planner.measured.from_runs).
+
+Qt-free: `servescope plan run-here` calls it, and so can the Planner pane on a worker thread.
+The server is `servescope serve` with the flags planner.export gives it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from planner.export import NotServable, servescope_serve_args
+from planner.search import Plan
+from planner.workload import Workload
+
+START_TIMEOUT_S = 300.0
+MEASURED_HERE = "measured here"  # how engine/device_profile.py's catalog entries say so
+SOURCE_NAME = "plan-run"
+
+
+class PlanRunError(RuntimeError):
+    """Why a plan could not be run here, in one sentence."""
+
+
+@dataclass(frozen=True)
+class PlanRun:
+    """A plan, the workload it was sized for, and how much of it to send."""
+
+    plan: Plan
+    workload: Workload
+    model_path: str  # the GGUF file or folder the server loads
+    requests: int = 20
+    predicted: dict | None = None  # the plan's own figures, stored beside the measured ones
+
+
+def run_here(run: PlanRun, db, progress: Callable[[str], None] = lambda message: None) -> dict:
+    """Start the server, drive the load while recording /metrics into `db`, store the run;
+    returns the measured and predicted figures with the run's id. PlanRunError says why not."""
+    command = server_command(run)
+    log = Path(tempfile.mkstemp(prefix="servescope-plan-run-", suffix=".log")[1])
+    progress(f"starting {shlex.join(as_typed(command))}")
+    server = LocalServer(command, log).start()
+    try:
+        progress(f"server up at {server.url} in {server.started_s:.0f} s; sending the load")
+        return _measure(run, db, server, command, progress)
+    finally:
+        server.stop()
+
+
+def check_device(run: PlanRun) -> None:
+    """The plan must be for this machine (what `servescope plan machine` measured) or for the
+    CUDA GPU it has: a run stored under another device's name would mis-calibrate it."""
+    gpu = run.plan.deployment.gpu
+    if gpu.source.startswith(MEASURED_HERE):
+        return
+    import torch
+
+    from planner.catalog import load_catalog
+    from planner.measured import match_gpu
+
+    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if here is not None and match_gpu(here, load_catalog()) == gpu.name:
+        return
+    raise PlanRunError(f"This plan is for {gpu.name}, which this machine is not "
+                       f"({here or 'no CUDA GPU'}): plan on --gpu 'this machine' (after "
+                       "`servescope plan machine`) to run it here.")
+
+
+def server_command(run: PlanRun) -> list[str]:
+    """`servescope serve` on a free loopback port with the plan's flags."""
+    check_device(run)
+    try:
+        # The model's whole context, not the one the plan was sized for: the load generator's
+        # prompts are in words, a few more tokens than the plan's (see LoadSpec.input_len).
+        flags = servescope_serve_args(run.plan, sized_context=False)
+    except NotServable as exc:
+        raise PlanRunError(f"This plan cannot run here: {exc}.") from None
+    if not Path(run.model_path).exists():
+        raise PlanRunError(f"The model {run.model_path} does not exist: give the GGUF file or "
+                           "folder of the plan's model.")
+    return [sys.executable, "-m", "app.cli", "serve", "--model", run.model_path,
+            "--host", "127.0.0.1", "--port", str(free_port()), *flags]
+
+
+def as_typed(command: list[str]) -> list[str]:
+    """The server command as a user types it (`servescope serve ...`)."""
+    return ["servescope", *command[3:]]
+
+
+def _measure(run: PlanRun, db, server: LocalServer, command: list[str],
+             progress: Callable[[str], None]) -> dict:
+    from monitor.loadgen import LoadSpec, ServerInfo, run_load, store_run
+    from monitor.recording import Recording
+    from monitor.remote import ServerConfig
+    from monitor.ssh import server_source
+
+    d, w = run.plan.deployment, run.workload
+    recording = Recording([server_source(ServerConfig(SOURCE_NAME, server.url,
+                                                      interval_s=0.5))])
+    recording.attach_database(db)
+    recording.start()
+    try:
+        spec = LoadSpec(url=server.url, model=server.model(), rate=w.rate,
+                        concurrency=w.concurrency, requests=run.requests,
+                        input_len=w.input_len, output_len=w.output_len, seed=w.seed)
+        result = run_load(spec, progress=lambda done, total: progress(f"{done}/{total} requests"))
+    finally:
+        recording.stop()
+        recording.close()
+    if result.summary["completed"] == 0:
+        errors = result.summary.get("errors") or ["no answer"]
+        raise PlanRunError(f"No request to the plan's server succeeded ({errors[0]}); its log "
+                           f"is {server.log}.")
+    info = ServerInfo(gpu=d.gpu.name, tp=d.tp, pp=d.pp, weights=d.weights, kv=d.kv,
+                      engine="servescope")
+    extra = {"plan": {"command": as_typed(command), "predicted": run.predicted or {}}}
+    run_id = store_run(db, result, name=f"plan run: {d.model.name} on {d.gpu.name}",
+                       server=info, extra=extra)
+    return {"run_id": run_id, "measured": measured_figures(result.summary),
+            "predicted": run.predicted or {}, "command": as_typed(command),
+            "log": str(server.log),
+            "source": SOURCE_NAME}
+
+
+def measured_figures(summary: dict) -> dict:
+    """The load test's exact figures in the planner's terms."""
+    return {"throughput_tok_s": summary["output_tokens_per_s"],
+            "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
+            "tpot_p50_ms": summary["tpot_ms"]["p50"], "tpot_p99_ms": summary["tpot_ms"]["p99"],
+            "completed": summary["completed"], "failed": summary["failed"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """An OpenAI-compatible server process on this machine's loopback, stopped with its
+    children (its own session)."""
+
+    def __init__(self, command: list[str], log: Path) -> None:
+        self.command, self.log = command, log
+        self.url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+        self.process: subprocess.Popen | None = None
+        self.started_s = 0.0
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalServer:
+        began = time.monotonic()
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        try:
+            self._wait_healthy(began + timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.started_s = time.monotonic() - began
+        return self
+
+    def _wait_healthy(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise PlanRunError(f"The plan's server exited with status "
+                                   f"{self.process.returncode} before serving: "
+                                   f"{self.last_line()} (log: {self.log}).")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise PlanRunError(f"The plan's server did not answer within {START_TIMEOUT_S:g} s "
+                           f"(log: {self.log}).")
+
+    def model(self) -> str:
+        return httpx.get(self.url + "/v1/models", timeout=5.0).json()["data"][0]["id"]
+
+    def last_line(self) -> str:
+        lines = self.log.read_text(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "no output"
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
