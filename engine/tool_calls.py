@@ -61,12 +61,18 @@ class ToolServing:
     def for_template(cls, template: str, parser: str | None = None, override: bool = False,
                      auto_tool_choice: bool = False) -> ToolServing:
         """Raise ToolSetupError for a parser the template cannot use."""
+        from engine.config import ModelError
         from engine.tokenizer import template_variables
 
         if parser is not None and parser not in PARSERS:
             raise ToolSetupError(f"Unknown tool-call parser {parser!r}: choose one of "
                                  f"{', '.join(PARSERS)}.")
-        renders = "tools" in template_variables(template)
+        try:
+            renders = "tools" in template_variables(template)
+        except ModelError:
+            if override:
+                raise  # --chat-template: say so at start
+            renders = False  # the model's own: each chat request will say why it fails
         chosen = parser or (detect_parser(template) if renders else None)
         if parser is not None and not renders:
             raise ToolSetupError(f"--tool-call-parser {parser} needs a chat template that shows "

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from engine import LLM
+from engine.config import ModelError
 from engine.server import serve
 from engine.tool_calls import (
     Content,
@@ -237,6 +238,11 @@ def test_the_parser_is_picked_from_the_chat_template():
         ToolServing.for_template("{{ messages }}{{ tools }}", auto_tool_choice=True)
     with pytest.raises(ToolSetupError, match="hermes, llama3_json"):
         ToolServing.for_template(HERMES_TEMPLATE, parser="mistral")
+    # A model's own template that does not parse still serves (each chat request says why it
+    # fails); a --chat-template that does not parse stops the start.
+    assert not ToolServing.for_template("{% for %}").renders_tools
+    with pytest.raises(ModelError, match="does not parse"):
+        ToolServing.for_template("{% for %}", override=True)
 
 
 def test_required_schema_is_an_array_of_the_tools_calls():
