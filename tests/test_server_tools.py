@@ -414,6 +414,33 @@ def test_bad_tools_or_tool_choice_get_a_400_naming_them(client, name, extra, par
     assert says in error["message"]
 
 
+def test_each_choice_makes_its_own_call(client, name):
+    out = _chat(client, name, tools=TOOLS, tool_choice=NAMED, n=2, temperature=1.0, seed=3)
+    assert len(out.choices) == 2
+    ids = set()
+    for choice in out.choices:
+        [call] = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and _valid_call(call)
+        ids.add(call.id)
+    assert len(ids) == 2
+
+
+def test_a_forced_call_is_refused_while_speculating():
+    """Speculation verifies drafts against the model's own distribution: a grammar would be
+    ignored there, so a forced call is a 400 (tool_choice auto still works)."""
+    from types import SimpleNamespace
+
+    from engine.api_request import ApiError, check_fields
+    from engine.api_schema import ChatCompletionRequest
+
+    speculating = SimpleNamespace(spec=object(), config=SimpleNamespace(vocab_size=100))
+    body = ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice="required")
+    with pytest.raises(ApiError) as info:
+        check_fields(body, True, speculating)
+    assert info.value.param == "tool_choice" and "--speculative" in str(info.value)
+    check_fields(body.model_copy(update={"tool_choice": "auto"}), True, speculating)
+
+
 def test_a_bad_call_in_the_history_is_a_400_not_a_500(client, name):
     messages = [_user("Oslo"), {"role": "assistant", "tool_calls": [{"type": "function"}]}]
     with pytest.raises(openai.BadRequestError) as info:
