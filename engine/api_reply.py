@@ -43,7 +43,7 @@ class Reply:
         self.created = int(time.time())
         self._offsets = [0] * n  # completions' text_offset of each choice's next token
         plan = self.options.tools
-        reads_calls = chat and plan is not None and plan.scanner() is not None
+        reads_calls = chat and plan is not None and plan.mode != "none"
         self._tools = [_ToolReply(plan) for _ in range(n)] if reads_calls else None
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
