@@ -121,7 +121,8 @@ def catalog_entry(profile: dict) -> dict:
         "memory_gb": profile["memory_gb"],
         "bandwidth_gbs": round(bandwidth / PLANNER_MEMORY_FRACTION, 2),
         "tflops": tflops,
-        # One CPU socket: nothing to shard across; the link figures are never used at tp = 1.
+        # One machine: nothing to shard across ("none" keeps the search at tp = pp = 1); the
+        # link figures are never used.
         "interconnect": "none",
         "link_gbs": round(bandwidth, 2),
         "link_latency_us": 1.0,

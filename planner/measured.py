@@ -169,15 +169,28 @@ def _run_point(run: dict[str, Any], catalog: Catalog) -> Measurement | str:
         return f"{label}: its configuration names no catalog model"
     if gpu is None:
         return f"{label}: its configuration names no catalog GPU"
-    if not config.get("concurrency"):
-        # An open-loop rate gives no fixed batch to predict at.
-        return f"{label}: not a fixed-concurrency run"
     if weights not in BYTES_PER_PARAM or kv not in KV_BYTES or not tok_s:
         return f"{label}: unknown precision or no output throughput"
+    batch = run_batch(config, summary, tok_s)
+    if batch is None:
+        return (f"{label}: an open-loop run without a measured TPOT, so its mean batch is "
+                "unknown (a fixed-concurrency run gives it)")
     return Measurement(model, gpu, weights, kv, int(config.get("tp", 1)), int(config.get("pp", 1)),
-                       int(config["concurrency"]), int(config.get("input_len", 128)),
+                       batch, int(config.get("input_len", 128)),
                        int(config.get("output_len", 128)), float(tok_s), mode="continuous",
                        source=label, engine=str(config.get("engine", "")))
+
+
+def run_batch(config: dict[str, Any], summary: dict[str, Any], tok_s: float) -> int | None:
+    """The batch a run decoded at: its concurrency, or for an open-loop (rate) run the mean
+    number of sequences decoding by Little's law, output tokens/s x mean TPOT; None without
+    a TPOT."""
+    if config.get("concurrency"):
+        return int(config["concurrency"])
+    tpot_ms = (summary.get("tpot_ms") or {}).get("mean")
+    if not tpot_ms:
+        return None
+    return max(1, round(tok_s * tpot_ms / 1e3))
 
 
 def from_runs(runs: list[dict[str, Any]], catalog: Catalog) -> tuple[list[Measurement], list[str]]:

@@ -117,6 +117,8 @@ def enumerate_deployments(model: Model, catalog: Catalog, space: SearchSpace) ->
             space.dcp):
         if model.heads % tp or pp > model.layers or dcp_problem(model, tp, dcp):
             continue
+        if gpu.interconnect == "none" and tp * pp * dcp > 1:  # one machine's CPU: no peers
+            continue
         out.append(Deployment(model, gpu, w, kv, tp, pp, seqs, space.max_batched_tokens, spec,
                               space.prefix_hit, dcp))
     return out

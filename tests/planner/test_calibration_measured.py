@@ -100,13 +100,25 @@ def test_stored_load_tests_fit_per_gpu(catalog):
                  "summary": {"output_tokens_per_s": 100.0}})
     points, skipped = from_runs(runs, catalog)
     assert len(points) == 3 and len(skipped) == 2
-    assert "no catalog model" in skipped[0] and "fixed-concurrency" in skipped[1]
+    assert "no catalog model" in skipped[0] and "without a measured TPOT" in skipped[1]
     report = calibrate_measured([engine_result(catalog)], runs, catalog)
     cal = report.calibration
     assert cal.efficiency("L4", "bf16").flops == pytest.approx(0.4, abs=0.051)
     assert cal.efficiency("L4", "bf16").memory == pytest.approx(0.6, abs=0.051)
     assert cal.efficiency("L40S", "bf16").memory == pytest.approx(0.7, abs=0.051)
     assert cal.fit_error_pct < 2.0 and "6 point" in report.summary()
+
+
+def test_an_open_loop_run_calibrates_at_its_mean_batch(catalog):
+    """A rate run (a plan's own workload, run here) decodes at no fixed batch: Little's law
+    gives its mean, output tokens/s x mean TPOT (here 120 tok/s x 50 ms = 6 sequences)."""
+    run = {"id": 3, "kind": "loadtest", "name": "plan run",
+           "config": {"model": "Llama-3.1-8B", "rate": 2.0, "gpu": "L4", "input_len": 256,
+                      "output_len": 64},
+           "summary": {"output_tokens_per_s": 120.0, "tpot_ms": {"mean": 50.0, "p50": 48.0}}}
+    [point], skipped = from_runs([run], catalog)
+    assert skipped == [] and point.batch == 6 and point.gpu == "L4"
+    assert point.throughput_tok_s == 120.0 and point.mode == "continuous"
 
 
 def test_the_demo_model_calibrates_and_a_model_not_in_the_catalog_once_added(catalog):

@@ -43,14 +43,22 @@ from app.panes.planner.tasks import (
     Failure,
     WorkstationBench,
     detail_task,
+    run_here_task,
     search_task,
     user_message,
     workstation_task,
 )
+from app.plan_run import DEMO_HF_ID, MEASURED_HERE
 from app.workers import Progress, TaskRunner
 from planner.catalog import Model, load_catalog
 from planner.evaluate import Evaluation
-from planner.export import kubernetes_yaml, sglang_command, vllm_command
+from planner.export import (
+    NotServable,
+    kubernetes_yaml,
+    servescope_serve_args,
+    sglang_command,
+    vllm_command,
+)
 from planner.measured import CalibrationReport, calibrate_measured, load_engine_results
 from planner.search import Plan
 
@@ -90,6 +98,7 @@ class PlannerPane(PageMixin, QWidget):
         self.detail_runner = TaskRunner(self)
         self.bench_runner = TaskRunner(self)
         self.device_runner = TaskRunner(self)
+        self.run_here_runner = TaskRunner(self)
         self.no_gpu_reason = ""  # set once the device probe finds no CUDA GPU
         self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._build()
@@ -109,6 +118,8 @@ class PlannerPane(PageMixin, QWidget):
         self.workstation_button = QPushButton("Calibrate here")
         self.workstation_button.setToolTip("Benchmark the demo model on this machine's engine "
                                            "and calibrate the planner from the result")
+        self.run_here_button = QPushButton("Run here", enabled=False)
+        self.run_here_button.setToolTip(RUN_HERE_NEEDS)
         self.report_button = QPushButton("Export report…")
         self.present_button = QPushButton("Presentation", checkable=True)
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -119,7 +130,8 @@ class PlannerPane(PageMixin, QWidget):
         top.addWidget(self.progress)
         top.addWidget(self.cancel_button)
         for w in (self.scenario_button, self.save_scenarios_button, self.calibrate_button,
-                  self.workstation_button, self.report_button, self.present_button):
+                  self.workstation_button, self.run_here_button, self.report_button,
+                  self.present_button):
             actions.addWidget(w)
         actions.addStretch(1)
         bar.addLayout(top)
@@ -213,6 +225,11 @@ class PlannerPane(PageMixin, QWidget):
         self.bench_runner.cancelled.connect(
             lambda: self._bench_ended("Benchmark cancelled; the calibration is unchanged."))
         self.device_runner.succeeded.connect(self._on_devices)
+        self.run_here_runner.progressed.connect(self._on_progress)
+        self.run_here_runner.succeeded.connect(self._on_run_here_done)
+        self.run_here_runner.failed.connect(
+            lambda message: self._run_here_ended(f"Running the plan here failed: {message}",
+                                                 "error"))
         self.detail_runner.succeeded.connect(self._on_detail)
         self.detail_runner.failed.connect(self._on_failed)
         on_click(self.cancel_button.clicked, self.cancel)
@@ -220,6 +237,7 @@ class PlannerPane(PageMixin, QWidget):
         on_click(self.save_scenarios_button.clicked, lambda: self.save_scenarios())
         on_click(self.calibrate_button.clicked, lambda: self.calibrate())
         on_click(self.workstation_button.clicked, lambda: self.calibrate_workstation())
+        on_click(self.run_here_button.clicked, lambda: self.run_here())
         on_click(self.report_button.clicked, lambda: self.export_report())
         self.present_button.toggled.connect(self.set_presentation)
         self.table.plan_selected.connect(self.choose)
@@ -235,6 +253,7 @@ class PlannerPane(PageMixin, QWidget):
             ("Calibrate from measured runs…", "Ctrl+Shift+B", lambda: self.calibrate()),
             ("Calibrate from this workstation", "Ctrl+Alt+B",
              lambda: self.calibrate_workstation()),
+            ("Run the chosen plan here", "Ctrl+Alt+R", lambda: self.run_here()),
             ("Export report…", "Ctrl+Shift+E", lambda: self.export_report()),
             ("Presentation mode", "F11", self.present_button.toggle),
         ]
@@ -264,6 +283,7 @@ class PlannerPane(PageMixin, QWidget):
         self.detail_runner.stop()
         self.bench_runner.stop()
         self.device_runner.stop()
+        self.run_here_runner.stop()
         self.store.close()
 
     # ---- public API
@@ -308,6 +328,11 @@ class PlannerPane(PageMixin, QWidget):
             manifest_lines(kubernetes_yaml(plan))]))
         self.copy_deploy_button.setEnabled(True)
         self.save_deploy_button.setEnabled(True)
+        problem = run_here_problem(plan)
+        self.run_here_button.setEnabled(not problem and not self.run_here_runner.is_running())
+        self.run_here_button.setToolTip(problem or "Serve this plan on this machine, send its "
+                                                   "workload and store the run beside the "
+                                                   "prediction")
         self._simulate_chosen()
 
     def copy_deploy(self) -> None:
@@ -422,6 +447,20 @@ class PlannerPane(PageMixin, QWidget):
         self.recompute()
         return report
 
+    def run_here(self) -> bool:
+        """Run the chosen plan on this machine and store the run beside its prediction; the
+        planner then calibrates from it. False (and a message) where the plan cannot run here."""
+        plan = self.chosen
+        reason = run_here_problem(plan)
+        if reason or self.run_here_runner.is_running():
+            self.notify.emit("warning", reason or "A plan is already running here.")
+            return False
+        self.run_here_button.setEnabled(False)
+        self.progress.setVisible(True)
+        self.run_here_runner.start(run_here_task(plan, self.outcome.form.workload(),
+                                                 self.store.url, self.calibration))
+        return True
+
     def export_report(self, path: str | Path = "") -> list[Path]:
         """Write the report as HTML and PDF; asks for the file name when none is given."""
         if self.outcome is None or self.outcome.best is None:
@@ -492,6 +531,23 @@ class PlannerPane(PageMixin, QWidget):
         self._bench_ended(done + "; calibrating…")
         if self.calibrate(bench.model) is None:
             self.status.setText(done + "; no calibration: see the message.")
+
+    def _on_run_here_done(self, result: dict | Failure) -> None:
+        if isinstance(result, Failure):
+            self._run_here_ended(result.message, "error")
+            return
+        p, m = result["predicted"], result["measured"]
+        self._run_here_ended(
+            f"Ran the plan here: {m['throughput_tok_s']:.1f} tok/s measured against "
+            f"{p['throughput_tok_s']:.1f} predicted, TPOT p50 {m['tpot_p50_ms']:.0f} ms against "
+            f"{p['tpot_p50_ms']:.0f} ms; stored as run {result['run_id']}.", "info")
+        self.calibrate()
+
+    def _run_here_ended(self, message: str, level: str) -> None:
+        self.run_here_button.setEnabled(not run_here_problem(self.chosen))
+        self.progress.setVisible(self.runner.is_running())
+        self.status.setText(message)
+        self.notify.emit(level, message)
 
     def _on_search_done(self, result: Outcome | Failure | None) -> None:
         self.model.searched(result)
@@ -577,6 +633,27 @@ class PlannerPane(PageMixin, QWidget):
                            w.replicas_delta)
         for key, spec in specs.items():
             self.charts[key].set_spec(spec)
+
+
+RUN_HERE_NEEDS = ("Choose a plan on this machine to run it here (add the machine with "
+                  "`servescope plan machine`, then tick it under GPU types)")
+
+
+def run_here_problem(plan: Plan | None) -> str:
+    """Why the plan cannot run on this machine from the pane ('' when it can)."""
+    if plan is None:
+        return RUN_HERE_NEEDS
+    if not plan.deployment.gpu.source.startswith(MEASURED_HERE):
+        return f"This plan is for {plan.deployment.gpu.name}: {RUN_HERE_NEEDS[0].lower()}" \
+               f"{RUN_HERE_NEEDS[1:]}"
+    if plan.deployment.model.hf_id != DEMO_HF_ID:
+        return (f"Only the demo model runs here from the pane; run {plan.deployment.model.name} "
+                "with `servescope plan run-here --model-path ...`")
+    try:
+        servescope_serve_args(plan)
+    except NotServable as exc:
+        return f"This plan cannot run here: {exc}"
+    return ""
 
 
 def gpu_probe_task(_cancel) -> object:

@@ -1,4 +1,5 @@
-"""Background tasks for the Planner pane: the search and one plan's detailed simulation."""
+"""Background tasks for the Planner pane: the search, one plan's detailed simulation, the
+workstation benchmark and running a plan here."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from planner.catalog import Catalog, CatalogError, Model, load_catalog
 from planner.evaluate import Evaluation, InfeasibleError, evaluate
 from planner.hf_import import model_from_architecture, model_from_hf_config
 from planner.search import Cancelled, Plan, search
+from planner.workload import Workload
 
 # The planner's own user errors: their message is the one sentence the user sees.
 USER_ERRORS = (CatalogError, InfeasibleError, KeyError, ValueError)
+RUN_HERE_REQUESTS = 12  # a run here: enough for p50s, short on a CPU
 
 
 def user_message(exc: BaseException) -> str:
@@ -136,5 +139,36 @@ def workstation_task(quick: bool | None = None) -> TaskFunction:
             return Failure("The engine benchmark ended without a result.")
         save_result(result)
         return WorkstationBench(result, planner_model(llm))
+
+    return task
+
+
+def run_here_task(plan: Plan, workload: Workload, db_url: str | None,
+                  calibration: Calibration, requests: int = RUN_HERE_REQUESTS) -> TaskFunction:
+    """Run the chosen plan on this machine (app.plan_run): predict it, serve it, load it while
+    the monitor records, store the run; the result is run_here's figures."""
+
+    def task(_cancel: threading.Event) -> Generator[Progress, None, dict | Failure]:
+        from app.plan_run import PlanRun, PlanRunError, demo_model_path, predicted_figures, run_here
+        from storage.db import StorageError, open_database
+
+        yield Progress(None, "predicting the plan")
+        try:
+            ev = evaluate(plan.deployment, workload, 1, calibration)
+            run = PlanRun(plan, workload, demo_model_path(plan.deployment.model), requests,
+                          predicted_figures(ev))
+            db = open_database(db_url)
+        except (PlanRunError, StorageError, *USER_ERRORS) as exc:
+            return Failure(user_message(exc))
+        try:
+            # A started server always runs its load to the end: the run is bounded by
+            # `requests`, and a half-run would store nothing worth calibrating from.
+            return (yield from relay(
+                lambda report: run_here(run, db, lambda m: report(Progress(None, m))),
+                "plan-run"))
+        except (PlanRunError, StorageError, RuntimeError) as exc:
+            return Failure(user_message(exc))
+        finally:
+            db.close()
 
     return task
