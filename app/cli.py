@@ -75,7 +75,7 @@ def _run_here_parser(plan_sub, common_arguments, layout_arguments) -> None:
 def _run_here(args) -> int:
     from types import SimpleNamespace
 
-    from app.plan_run import PlanRun, PlanRunError, run_here
+    from app.plan_run import PlanRun, PlanRunError, demo_model_path, predicted_figures, run_here
     from planner.catalog import load_catalog
     from planner.cli import deployment_from
     from planner.evaluate import evaluate
@@ -87,11 +87,11 @@ def _run_here(args) -> int:
     w = Workload(args.input_len, args.output_len, rate=args.rate, concurrency=args.concurrency,
                  num_requests=args.num_requests)
     ev = evaluate(d, w, args.replicas)
-    predicted = _predicted(ev)
-    model_path = args.model_path or _demo_path_for(d.model)
+    predicted = predicted_figures(ev)
     try:
+        model_path = args.model_path or demo_model_path(d.model)
         db = open_database(args.db)
-    except StorageError as exc:
+    except (PlanRunError, StorageError) as exc:
         return _fail(args, exc)
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
@@ -111,22 +111,6 @@ def _run_here(args) -> int:
     print(f"stored as run {out['run_id']} in {out['db']} (server metrics as source "
           f"{out['source']!r})")
     return 0
-
-
-def _predicted(ev) -> dict:
-    ttft, tpot = ev.result.summary("ttft"), ev.result.summary("tpot")
-    return {"throughput_tok_s": ev.result.throughput_tok_s, "ttft_p50_ms": ttft["p50"],
-            "ttft_p99_ms": ttft["p99"], "tpot_p50_ms": tpot["p50"], "tpot_p99_ms": tpot["p99"],
-            "calibration": ev.calibration}
-
-
-def _demo_path_for(model) -> str:
-    from engine.models import DEMO_MODEL, fetch_demo_model
-
-    if model.hf_id != "HuggingFaceTB/SmolLM2-135M-Instruct":
-        raise ValueError(f"{model.name} is not the demo model: give --model-path, the model's "
-                         f"GGUF file or folder (the app serves {DEMO_MODEL} without one).")
-    return str(fetch_demo_model(progress=lambda message, fraction: None))
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

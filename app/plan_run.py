@@ -30,6 +30,7 @@ from planner.workload import Workload
 START_TIMEOUT_S = 300.0
 MEASURED_HERE = "measured here"  # how engine/device_profile.py's catalog entries say so
 SOURCE_NAME = "plan-run"
+DEMO_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the catalog's demo model
 
 
 class PlanRunError(RuntimeError):
@@ -45,6 +46,26 @@ class PlanRun:
     model_path: str  # the GGUF file or folder the server loads
     requests: int = 20
     predicted: dict | None = None  # the plan's own figures, stored beside the measured ones
+
+
+def predicted_figures(ev) -> dict:
+    """A planner Evaluation's figures, in the terms run_here measures."""
+    ttft, tpot = ev.result.summary("ttft"), ev.result.summary("tpot")
+    return {"throughput_tok_s": ev.result.throughput_tok_s, "ttft_p50_ms": ttft["p50"],
+            "ttft_p99_ms": ttft["p99"], "tpot_p50_ms": tpot["p50"], "tpot_p99_ms": tpot["p99"],
+            "calibration": ev.calibration}
+
+
+def demo_model_path(model) -> str:
+    """The demo model's GGUF for a plan of the demo model (fetched on first use); a plan of any
+    other model needs its own files."""
+    from engine.models import DEMO_MODEL, fetch_demo_model
+
+    if model.hf_id != DEMO_HF_ID:
+        raise PlanRunError(f"{model.name} is not the demo model: give --model-path, the "
+                           f"model's GGUF file or folder (the app serves {DEMO_MODEL} without "
+                           "one).")
+    return str(fetch_demo_model(progress=lambda message, fraction: None))
 
 
 def run_here(run: PlanRun, db, progress: Callable[[str], None] = lambda message: None) -> dict:
