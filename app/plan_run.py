@@ -217,11 +217,18 @@ class LocalServer:
         return lines[-1] if lines else "no output"
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        if self.process is not None:
+            stop_process(self.process)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """End a server started in a session of its own, its children too (vLLM's engine core):
+    SIGTERM, then SIGKILL after 30 s."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)

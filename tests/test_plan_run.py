@@ -5,9 +5,6 @@ run then calibrates the planner (issue #15 item 5). Every refusal is one sentenc
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import sqlalchemy as sa
@@ -16,14 +13,9 @@ from planner.catalog import load_catalog
 from planner.measured import from_runs
 from storage.db import open_database
 from storage.queries import list_runs
+from tests.planner.test_machine_profile import servescope
 
 LOAD = ["--input-len", "24", "--output-len", "12", "--requests", "4"]
-
-
-def servescope(config_dir, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, SERVESCOPE_CONFIG_DIR=str(config_dir))
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True,
-                          text=True, timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")

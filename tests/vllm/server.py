@@ -9,7 +9,6 @@ is already running (serving the demo model as "demo") instead of starting one.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from app.plan_run import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "demo"
@@ -127,15 +128,8 @@ def start(python: str, folder: Path, log: Path) -> VllmServer:
 
 
 def stop(server: VllmServer) -> None:
-    process = server.process
-    if process is None or process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
+    if server.process is not None:
+        stop_process(server.process)
 
 
 def session_server(log_dir: Path):
