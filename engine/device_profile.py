@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from datetime import date
@@ -78,7 +77,9 @@ def step_overhead_ms(bandwidth_gbs: float, tokens: int = 32) -> dict:
         start = time.perf_counter()
         llm.step()
         steps.append(time.perf_counter() - start)
-    step_ms = statistics.median(steps[1:]) * 1e3  # the first step is the prefill
+    # The least disturbed decode step, as for the other figures (the first step is the
+    # prefill): on a shared machine the median swung 5x between runs.
+    step_ms = min(steps[1:]) * 1e3
     model = llm.model
     # What a decode step reads: every weight but the embedding, of which it looks up one row
     # (a tied head prepared apart from it is a matrix of its own, read in full).

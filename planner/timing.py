@@ -8,6 +8,7 @@ from planner.catalog import Gpu, Model
 from planner.memory import BYTES_PER_PARAM, kv_bytes_per_token_per_gpu
 
 MAX_TP = 8  # one NVLink / PCIe node; TP across nodes is not worth modelling for inference
+DEFAULT_OVERHEAD_MS = 0.3  # a GPU engine's per-step host cost where none was measured
 
 
 @dataclass(frozen=True)
@@ -22,14 +23,16 @@ class Efficiency:
     flops: float = 0.5
     memory: float = 0.8
     link: float = 0.7
-    overhead_ms: float = 0.3
+    # A step's fixed cost; None: the device's own, measured (Gpu.step_overhead_ms, this machine
+    # after `servescope plan machine`), else DEFAULT_OVERHEAD_MS. Calibration may fit it.
+    overhead_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("flops", "memory", "link"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"efficiency {name} must be in (0, 1], got {value}")
-        if self.overhead_ms < 0:
+        if self.overhead_ms is not None and self.overhead_ms < 0:
             raise ValueError("overhead_ms must be non-negative")
 
 
@@ -197,8 +200,10 @@ class StepCost:
         self.handoff_fixed = (d.pp - 1) * send_seconds(g, 0.0, self.eff.link)
         self.handoff_per_token = (d.pp - 1) * (send_seconds(g, 2.0 * m.hidden, self.eff.link)
                                                - send_seconds(g, 0.0, self.eff.link))
-        # A device measured here knows the engine's own per-step overhead: never below it.
-        self.overhead = max(self.eff.overhead_ms, g.step_overhead_ms) * 1e-3
+        overhead_ms = self.eff.overhead_ms
+        if overhead_ms is None:
+            overhead_ms = g.step_overhead_ms or DEFAULT_OVERHEAD_MS
+        self.overhead = overhead_ms * 1e-3
         self.draft_seconds = self.draft_fraction * self.dense_bytes / self.bw * d.pp
 
     def _experts_touched(self, tokens: float) -> float:
