@@ -36,8 +36,9 @@ def test_journey_run_the_chosen_plan_here_and_calibrate_from_it(make_window, qtb
     assert pane.outcome is not None and pane.outcome.best is not None, pane.status.text()
     plan = pane.chosen
     assert plan.deployment.gpu.name == machine and plan.deployment.gpus == 1
+    pane.tabs.setCurrentWidget(pane.deploy_page)  # the Deploy tab, beside the plan's commands
     run_here = button(pane, "Run here")
-    assert run_here.isEnabled(), run_here.toolTip()
+    assert run_here.isVisible() and run_here.isEnabled(), run_here.toolTip()
     before = pane.calibration.name
 
     with qtbot.waitSignal(pane.run_here_runner.finished, timeout=RUN_MS):

@@ -130,8 +130,7 @@ class PlannerPane(PageMixin, QWidget):
         top.addWidget(self.progress)
         top.addWidget(self.cancel_button)
         for w in (self.scenario_button, self.save_scenarios_button, self.calibrate_button,
-                  self.workstation_button, self.run_here_button, self.report_button,
-                  self.present_button):
+                  self.workstation_button, self.report_button, self.present_button):
             actions.addWidget(w)
         actions.addStretch(1)
         bar.addLayout(top)
@@ -201,6 +200,8 @@ class PlannerPane(PageMixin, QWidget):
         row = QHBoxLayout()
         row.addWidget(self.copy_deploy_button)
         row.addWidget(self.save_deploy_button)
+        # Beside the chosen plan's commands: run them here (the action row is full at 1,100 px).
+        row.addWidget(self.run_here_button)
         row.addStretch(1)
         page = QWidget()
         column = QVBoxLayout(page)
