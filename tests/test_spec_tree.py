@@ -384,8 +384,10 @@ def test_tree_speculation_keeps_greedy_output(demo_gguf, greedy_expected, spec, 
     llm.runner.copy_slots = spy
     outputs = llm.generate(PROMPTS, params)
     together = [o.token_ids for o in outputs]
-    alone = [llm.generate([p], params)[0].token_ids for p in PROMPTS]
-    assert together == expected and alone == expected
+    # Alone, the copy prompt (whose branches differ most) and one other: what a batch of one
+    # changes is the same for all four, and CI time is counted.
+    alone = [llm.generate([p], params)[0].token_ids for p in PROMPTS[:2]]
+    assert together == expected and alone == expected[:2]
     # Log-probabilities are read from the rows that chose the tokens (laid out as a chain's:
     # test_an_accepted_branch_is_laid_out_as_a_chain), so they are the plain engine's.
     for out, want in zip(outputs, expected_logprobs, strict=True):
