@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -89,14 +91,14 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_serve_answers_over_http_and_stops_on_sigint(demo_gguf):
-    import re
+@contextlib.contextmanager
+def serving(model, *flags: str):
+    """`servescope serve --model MODEL --port 0 FLAGS` in a process of its own: yields the URL
+    it says it listens at, then stops it with Ctrl+C (SIGINT) and checks it exits cleanly."""
     import signal
 
-    import httpx
-
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(demo_gguf),
-                             "--port", "0", "--kv-cache-tokens", "1024"],
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(model),
+                             "--port", "0", *flags],
                             stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     try:
         url = None
@@ -106,14 +108,21 @@ def test_serve_answers_over_http_and_stops_on_sigint(demo_gguf):
                 url = match.group(1)
                 break
         assert url, "the server never said where it listens"
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) in (0, 130)  # generous: CI machines are shared
+
+
+def test_serve_answers_over_http_and_stops_on_sigint(demo_gguf):
+    import httpx
+
+    with serving(demo_gguf, "--kv-cache-tokens", "1024") as url:
         r = httpx.post(f"{url}/v1/completions", timeout=120,
                        json={"prompt": "The capital of France is", "max_tokens": 3,
                              "temperature": 0})
         assert r.json()["choices"][0]["text"].startswith(" Paris")
         assert "vllm:time_to_first_token_seconds_count" in httpx.get(f"{url}/metrics").text
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) in (0, 130)  # generous: CI machines are shared
 
 
 def test_serve_beyond_loopback_needs_a_key_or_an_explicit_flag():
@@ -163,18 +172,10 @@ def test_bench_reports_kv_options(demo_gguf, tmp_path):
 
 
 def test_serve_with_kv_policy_counts_evictions_on_metrics(demo_gguf):
-    import re
-    import signal
-
     import httpx
 
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(demo_gguf),
-                             "--port", "0", "--kv-cache-tokens", "1024", "--kv-policy",
-                             "scissorhands", "--kv-budget", "32"],
-                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
-    try:
-        url = next(m.group(1) for line in proc.stderr
-                   if (m := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)))
+    with serving(demo_gguf, "--kv-cache-tokens", "1024", "--kv-policy", "scissorhands",
+                 "--kv-budget", "32") as url:
         r = httpx.post(f"{url}/v1/completions", timeout=120,
                        json={"prompt": KV_PROMPT, "max_tokens": 40, "temperature": 0})
         assert r.json()["usage"]["completion_tokens"] == 40
@@ -182,9 +183,6 @@ def test_serve_with_kv_policy_counts_evictions_on_metrics(demo_gguf):
         counted = re.search(r"^servescope:kv_evicted_tokens_total\{[^}]*\} (\S+)$", metrics,
                             re.MULTILINE)
         assert counted and float(counted.group(1)) > 0
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) in (0, 130)  # generous: CI machines are shared
 
 
 def test_plan_evaluate_and_search_are_wired_in():

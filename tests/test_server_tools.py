@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
-import signal
 import subprocess
 import sys
 
@@ -32,6 +30,7 @@ from engine.tool_calls import (
     detect_parser,
     required_schema,
 )
+from tests.test_cli import serving
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -568,36 +567,18 @@ class TestLlama3Template:
 
 
 # ---- the command line ----
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # see tests/test_cli.py
-
-
 def test_servescope_serve_takes_a_chat_template_and_a_parser(demo_gguf, tmp_path):
     import httpx
 
     template = tmp_path / "hermes.jinja"
     template.write_text(HERMES_TEMPLATE, encoding="utf-8")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(demo_gguf),
-                             "--port", "0", "--kv-cache-tokens", "2048", "--chat-template",
-                             str(template), "--tool-call-parser", "hermes",
-                             "--enable-auto-tool-choice"],
-                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
-    try:
-        url = None
-        for line in proc.stderr:
-            match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-            if match:
-                url = match.group(1)
-                break
-        assert url, "the server never said where it listens"
+    with serving(demo_gguf, "--kv-cache-tokens", "2048", "--chat-template", str(template),
+                 "--tool-call-parser", "hermes", "--enable-auto-tool-choice") as url:
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "messages": FEW_SHOT, "tools": TOOLS, "max_tokens": 80, "temperature": 0})
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "tool_calls", choice
         assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) in (0, 130)
 
 
 def test_servescope_serve_refuses_auto_tool_choice_it_cannot_do(demo_gguf):
