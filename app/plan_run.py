@@ -187,14 +187,14 @@ class LocalServer:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True)
         try:
-            self._wait_healthy(began + timeout_s)
+            self._wait_healthy(began + timeout_s, timeout_s)
         except BaseException:
             self.stop()
             raise
         self.started_s = time.monotonic() - began
         return self
 
-    def _wait_healthy(self, deadline: float) -> None:
+    def _wait_healthy(self, deadline: float, timeout_s: float) -> None:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise PlanRunError(f"The plan's server exited with status "
@@ -206,7 +206,7 @@ class LocalServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise PlanRunError(f"The plan's server did not answer within {START_TIMEOUT_S:g} s "
+        raise PlanRunError(f"The plan's server did not answer within {timeout_s:g} s "
                            f"(log: {self.log}).")
 
     def model(self) -> str:

@@ -94,7 +94,7 @@ def run_machine(args: argparse.Namespace) -> int:
               "runs here (`servescope bench --quick`).", file=sys.stderr)
         return 1
     profile = json.loads(done.stdout.strip().splitlines()[-1])
-    if getattr(args, "json", False):
+    if args.json:
         print(json.dumps(profile))
         return 0
     entry = profile["entry"]
