@@ -86,33 +86,39 @@ def create_app(llm, loop: EngineLoop, metrics: ServerMetrics,
     app = FastAPI(title="servescope", version="0.1.0",
                   description="OpenAI-compatible API of the servescope engine.")
     tools = tools or ToolServing.for_template(llm.tokenizer.chat_template)
-    service = _Service(llm, loop, metrics, limits, tools)
+    # The routes find the engine through the app's state, never a closure: FastAPI keeps every
+    # endpoint function it has seen in a process-wide cache (fastapi/dependencies/models.py), so
+    # a closure over the engine would keep each served model in memory after its server stops
+    # (the app starts and stops servers in one process).
+    app.state.service = _Service(llm, loop, metrics, limits, tools)
     _add_error_handlers(app)
 
     @app.get("/health", responses={503: ERROR_RESPONSES[503]})
-    async def health() -> Response:
-        reason = loop.health()
+    async def health(request: Request) -> Response:
+        reason = _service(request).loop.health()
         if reason is not None:
             return _error_response(ApiError(503, reason, "server_error"))
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+    async def prometheus_metrics(request: Request) -> Response:
+        return Response(_service(request).metrics.exposition(),
+                        media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        llm = _service(request).llm
         return {"object": "list", "data": [
             {"id": llm.model_name, "object": "model", "created": 0, "owned_by": "servescope",
              "max_model_len": llm.max_model_len}]}
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await service.generate(request, body, chat=False)
+        return await _service(request).generate(request, body, chat=False)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await service.generate(request, body, chat=True)
+        return await _service(request).generate(request, body, chat=True)
 
     return BodyGuard(app, limits.max_body_bytes, limits.body_timeout_s, api_key), app
 
@@ -168,6 +174,10 @@ def _error_response(exc: ApiError) -> JSONResponse:
 
 
 # ---- one request, from fields to engine and back ----
+def _service(request: Request) -> _Service:
+    return request.app.state.service
+
+
 class _Service:
     """What the routes share: the engine, its loop, the metrics and the limits."""
 

@@ -230,3 +230,21 @@ def test_ttft_counts_from_the_request_reaching_the_server(client, llm, monkeypat
     _complete(client, PROMPTS[2])
     arrival, admitted = seen[-1]
     assert arrival is not None and arrival <= admitted
+
+
+def test_a_stopped_server_frees_its_engine(demo_gguf):
+    """The app starts and stops servers in one process: each stopped one must let its model
+    go (FastAPI caches every endpoint function it has seen, process-wide)."""
+    import gc
+    import weakref
+
+    llm = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256)
+    server = serve(llm, port=0)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    server.close()
+    engine = weakref.ref(llm)
+    del llm, server
+    gc.collect()
+    assert engine() is None, [type(r).__name__ for r in gc.get_referrers(engine())]
