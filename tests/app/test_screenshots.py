@@ -43,7 +43,7 @@ def test_readme_screenshots_from_a_real_x_server(x_display, tmp_path: Path) -> N
            "XDG_RUNTIME_DIR": str(runtime), "SERVESCOPE_SHOTS_DIR": str(shots)}
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/app/xvfb_screens.py", "-q", "-x",
-         "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "child")],
+         "-p", "no:cacheprovider", "-n", "0", "--basetemp", str(tmp_path / "child")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if 'Could not load the Qt platform plugin "xcb"' in child.stdout + child.stderr:
         pytest.skip(f"Qt's xcb platform does not load: apt-get install {XVFB_PACKAGES}")

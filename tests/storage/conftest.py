@@ -13,6 +13,14 @@ from storage.models import Base
 PG_URL = os.environ.get("SERVESCOPE_TEST_PG_URL")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # One PostgreSQL database serves every test that uses it, each dropping its tables first:
+    # under pytest-xdist they all run in one worker, one after another.
+    for item in items:
+        if "any_db" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("postgres"))
+
+
 def _reset_postgres(url: str) -> None:
     engine = sa.create_engine(url)
     with engine.begin() as conn:
