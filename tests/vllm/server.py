@@ -132,6 +132,21 @@ def stop(server: VllmServer) -> None:
         stop_process(server.process)
 
 
+def warm_up(server: VllmServer) -> None:
+    """A few concurrent requests before the tests: a fresh vLLM's first batches of a new shape
+    run several times slower (seen: one request 6x the median), which the tests would read
+    as a request monopolising the batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> None:
+        httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": server.model, "prompt": f"Warm-up {i}: count to ten.", "max_tokens": 16})
+
+    for _ in range(2):
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(one, range(4)))
+
+
 def session_server(log_dir: Path):
     """Yield a running vLLM server for the session (an external one if SERVESCOPE_VLLM_URL)."""
     external = os.environ.get("SERVESCOPE_VLLM_URL")
@@ -149,6 +164,7 @@ def session_server(log_dir: Path):
     except RuntimeError as exc:
         pytest.fail(f"vLLM {version} is installed but its server did not start: {exc}")
     server.version = version
+    warm_up(server)
     print(f"\nvLLM {version} ready at {server.url} after {server.started_s:.0f} s",
           file=sys.stderr)
     try:
