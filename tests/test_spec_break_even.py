@@ -66,6 +66,18 @@ def test_a_large_batch_drafts_only_for_the_sure_sequences():
     assert lengths[0] > 0 and lengths[1:] == [0] * 15
 
 
+def test_a_tree_is_priced_by_its_nodes_not_its_depth():
+    # 16 sequences at the batch costs above, one of them drafting trees of 3 nodes per level:
+    # a chain of depth k adds k query tokens, that tree 3k, for the same acceptance per level.
+    batch = {16: 160.0, 17: 169.0, 18: 178.0, 20: 196.0, 24: 232.0}
+    rates, caps = [0.95] + [0.0] * 15, [4] * 16
+    chain = draft_lengths(rates, caps, costs(batch))[0]
+    tree = draft_lengths(rates, caps, costs(batch), [3.0] + [1.0] * 15)[0]
+    assert chain > 0 and tree < chain
+    # At batch 1 on this CPU extra query tokens are nearly free: the tree is worth drafting.
+    assert draft_lengths([0.7], [4], costs(CPU_MS), [2.0])[0] > 0
+
+
 def test_unknown_costs_leave_the_choice_to_the_old_rule():
     assert draft_lengths([0.9], [4], StepCosts()) is None
     assert draft_lengths([0.9], [4], costs({1: 20.0})) is None

@@ -9,6 +9,11 @@ sequence whose drafts are accepted with probability p per position is expected t
 E_k = p + p^2 + ... + p^k tokens from k drafts (the accepted prefix; vLLM's and EAGLE's
 analysis). Each step, drafts are handed out where they raise the batch's tokens per second, the
 most promising sequences first, and nowhere else: below break-even a request decodes plainly.
+
+A tree of depth k is priced by its nodes, not its depth: a sequence whose trees have held w
+nodes per level (its measured width) puts about w * k query tokens into the step, and the
+proposer drafts each of them. Its p is then the tree's acceptance per level, which the tree's
+extra branches raise: that is what they are paid for.
 """
 
 from __future__ import annotations
@@ -64,14 +69,22 @@ class StepCosts:
         return len(self.by_tokens) >= 2
 
 
-def draft_lengths(rates: list[float], caps: list[int], costs: StepCosts) -> list[int] | None:
-    """Draft tokens per decoding sequence that maximise the step's tokens per second (0 where
+def tree_nodes(width: float, depth: int) -> int:
+    """Query tokens a draft of `depth` levels adds, `width` nodes per level (at least one)."""
+    return max(depth, round(width * depth))
+
+
+def draft_lengths(rates: list[float], caps: list[int], costs: StepCosts,
+                  widths: list[float] | None = None) -> list[int] | None:
+    """Draft depth per decoding sequence that maximises the step's tokens per second (0 where
     drafting does not pay), or None while the costs are not yet known.
 
-    `rates[i]` is sequence i's acceptance probability per draft position, `caps[i]` the most
-    drafts it may take. Greedy, most promising sequence first: each takes the length that
+    `rates[i]` is sequence i's acceptance probability per draft position (per tree level),
+    `caps[i]` the deepest draft it may take, `widths[i]` its drafts' nodes per level (1, a
+    chain, by default). Greedy, most promising sequence first: each takes the depth that
     raises the batch's rate most, against the rate the batch makes already.
     """
+    widths = widths or [1.0] * len(rates)
     batch = len(rates)
     time_s = costs.step_s(batch)
     if time_s is None or not costs.known:
@@ -82,14 +95,15 @@ def draft_lengths(rates: list[float], caps: list[int], costs: StepCosts) -> list
     for i in sorted(range(batch), key=lambda j: -rates[j]):
         best = (tokens / time_s, 0, tokens, time_s)
         for k in range(1, caps[i] + 1):
-            step_k = costs.step_s(n + k)
+            nodes = tree_nodes(widths[i], k)
+            step_k = costs.step_s(n + nodes)
             if step_k is None:
                 return None
             gained = tokens + expected_accepted(rates[i], k)
-            spent = step_k + (time_s - costs.step_s(n)) + per_draft * k
+            spent = step_k + (time_s - costs.step_s(n)) + per_draft * nodes
             if gained / spent > best[0]:
                 best = (gained / spent, k, gained, spent)
         _, k, tokens, time_s = best
         lengths[i] = k
-        n += k
+        n += tree_nodes(widths[i], k) if k else 0
     return lengths

@@ -63,6 +63,15 @@ class SpecCounters:
             self.accepted_per_pos[pos] += 1
 
 
+def observe_width(state: SpecState) -> None:
+    """Fold the nodes per level of the drafts just proposed into the sequence's width (what
+    break-even prices a level of its next draft at)."""
+    if not state.tokens:
+        return
+    depth = len(state.tokens) if state.tree is None else state.tree.max_depth
+    state.width = EMA_DECAY * state.width + (1 - EMA_DECAY) * len(state.tokens) / depth
+
+
 class Proposer(ABC):
     """Drafts tokens for decoding sequences: fills `spec_state(seq).tokens` with up to k (and,
     where it branches, `spec_state(seq).tree`). The other hooks are optional; by default they do
@@ -295,6 +304,8 @@ class SpecDecoder(StepFeature):
         start = time.perf_counter()
         self.proposer.propose(list(zip(seqs, lengths, strict=True)))
         self._fit_trees(seqs)
+        for seq in seqs:
+            observe_width(spec_state(seq))
         self._drafted_at = time.perf_counter()
         proposed = sum(len(spec_state(seq).tokens) for seq in seqs)
         self.costs.observe_drafting(proposed, self._drafted_at - start)
@@ -321,7 +332,8 @@ class SpecDecoder(StepFeature):
         # depend on where drafts fall: its lengths may not depend on measured times.
         timed = [i for i, seq in enumerate(seqs) if not _reproducible(seq)]
         paying = draft_lengths([spec_state(seqs[i]).position_rate for i in timed],
-                               [caps[i] for i in timed], self.costs)
+                               [caps[i] for i in timed], self.costs,
+                               [spec_state(seqs[i]).width for i in timed])
         decided = {} if paying is None else dict(zip(timed, paying, strict=True))
         # The acceptance rule only where break-even did not decide: it counts down a cooldown
         # each time it is asked, which must not run on for sequences it does not rule.

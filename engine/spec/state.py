@@ -17,7 +17,8 @@ class SpecState:
     probs: list[torch.Tensor] | None = None  # the draft model's distributions, when sampled
     draft_computed: int = 0  # tokens whose keys a draft model has cached
     rate: float = 1.0  # running acceptance estimate, optimistic at first
-    position_rate: float = 0.8  # running acceptance probability per draft position
+    position_rate: float = 0.8  # running acceptance probability per draft position (tree level)
+    width: float = 1.0  # running draft nodes per level: 1 for chains, more for trees
     idle_steps: int = 0  # steps without drafts since the last (break-even said no)
     cooldown: int = 0  # steps left without drafting after acceptance collapsed
     hidden: torch.Tensor | None = None  # the target's last hidden state (a hidden-state draft)
