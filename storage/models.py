@@ -25,6 +25,9 @@ class Source(Base):
     # A reference (e.g. "env:VLLM_TOKEN" or a keyring entry), never the token itself.
     token_ref: Mapped[str | None] = mapped_column(String(200), nullable=True)
     dollars_per_hour: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # A user-added server's quality canary (monitor/canary.py): seconds between scorings of the
+    # held-out text; None where it has none.
+    canary_every_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_ms: Mapped[int] = mapped_column(BigInteger, default=0)
 
 

@@ -55,6 +55,15 @@ def series_window(db: Database, key: str, start_s: float, end_s: float,
     return data[:, 0] / 1000.0, data[:, 1]
 
 
+def first_values(db: Database, key: str, count: int) -> list[float]:
+    """The `count` oldest stored raw values of a series (fewer if it has fewer)."""
+    t = SampleRow.__table__
+    stmt = (sa.select(t.c.value).join(Series.__table__, Series.id == t.c.series_id)
+            .where(Series.key == key).order_by(t.c.ts_ms).limit(count))
+    with db.engine.connect() as conn:
+        return [float(v) for v in conn.execute(stmt).scalars()]
+
+
 def list_sources(db: Database) -> list[dict]:
     """Every stored source: name, kind (detected or configured), version, URL, dollars/hour."""
     t = Source.__table__

@@ -292,3 +292,77 @@ def test_why_a_server_is_down_shows_live_in_the_table(make_window, qtbot):
         assert not raw_errors(window)
     finally:
         hostile.close()
+
+
+def test_journey_a_quality_canary_scores_the_server_and_is_kept(make_window, engine_server,
+                                                                 qtbot):
+    """Servers → Add server with a quality canary → its perplexity in the table and the
+    Monitor's chart, equal to the held-out text scored on the same server directly → kept
+    across a restart of the window; a canary the server cannot get is refused in one sentence."""
+    from monitor.canary import heldout_text, score
+
+    window = make_window()
+    servers, monitor = window.pane("servers"), window.pane("monitor")
+    assert servers.service.wait_for_database(30)
+    go_to(qtbot, window, "Servers")
+
+    def with_canary(name: str, url: str, minutes: str, prometheus: bool = False):
+        calls: list[int] = []
+
+        def answer(dialog) -> None:
+            calls.append(1)
+            if len(calls) > 1:  # shown again after the refusal: the user cancels it
+                dialog.reject()
+                return
+            qtbot.keyClicks(dialog.name, name)
+            dialog.url.selectAll()
+            qtbot.keyClicks(dialog.url, url)
+            if prometheus:
+                dialog.api.setCurrentIndex(1)
+            dialog.canary.lineEdit().selectAll()
+            qtbot.keyClicks(dialog.canary, minutes)
+            ok = dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Ok)
+            qtbot.mouseClick(ok, Qt.MouseButton.LeftButton)
+
+        return answer
+
+    answerer = DialogAnswerer(with_canary("watched", engine_server.url, "2"))
+    qtbot.mouseClick(button(servers, "Add server"), Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "watched" in table_names(servers), timeout=15_000)
+    answerer.stop()
+    qtbot.waitUntil(lambda: "perplexity" in table_row(servers, "watched")["Quality canary"],
+                    timeout=60_000)
+    cell = table_row(servers, "watched")["Quality canary"]
+    assert cell.startswith("every 2 min: perplexity ")
+
+    # The same text scored on the same server by hand gives the same perplexity.
+    direct = score(engine_server.url, None, heldout_text())
+    go_to(qtbot, window, "Monitor")
+    chart = monitor.charts["quality"]
+    key = "watched-canary/canary_perplexity"
+    qtbot.waitUntil(lambda: key in chart.data and chart.data[key][0].size > 0, timeout=15_000)
+    drawn = float(chart.data[key][1][-1])
+    assert drawn == pytest.approx(direct.perplexity, rel=1e-4)
+    assert 1.0 < drawn < 1000.0 and direct.tokens > 100
+    assert cell == f"every 2 min: perplexity {drawn:.3g}"
+
+    # A Prometheus server's API has no prompt to score: the dialog says so, nothing is added.
+    go_to(qtbot, window, "Servers")
+    answerer = DialogAnswerer(with_canary("fleet", "http://127.0.0.1:9090", "5", True))
+    qtbot.mouseClick(button(servers, "Add server"), Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: QApplication.activeModalWidget() is None, timeout=10_000)
+    answerer.stop()
+    assert "fleet" not in table_names(servers)
+    assert any(n.message.startswith("a quality canary scores text on the inference server")
+               for n in window.notifications.notifications())
+    assert raw_errors(window) == []
+    window.close()
+
+    # A new window on the same database watches it again, canary included.
+    again = make_window()
+    servers = again.pane("servers")
+    assert servers.service.wait_for_database(30)
+    qtbot.waitUntil(lambda: "watched" in table_names(servers), timeout=15_000)
+    assert servers.service.servers["watched"].canary_every_s == 120.0
+    qtbot.waitUntil(lambda: "perplexity" in table_row(servers, "watched")["Quality canary"],
+                    timeout=60_000)

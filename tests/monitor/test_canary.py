@@ -206,3 +206,41 @@ def test_record_scores_a_canary_into_the_database(server, tmp_path, capsys):
     assert drift.tolist() == pytest.approx([1.0] * len(drift), rel=1e-6)
     bad = main(["record", "--db", url, "--canary", "srv=ftp://x", "--duration", "1", "--json"])
     assert bad == 2 and "not an http(s) URL" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_a_saved_servers_canary_keeps_its_baseline_across_sessions(server, tmp_path):
+    """The Monitor's service (no window): a server saved with a canary is scored on its
+    schedule, and the next session on the same database judges drift from the first scores
+    the earlier one stored, from its very first score (not after learning a new baseline)."""
+    import time
+
+    from app.panes.monitor.service import MonitorService
+    from app.panes.monitor.state import ServerEntry
+
+    db_url = f"sqlite:///{tmp_path / 'monitor.db'}"
+    key = "watched-canary/canary_"
+
+    def session(until) -> tuple[list, list]:
+        errors: list[str] = []
+        service = MonitorService(on_error=errors.append, gpus=False, db_url=db_url)
+        service.start()
+        try:
+            assert service.wait_for_database(30), errors
+            if "watched" not in service.servers:
+                service.add_server(ServerEntry("watched", server.url, canary_every_s=0.2))
+            deadline = time.monotonic() + 90
+            while not until(service.hub) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return (list(service.hub.series(key + "perplexity")[1]),
+                    list(service.hub.series(key + "drift")[1]))
+        finally:
+            service.shutdown()
+            assert errors == []
+
+    first_ppl, first_drift = session(lambda hub: len(hub.series(key + "drift")[1]) >= 1)
+    assert len(first_ppl) >= 3  # the baseline: the median of the first three scores
+    assert len(first_drift) == len(first_ppl) - 2
+    again_ppl, again_drift = session(lambda hub: len(hub.series(key + "perplexity")[1]) >= 1)
+    assert len(again_drift) == len(again_ppl) >= 1  # judged from the first score on
+    assert again_drift[0] == pytest.approx(1.0, rel=1e-4)  # the same server, the same text
+    assert again_ppl[0] == pytest.approx(first_ppl[0], rel=1e-4)

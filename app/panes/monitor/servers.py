@@ -31,7 +31,8 @@ from app.workers import TaskRunner
 from monitor.ssh import SSH_REASONS, is_ssh_url, parse_target, ssh_url
 from monitor.types import REASONS
 
-COLUMNS = ("Name", "URL", "Kind", "Status", "Why", "Scrapes", "Last error", "$/hour", "Token")
+COLUMNS = ("Name", "URL", "Kind", "Status", "Why", "Scrapes", "Last error", "$/hour", "Token",
+           "Quality canary")
 STATUS_REFRESH_MS = 1000
 
 
@@ -72,13 +73,21 @@ class ServerDialog(QDialog):
         self.api.setCurrentIndex(max(0, self.api.findData(entry.api if entry else API_METRICS)))
         self.job = QLineEdit(entry.job if entry else "")
         self.job.setPlaceholderText("Prometheus job to read (optional; all vLLM jobs if empty)")
+        self.canary = QSpinBox(minimum=0, maximum=24 * 60, suffix=" min")
+        self.canary.setSpecialValueText("off")
+        self.canary.setToolTip("Quality canary: score a bundled held-out text on this server "
+                               "this often (its prompt log-probabilities), chart the "
+                               "perplexity and alert when it drifts from this session's "
+                               "first scores")
+        if entry and entry.canary_every_s:
+            self.canary.setValue(max(1, round(entry.canary_every_s / 60)))
         self.api.currentIndexChanged.connect(self._on_api)
         self._on_api()
         form = QFormLayout(self)
         for label, widget in (("Name", self.name), ("URL", self.url),
                               ("Remote port", self.remote_port), ("Reads", self.api),
                               ("Job", self.job), ("Token", self.token_ref),
-                              ("Price", self.price)):
+                              ("Price", self.price), ("Quality canary", self.canary)):
             form.addRow(label, widget)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok
                                    | QDialogButtonBox.StandardButton.Cancel)
@@ -102,9 +111,11 @@ class ServerDialog(QDialog):
         """The entry the fields describe; ValueError names what is wrong."""
         price = self.price.value()
         api = self.api.currentData()
+        minutes = self.canary.value()
         return ServerEntry(self.name.text().strip(), self._url(),
                            self.token_ref.text().strip(), price if price > 0 else None, api,
-                           self.job.text().strip() if api == API_PROMETHEUS else "")
+                           self.job.text().strip() if api == API_PROMETHEUS else "",
+                           60.0 * minutes if minutes else None)
 
 
 class ServersPane(PageMixin, QWidget):
@@ -282,7 +293,8 @@ class ServersPane(PageMixin, QWidget):
             out.append([name, entry.url, kind, status.state if status else "unknown",
                         _why(status), _scrapes(status),
                         (status.last_error or "") if status else "",
-                        fmt(entry.dollars_per_hour), entry.token_ref or "—"])
+                        fmt(entry.dollars_per_hour), entry.token_ref or "—",
+                        _canary(entry, statuses.get(entry.canary_name), self.service)])
         return out
 
     def refresh(self) -> None:
@@ -299,6 +311,25 @@ class ServersPane(PageMixin, QWidget):
                     item.setText(text)
         if selected is not None:
             self.select(selected)
+
+
+def _canary(entry: ServerEntry, status, service: MonitorService) -> str:
+    """How often the server's quality canary scores it, and its last perplexity and drift, or
+    why it could not score."""
+    if entry.canary_every_s is None:
+        return "off"
+    every = f"every {entry.canary_every_s / 60:g} min"
+    if status is None or status.state == "unknown":
+        return f"{every}: scoring…"
+    if status.state != "up":
+        return f"{every}: {status.message or status.last_error or 'not scored'}"
+    hub, name = service.hub, entry.canary_name
+    _, ppl = hub.series(f"{name}/canary_perplexity") if hub is not None else ((), ())
+    if not len(ppl):
+        return f"{every}: scoring…"
+    _, drift = hub.series(f"{name}/canary_drift")
+    shown = f"{every}: perplexity {ppl[-1]:.3g}"
+    return shown + (f" ({(drift[-1] - 1) * 100:+.1f}% vs baseline)" if len(drift) else "")
 
 
 def _why(status) -> str:

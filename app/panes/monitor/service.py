@@ -15,6 +15,7 @@ from app.panes.monitor.state import (
     ServerEntry,
 )
 from monitor.alerts import AlertEvent, slo_rules
+from monitor.canary import canary_rule
 from monitor.types import SourceStatus
 
 log = logging.getLogger(__name__)
@@ -209,6 +210,7 @@ class MonitorService:
         if self.hub is not None:
             self.hub.remove_source(name)
             self.hub.remove_source(f"{name}-cost")
+            self.hub.remove_source(ServerEntry(name, "http://removed").canary_name)
         self._save_server(None, forget=name)
         self._rebuild_rules()
 
@@ -227,6 +229,25 @@ class MonitorService:
         self.hub.add_source(make_source(entry, config, backfill_s=LIVE_ONLY_S))
         if entry.dollars_per_hour is not None:
             self.hub.add_source(CostSource(self.hub, entry.name, entry.dollars_per_hour))
+        if entry.canary_every_s is not None:
+            self.hub.add_source(canary_source(entry, config, self._canary_scores(entry)))
+
+    def _canary_scores(self, entry: ServerEntry) -> list[float]:
+        """The canary's first stored perplexities: its baseline outlives the session (a drift
+        across a restart, say a server upgraded overnight, is a drift), or none."""
+        import sqlalchemy as sa
+
+        from monitor.canary import DEFAULT_BASELINE_SCORES
+        from storage.queries import first_values
+
+        if self.db is None:
+            return []
+        try:
+            return first_values(self.db, f"{entry.canary_name}/canary_perplexity",
+                                DEFAULT_BASELINE_SCORES)
+        except sa.exc.SQLAlchemyError as exc:  # a locked database: learn the baseline again
+            self._db_failed(exc)
+            return []
 
     def statuses(self) -> dict[str, SourceStatus]:
         """Every source's status; a server whose token cannot be resolved is down with why."""
@@ -245,15 +266,17 @@ class MonitorService:
         try:
             with db.engine.connect() as conn:
                 rows = conn.execute(sa.select(Source.name, Source.url, Source.token_ref,
-                                              Source.dollars_per_hour, Source.kind)
+                                              Source.dollars_per_hour, Source.kind,
+                                              Source.canary_every_s)
                                     .where(Source.url.is_not(None))).all()
         except sa.exc.SQLAlchemyError as exc:
             db.close()
             raise StorageError(describe_error(exc, db.engine.url)) from exc
         entries = []
-        for name, url, token_ref, price, kind in rows:
+        for name, url, token_ref, price, kind, canary_every_s in rows:
             try:
-                entries.append(ServerEntry.from_stored(name, url, token_ref, price, kind))
+                entries.append(ServerEntry.from_stored(name, url, token_ref, price, kind,
+                                                       canary_every_s))
             except ValueError as exc:
                 self._error(f"The saved server {name!r} is invalid and was skipped: {exc}")
         return entries
@@ -270,13 +293,14 @@ class MonitorService:
                 if forget is not None:
                     conn.execute(sa.update(Source.__table__).where(Source.name == forget)
                                  .values(url=None, token_ref=None, dollars_per_hour=None,
-                                         kind="unknown"))
+                                         kind="unknown", canary_every_s=None))
                 if entry is not None:
                     ensure_sources(conn, [entry.name])
                     conn.execute(sa.update(Source.__table__).where(Source.name == entry.name)
                                  .values(url=entry.url, token_ref=entry.token_ref or None,
                                          dollars_per_hour=entry.dollars_per_hour,
-                                         kind=entry.stored_kind))
+                                         kind=entry.stored_kind,
+                                         canary_every_s=entry.canary_every_s))
         except sa.exc.SQLAlchemyError as exc:
             self._db_failed(exc)
 
@@ -293,7 +317,11 @@ class MonitorService:
 
     def _rebuild_rules(self) -> None:
         if self.recording is not None:
-            self.recording.set_rules(slo_rules(self.servers, self.slo_ms, ALERT_WINDOW_S))
+            # list(): the database thread may attach a saved server meanwhile.
+            canaries = [canary_rule(e.canary_name, interval_s=e.canary_every_s)
+                        for e in list(self.servers.values()) if e.canary_every_s is not None]
+            self.recording.set_rules(slo_rules(self.servers, self.slo_ms, ALERT_WINDOW_S)
+                                     + canaries)
 
     def firing(self) -> list[AlertEvent]:
         """The latest event of each rule now firing, for the alert banner."""
@@ -306,6 +334,17 @@ def server_config(entry: ServerEntry, interval_s: float = 1.0) -> Any:
 
     return ServerConfig(entry.name, entry.url, token=resolve_token(entry.token_ref or None),
                         interval_s=interval_s, dollars_per_hour=entry.dollars_per_hour)
+
+
+def canary_source(entry: ServerEntry, config: Any, stored: list[float] = ()) -> Any:
+    """The quality canary of ``entry``: the held-out text scored on it every
+    ``canary_every_s`` seconds, its baseline the median of its first scores (``stored``: those
+    an earlier session recorded)."""
+    from monitor.canary import CanaryBaseline, CanarySource
+
+    return CanarySource(entry.canary_name, entry.url, api_key=config.token,
+                        interval_s=entry.canary_every_s,
+                        baseline=CanaryBaseline(seen=list(stored)))
 
 
 def make_source(entry: ServerEntry, config: Any, backfill_s: float = 0.0) -> Any:

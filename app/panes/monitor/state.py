@@ -60,6 +60,8 @@ CHARTS: tuple[ChartSpec, ...] = (
               (r"(queue|prefill|decode)_s_p99",), 1000.0),
     ChartSpec("events", "Preemptions / finished requests by reason", "/s",
               (r"(preemptions_per_s|requests_finished_reason_per_s\[.*\])",)),
+    # A server's quality canary (Servers → Edit): perplexity on the bundled held-out text.
+    ChartSpec("quality", "Quality canary: held-out perplexity", "ppl", (r"canary_perplexity",)),
 )
 
 
@@ -194,7 +196,9 @@ PROMETHEUS_API_KIND = "prometheus-api"
 @dataclass(frozen=True)
 class ServerEntry:
     """A remote server the user added: the token is only a reference (env:NAME), never its value.
-    ``api`` says how it is read; ``job`` narrows a Prometheus server's queries to one job."""
+    ``api`` says how it is read; ``job`` narrows a Prometheus server's queries to one job;
+    ``canary_every_s``, where set, scores the bundled held-out text on it that often (the
+    quality canary, monitor/canary.py)."""
 
     name: str
     url: str
@@ -202,6 +206,7 @@ class ServerEntry:
     dollars_per_hour: float | None = None
     api: str = API_METRICS
     job: str = ""
+    canary_every_s: float | None = None
 
     def __post_init__(self) -> None:
         from monitor.promapi import default_queries
@@ -219,6 +224,25 @@ class ServerEntry:
         if self.job and self.api != API_PROMETHEUS:
             raise ValueError("a job applies only to a Prometheus server's API")
         default_queries(self.job)  # validates the job name
+        if self.canary_every_s is not None:
+            self._check_canary()
+
+    def _check_canary(self) -> None:
+        from monitor.ssh import is_ssh_url
+
+        if not self.canary_every_s > 0:
+            raise ValueError("the quality canary's interval must be positive (or off)")
+        if self.api == API_PROMETHEUS:
+            raise ValueError("a quality canary scores text on the inference server itself: "
+                             "add that server's own URL, not a Prometheus server's")
+        if is_ssh_url(self.url):
+            raise ValueError("a quality canary cannot reach a server over ssh:// yet: forward "
+                             "its port yourself (ssh -L) and add it as http://127.0.0.1:PORT")
+
+    @property
+    def canary_name(self) -> str:
+        """The hub source that scores this server's canary (its series: NAME-canary/...)."""
+        return f"{self.name}-canary"
 
     @property
     def stored_kind(self) -> str:
@@ -229,13 +253,13 @@ class ServerEntry:
 
     @classmethod
     def from_stored(cls, name: str, url: str, token_ref: str | None, price: float | None,
-                    kind: str | None) -> ServerEntry:
+                    kind: str | None, canary_every_s: float | None = None) -> ServerEntry:
         """The entry a sources row describes (rows saved before ``api`` existed read /metrics)."""
         kind = kind or ""
         if not kind.startswith(PROMETHEUS_API_KIND):
-            return cls(name, url, token_ref or "", price)
+            return cls(name, url, token_ref or "", price, canary_every_s=canary_every_s)
         job = kind.removeprefix(PROMETHEUS_API_KIND).strip().removeprefix("job=")
-        return cls(name, url, token_ref or "", price, API_PROMETHEUS, job)
+        return cls(name, url, token_ref or "", price, API_PROMETHEUS, job, canary_every_s)
 
 
 def fmt(value: object, digits: int = 4) -> str:
