@@ -42,6 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("SERVESCOPE_CONFIG_DIR", tempfile.mkdtemp(prefix="servescope-config-"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The real vLLM server is one per worker (a session fixture): its tests share one worker,
     # so it starts once.

@@ -13,6 +13,7 @@ from storage.models import Base
 PG_URL = os.environ.get("SERVESCOPE_TEST_PG_URL")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # One PostgreSQL database serves every test that uses it, each dropping its tables first:
     # under pytest-xdist they all run in one worker, one after another.
