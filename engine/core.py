@@ -14,6 +14,7 @@ those that fail alone end with finish_reason "error".
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -29,6 +30,8 @@ from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import RequestError, Sequence, Status
+
+log = logging.getLogger("servescope.engine")
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,10 @@ class EngineCore:
         only when a step fails."""
         start = time.perf_counter()
         suspects = list(self.scheduler.running)
+        # Said aloud: the batch is recomputed request by request, which is slow, so a bug that
+        # keeps failing steps would otherwise show only as a mysteriously slow engine.
+        log.warning("A step of %d requests failed (%s: %s); each is recomputed alone",
+                    len(suspects), type(exc).__name__, exc)
         # Sequences the failed step finished before it broke still owe their last delta.
         updated = [seq for seq in self.seqs.values() if seq.is_finished]
         if not suspects and not updated:

@@ -369,8 +369,11 @@ def greedy_expected(demo):
     ("ngram:k=4,min=1,branches=3,adaptive=0", {"prefix_caching": True}),
     ("demo-draft:branches=2,adaptive=0,lookup=0", {}),
 ], ids=["lookup-branches", "lookup-branches-prefix-cache", "demo-draft-top2"])
-def test_tree_speculation_keeps_greedy_output(demo_gguf, greedy_expected, spec, options):
+def test_tree_speculation_keeps_greedy_output(demo_gguf, greedy_expected, spec, options,
+                                              caplog):
     from engine import LLM, SamplingParams
+
+    caplog.set_level("WARNING", logger="servescope.engine")
 
     params, expected, expected_logprobs = greedy_expected
     llm = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, speculative=spec, **options)
@@ -397,6 +400,9 @@ def test_tree_speculation_keeps_greedy_output(demo_gguf, greedy_expected, spec, 
     c = llm.spec.counters
     assert c.accepted_tokens > 0
     assert moved, "no accepted branch other than the first: the KV move went untested"
+    # Every step ran as one batch: a failed one is recomputed request by request, which would
+    # leave the output right (the checks above) and the engine several times slower.
+    assert not [r for r in caplog.records if r.name == "servescope.engine"], caplog.text
     # Sampled trees: a seed still gives one reply.
     sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=5, ignore_eos=True)
     first, again = (llm.generate([COPY_PROMPT], sampled)[0].token_ids for _ in range(2))

@@ -279,8 +279,11 @@ class SpecDecoder(StepFeature):
                                  [bm.slot(seq, base + depth) for _, depth in moves])
         src = torch.tensor([row + 1 + node for node, _ in moves], device=result.logits.device)
         dst = torch.tensor([row + 1 + depth for _, depth in moves], device=result.logits.device)
-        result.logits[dst] = result.logits[src]
-        result.hidden[dst] = result.hidden[src]
+        # The forward pass made these under inference mode: writing them outside it raises (and
+        # the step would be recomputed request by request, engine/core.py's isolation).
+        with torch.inference_mode():
+            result.logits[dst] = result.logits[src]
+            result.hidden[dst] = result.hidden[src]
 
     def on_preempt(self, seq: Sequence) -> None:
         state = spec_state(seq)
