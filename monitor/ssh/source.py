@@ -167,7 +167,7 @@ class SshSource:
         self._next_try = 0.0
         self.poll(time.time())
         deadline = time.monotonic() + FIRST_GPU_WAIT_S
-        while (self.connection is not None and self.connection.gpu.state == "starting"
+        while (self.connection is not None and not _first_answer_complete(self.connection.gpu)
                and time.monotonic() < deadline):
             time.sleep(0.05)
         if self.connection is not None and self.status.state == "up":
@@ -192,3 +192,15 @@ def server_source(config: Any, make_inner: Callable[[Any], Any] | None = None) -
     if is_ssh_url(config.url):
         return SshSource(config, make_inner)
     return (make_inner or PrometheusSource)(config)
+
+
+def _first_answer_complete(gpu: Any) -> bool:
+    """Whether nvidia-smi's first answer is all in: it writes one row per GPU, one after another,
+    so the count is known once a GPU answers a second time (on a loaded box the first row can
+    arrive well before the second); or it has stopped, or was never asked."""
+    if gpu.state == "starting":
+        return False
+    if gpu.state != "sampling":
+        return True
+    indices = [row[1] for row in list(gpu.rows)]
+    return len(indices) != len(set(indices))
