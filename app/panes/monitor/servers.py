@@ -77,8 +77,8 @@ class ServerDialog(QDialog):
         self.canary.setSpecialValueText("off")
         self.canary.setToolTip("Quality canary: score a bundled held-out text on this server "
                                "this often (its prompt log-probabilities), chart the "
-                               "perplexity and alert when it drifts from this session's "
-                               "first scores")
+                               "perplexity and alert when it drifts from its first scores "
+                               "(kept across sessions)")
         if entry and entry.canary_every_s:
             self.canary.setValue(max(1, round(entry.canary_every_s / 60)))
         self.api.currentIndexChanged.connect(self._on_api)

@@ -13,6 +13,7 @@ from app.panes.monitor.state import (
     DEFAULT_SLO_TTFT_MS,
     LIVE_ONLY_S,
     ServerEntry,
+    canary_source_name,
 )
 from monitor.alerts import AlertEvent, slo_rules
 from monitor.canary import canary_rule
@@ -210,7 +211,7 @@ class MonitorService:
         if self.hub is not None:
             self.hub.remove_source(name)
             self.hub.remove_source(f"{name}-cost")
-            self.hub.remove_source(ServerEntry(name, "http://removed").canary_name)
+            self.hub.remove_source(canary_source_name(name))
         self._save_server(None, forget=name)
         self._rebuild_rules()
 

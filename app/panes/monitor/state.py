@@ -193,6 +193,11 @@ API_METRICS, API_PROMETHEUS = "metrics", "prometheus"
 PROMETHEUS_API_KIND = "prometheus-api"
 
 
+def canary_source_name(server: str) -> str:
+    """The hub source that scores a server's quality canary (its series: NAME-canary/...)."""
+    return f"{server}-canary"
+
+
 @dataclass(frozen=True)
 class ServerEntry:
     """A remote server the user added: the token is only a reference (env:NAME), never its value.
@@ -241,8 +246,7 @@ class ServerEntry:
 
     @property
     def canary_name(self) -> str:
-        """The hub source that scores this server's canary (its series: NAME-canary/...)."""
-        return f"{self.name}-canary"
+        return canary_source_name(self.name)
 
     @property
     def stored_kind(self) -> str:
