@@ -105,5 +105,5 @@ def draft_lengths(rates: list[float], caps: list[int], costs: StepCosts,
                 best = (gained / spent, k, gained, spent)
         _, k, tokens, time_s = best
         lengths[i] = k
-        n += tree_nodes(widths[i], k) if k else 0
+        n += tree_nodes(widths[i], k)
     return lengths
