@@ -17,10 +17,22 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value`."""
+    out, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return tuple(out)
+            out.append(value)
+        exponent += 1
+
+
 class ServerMetrics:
     """Prometheus series for one served model, updated from the engine's own records."""
 
-    def __init__(self, model_name: str, spec_counters=None) -> None:
+    def __init__(self, model_name: str, spec_counters=None, max_model_len: int = 2048) -> None:
         self.registry = CollectorRegistry()
         if spec_counters is not None:
             self.registry.register(_SpecCollector(model_name, spec_counters))
@@ -56,6 +68,14 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
                              labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        # Tokens per request, as vLLM's: the monitor's response-length drift reads the second.
+        tokens = build_1_2_5_buckets(max_model_len)
+        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per "
+                                        "request", labels, buckets=tokens,
+                                        registry=r).labels(model_name)
+        self.request_generation = Histogram("vllm:request_generation_tokens", "Generated tokens "
+                                            "per request", labels, buckets=tokens,
+                                            registry=r).labels(model_name)
 
     def observe_step(self, stats) -> None:
         """Gauges and token counters from one engine step (engine.llm.StepStats)."""
@@ -78,6 +98,8 @@ class ServerMetrics:
             self.itl.observe(gap)
         if m.finished is not None:
             self.e2e.observe(m.finished - m.arrival)
+        self.request_prompt.observe(len(output.prompt_token_ids))
+        self.request_generation.observe(len(output.token_ids))
         self._success.labels(self.model_name, output.finish_reason or "unknown").inc()
 
     def exposition(self) -> bytes:

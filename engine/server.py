@@ -564,7 +564,8 @@ class Server:
         self.api_key = api_key
         self.limits = limits
         spec = getattr(llm, "spec", None)
-        self.metrics = ServerMetrics(llm.model_name, None if spec is None else spec.counters)
+        self.metrics = ServerMetrics(llm.model_name, None if spec is None else spec.counters,
+                                     llm.max_model_len)
         self.loop = EngineLoop(llm, self.metrics)
         asgi, self.app = create_app(llm, self.loop, self.metrics, limits, api_key, tools)
         protocol = type("Protocol", (GuardedH11Protocol,),

@@ -49,6 +49,7 @@ def _server_configs(args: argparse.Namespace) -> list:
 
 def cmd_record(args: argparse.Namespace) -> int:
     """Sample the chosen sources into the database until --duration or Ctrl+C."""
+    from monitor.drift import drift_rules
     from monitor.nvml import NvmlSource
     from monitor.recording import Recording
     from monitor.ssh import server_source
@@ -79,7 +80,8 @@ def cmd_record(args: argparse.Namespace) -> int:
                           on_status=_print_status_change, on_alert=lambda e: say(e.message))
     recording.attach_database(db)
     servers = [s.name for s in sources if not isinstance(s, NvmlSource) and s not in canaries]
-    recording.set_rules(_slo_rules(args, servers) + _canary_rules(canaries))
+    recording.set_rules(_slo_rules(args, servers) + drift_rules(servers)
+                        + _canary_rules(canaries))
     recording.start()
     try:
         deadline = None if args.duration is None else time.monotonic() + args.duration

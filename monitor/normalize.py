@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from monitor.drift import OutputDrift, bucket_counts
 from monitor.promtext import Labels, Scrape
 from monitor.quantiles import (
     bucket_deltas,
@@ -72,6 +73,10 @@ class Ratio:
 # vLLM's own definitions (its SpecDecodingLogging): acceptance rate = accepted / drafted tokens;
 # mean acceptance length = 1 + accepted / drafts (the bonus token counts); per position
 # i: accepted at i / drafts.
+# The series whose distribution is compared with the source's baseline (monitor/drift.py).
+DRIFT_HISTOGRAMS = {"request_generation_tokens": "response_length"}
+DRIFT_COUNTERS = {"requests_finished_reason": "finish_reason"}
+
 RATIOS = (Ratio("prefix_cache_hit_rate", "prefix_cache_hits", "prefix_cache_queries",
                 absent_is_zero=True),
           Ratio("spec_acceptance_rate", "spec_accepted_tokens", "spec_draft_tokens"),
@@ -288,8 +293,10 @@ class Normalizer:
     cumulative observation count.
     """
 
-    def __init__(self, window_s: float = 60.0) -> None:
+    def __init__(self, window_s: float = 60.0, drift: OutputDrift | None = None) -> None:
         self.window_s = window_s
+        # Response lengths and finish reasons against the source's baseline (monitor/drift.py).
+        self.drift = drift if drift is not None else OutputDrift(window_s)
         self._counters: dict[tuple[str, str, Labels], tuple[float, float]] = {}
         self._hist: dict[str, tuple[dict, dict, dict]] = {}
         self._windows: dict[str, deque] = {}
@@ -326,6 +333,7 @@ class Normalizer:
 
     def _counter(self, m: MetricMap, scrape: Scrape, now: float) -> list[tuple[str, float]]:
         out = []
+        finished: dict[str, float] = {}  # this scrape's increase per split value
         rows_by = _split(_rows(scrape, m), m.per, m.per_as, m.values)
         for suffix, rows in rows_by.items():
             increase, dt = 0.0, None
@@ -343,6 +351,9 @@ class Normalizer:
             if dt:
                 out.append((f"{m.series}_per_s{suffix}", increase * m.scale / dt))
                 self._window(f"{m.series}{suffix}", now, increase * m.scale)
+                finished[suffix.strip("[]").split("=", 1)[-1]] = increase * m.scale
+        if m.series in DRIFT_COUNTERS and finished:
+            out += self.drift.observe(DRIFT_COUNTERS[m.series], finished, now)
         return out
 
     def _window(self, key: str, now: float, increase: float) -> None:
@@ -393,6 +404,8 @@ class Normalizer:
         deltas = sum_by_le(bucket_deltas(prev[0].get(k, {}), b) for k, b in buckets.items())
         dsum = sum(counter_delta(prev[1].get(k, 0.0), v) for k, v in sums.items())
         dcount = sum(counter_delta(prev[2].get(k, 0.0), v) for k, v in counts.items())
+        if m.series in DRIFT_HISTOGRAMS:
+            out += self.drift.observe(DRIFT_HISTOGRAMS[m.series], bucket_counts(deltas), now)
         window = self._windows.setdefault(m.remote, deque())
         window.append((now, deltas, dsum, dcount))
         while window and window[0][0] <= now - self.window_s:

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from monitor import ollama
+from monitor.drift import OutputDrift
 from monitor.normalize import Normalizer, detect_kind
 from monitor.promtext import MetricsError, parse_metrics
 from monitor.types import Poll, Sample, SourceStatus
@@ -223,10 +224,11 @@ def _plural(n: int, word: str) -> str:
 class PrometheusSource(BackoffSource):
     """Scrapes one server's /metrics and normalises it; never raises from poll()."""
 
-    def __init__(self, config: ServerConfig, window_s: float = 60.0) -> None:
+    def __init__(self, config: ServerConfig, window_s: float = 60.0,
+                 drift: OutputDrift | None = None) -> None:
         super().__init__(config, "unknown")
         self.url = metrics_url(config.url)
-        self.normalizer = Normalizer(window_s)
+        self.normalizer = Normalizer(window_s, drift)
         self.ollama_version = ""  # set when the server turns out to be Ollama
         self._version_tried = -math.inf
 

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from monitor.drift import OutputDrift
 from monitor.hub import Hub
 from monitor.loadgen import LoadSpec, run_load
 from monitor.remote import PrometheusSource, ServerConfig
@@ -60,7 +61,10 @@ def measured(vllm_server, tmp_path_factory):
     _wait_idle(vllm_server.url)
     db = open_database(f"sqlite:///{tmp_path_factory.mktemp('db') / 'm.db'}")
     writer = Writer(db).start()
-    source = PrometheusSource(ServerConfig("vllm-real", vllm_server.url), window_s=3600.0)
+    # The output-drift baseline is this load test's requests (monitor/drift.py).
+    source = PrometheusSource(ServerConfig("vllm-real", vllm_server.url), window_s=3600.0,
+                              drift=OutputDrift(3600.0, baseline_requests=REQUESTS,
+                                                min_window_requests=REQUESTS))
     hub = Hub([source], writer)
     before_ts = time.time()
     hub.tick(before_ts)
@@ -110,6 +114,18 @@ def test_the_monitors_request_counts_equal_the_load_tests(measured):
     # several tokens at once, so there are fewer observations than later tokens.
     steps = _increase(measured, "itl_s_count")
     assert done <= steps <= sum(r.output_tokens - 1 for r in records)
+
+
+def test_vllms_response_lengths_and_finish_reasons_make_the_drift_baseline(measured):
+    """vLLM's request_generation_tokens histogram (1-2-5 buckets) and finished_reason labels
+    give the baseline: 12 tokens each, in the (10, 20] bucket, all ended at max_tokens."""
+    after = measured["after"]
+    assert after["response_length_baseline[20]"] == REQUESTS
+    assert after["finish_reason_baseline[length]"] == REQUESTS
+    assert not any(k.startswith("response_length_baseline[") and k != "response_length_baseline[20]"
+                   for k in after)
+    assert after["response_length_psi"] == after["finish_reason_psi"] == 0.0
+    assert after["response_length_drift"] == 0.0
 
 
 def test_the_speculative_and_prefix_cache_figures_follow_vllms_definitions(measured):

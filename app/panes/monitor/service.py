@@ -17,6 +17,7 @@ from app.panes.monitor.state import (
 )
 from monitor.alerts import AlertEvent, slo_rules
 from monitor.canary import canary_rule
+from monitor.drift import drift_rules
 from monitor.types import SourceStatus
 
 log = logging.getLogger(__name__)
@@ -227,7 +228,8 @@ class MonitorService:
             self.server_errors[entry.name] = str(exc)
             return
         self.server_errors.pop(entry.name, None)
-        self.hub.add_source(make_source(entry, config, backfill_s=LIVE_ONLY_S))
+        self.hub.add_source(make_source(entry, config, backfill_s=LIVE_ONLY_S,
+                                        baselines=self._drift_baselines(entry)))
         if entry.dollars_per_hour is not None:
             self.hub.add_source(CostSource(self.hub, entry.name, entry.dollars_per_hour))
         if entry.canary_every_s is not None:
@@ -249,6 +251,26 @@ class MonitorService:
         except sa.exc.SQLAlchemyError as exc:  # a locked database: learn the baseline again
             self._db_failed(exc)
             return []
+
+    def _drift_baselines(self, entry: ServerEntry) -> dict[str, dict]:
+        """The response-length and finish-reason baselines an earlier session stored for this
+        server (as `<name>/<drift>_baseline[<category>]` series), or none: learn them again."""
+        import sqlalchemy as sa
+
+        from monitor.drift import stored_baselines
+        from storage.queries import first_values, list_series
+
+        if self.db is None:
+            return {}
+        prefix = f"{entry.name}/"
+        try:
+            keys = [k for k in list_series(self.db, entry.name)
+                    if k.startswith(prefix) and "_baseline[" in k]
+            stored = [(k[len(prefix):], v) for k in keys for v in first_values(self.db, k, 1)]
+        except sa.exc.SQLAlchemyError as exc:
+            self._db_failed(exc)
+            return {}
+        return stored_baselines(stored)
 
     def statuses(self) -> dict[str, SourceStatus]:
         """Every source's status; a server whose token cannot be resolved is down with why."""
@@ -322,7 +344,7 @@ class MonitorService:
             canaries = [canary_rule(e.canary_name, interval_s=e.canary_every_s)
                         for e in list(self.servers.values()) if e.canary_every_s is not None]
             self.recording.set_rules(slo_rules(self.servers, self.slo_ms, ALERT_WINDOW_S)
-                                     + canaries)
+                                     + drift_rules(list(self.servers)) + canaries)
 
     def firing(self) -> list[AlertEvent]:
         """The latest event of each rule now firing, for the alert banner."""
@@ -348,10 +370,14 @@ def canary_source(entry: ServerEntry, config: Any, stored: list[float] = ()) -> 
                         baseline=CanaryBaseline(seen=list(stored)))
 
 
-def make_source(entry: ServerEntry, config: Any, backfill_s: float = 0.0) -> Any:
-    """The source reading ``entry``: its /metrics, or a Prometheus server's API (the first
+def make_source(entry: ServerEntry, config: Any, backfill_s: float = 0.0,
+                baselines: dict | None = None) -> Any:
+    """The source reading ``entry``: its /metrics (its output drift judged against
+    ``baselines``, else against its first requests), or a Prometheus server's API (the first
     poll of which backfills ``backfill_s`` seconds so the charts do not start empty), through
     SSH when its URL is ssh://."""
+    from monitor.drift import OutputDrift
+    from monitor.remote import PrometheusSource
     from monitor.ssh import server_source
 
     if entry.api == API_PROMETHEUS:
@@ -360,7 +386,8 @@ def make_source(entry: ServerEntry, config: Any, backfill_s: float = 0.0) -> Any
         queries = default_queries(entry.job)
         return server_source(config, lambda c: PromApiSource(c, queries, backfill_s=backfill_s))
     # An ssh:// entry is read through an SSH tunnel, with its box's GPUs (monitor.ssh).
-    return server_source(config)
+    return server_source(config, lambda c: PrometheusSource(
+        c, drift=OutputDrift(baselines=baselines)))
 
 
 def test_connection(entry: ServerEntry) -> SourceStatus:

@@ -62,6 +62,9 @@ CHARTS: tuple[ChartSpec, ...] = (
               (r"(preemptions_per_s|requests_finished_reason_per_s\[.*\])",)),
     # A server's quality canary (Servers → Edit): perplexity on the bundled held-out text.
     ChartSpec("quality", "Quality canary: held-out perplexity", "ppl", (r"canary_perplexity",)),
+    # Response lengths and finish reasons against the server's first requests (monitor.drift).
+    ChartSpec("drift", "Output drift: response lengths / finish reasons (PSI)", "PSI",
+              (r"(response_length|finish_reason)_psi",)),
 )
 
 
