@@ -105,8 +105,8 @@ def server_command(run: PlanRun) -> list[str]:
     """`servescope serve` on a free loopback port with the plan's flags."""
     check_device(run)
     try:
-        # The model's whole context, not the one the plan was sized for: the load generator's
-        # prompts are in words, a few more tokens than the plan's (see LoadSpec.input_len).
+        # The model's whole context, not the one the plan was sized for: a chat template or a
+        # tokenizer's BOS may add a token or two to the plan's prompt lengths.
         flags = servescope_serve_args(run.plan, sized_context=False)
     except NotServable as exc:
         raise PlanRunError(f"This plan cannot run here: {exc}.") from None
@@ -137,7 +137,10 @@ def _measure(run: PlanRun, db, server: LocalServer, command: list[str],
     try:
         spec = LoadSpec(url=server.url, model=server.model(), rate=w.rate,
                         concurrency=w.concurrency, requests=run.requests,
-                        input_len=w.input_len, output_len=w.output_len, seed=w.seed)
+                        # The plan's lengths are in tokens: exactly those, of the server's own
+                        # tokenizer (token-id prompts from its /tokenize).
+                        input_len=w.input_len, input_unit="tokens", output_len=w.output_len,
+                        seed=w.seed)
         result = run_load(spec, progress=lambda done, total: progress(f"{done}/{total} requests"))
     finally:
         recording.stop()

@@ -9,8 +9,8 @@ TPOT are compared with the prediction. Then the planner is calibrated from ONE o
 
 Prints one JSON object: the machine, the device profile, per point the predictions
 (uncalibrated, calibrated) and the measurement, and the median absolute percentage errors.
-Prompt lengths are in words (the load generator's unit), the planner's in tokens: the demo
-tokenizer's tokens per word on those prompts are measured, and the prediction given them.
+Prompt lengths are in tokens for both: the load generator sends token-id prompts of exactly the
+planned length, drawn from the server's own /tokenize.
 
     .venv/bin/python benchmarks/planner_vs_real.py [--quick] [--weights bf16]
 """
@@ -30,24 +30,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-INPUT_WORDS, OUTPUT_TOKENS = 48, 32
+INPUT_TOKENS, OUTPUT_TOKENS = 52, 32
 POINTS = ({"concurrency": 1}, {"concurrency": 4}, {"rate": 0.5}, {"rate": 2.0})
 FIGURES = ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
-
-
-def tokens_per_word() -> float:
-    """How many demo-model tokens the load generator's prompts hold per word."""
-    import gguf
-
-    from engine.loader.gguf import read_tokenizer
-    from engine.models import fetch_demo_model
-    from monitor.loadgen import make_prompt
-
-    path = fetch_demo_model(progress=lambda message, fraction: None)
-    tok = read_tokenizer(gguf.GGUFReader(path), path)
-    rng = np.random.default_rng(0)
-    prompts = [make_prompt(INPUT_WORDS, rng) for _ in range(20)]
-    return float(np.mean([len(tok.encode(p)) for p in prompts])) / INPUT_WORDS
 
 
 def apes(predicted: dict, measured: dict) -> dict:
@@ -84,17 +69,14 @@ def main() -> None:
     write_entry(profile, config_dir)
     catalog = load_catalog(config_dir)
     here, model = catalog.gpu("this machine"), catalog.model("SmolLM2-135M")
-    per_word = tokens_per_word()
-    input_tokens = max(1, round(INPUT_WORDS * per_word))
     db = open_database(f"sqlite:///{config_dir / 'runs.db'}")
     requests = 6 if args.quick else 16
     points = []
     for load in POINTS:
         d = Deployment(model, here, args.weights, "bf16", max_seqs=8)
-        w = Workload(input_tokens, OUTPUT_TOKENS, num_requests=200, **load)
+        w = Workload(INPUT_TOKENS, OUTPUT_TOKENS, num_requests=200, **load)
         ev = evaluate(d, w)
-        run = PlanRun(SimpleNamespace(deployment=d, memory=ev.memory),
-                      Workload(INPUT_WORDS, OUTPUT_TOKENS, num_requests=200, **load),
+        run = PlanRun(SimpleNamespace(deployment=d, memory=ev.memory), w,
                       demo_model_path(model), requests, predicted_figures(ev))
         out = run_here(run, db, progress=lambda m: print(m, file=sys.stderr, flush=True))
         points.append({"load": load, "deployment": d, "workload": w, "run_id": out["run_id"],
@@ -112,8 +94,8 @@ def main() -> None:
     result = {
         "benchmark": "planner_vs_real", "machine": machine(),
         "profile": {k: profile[k] for k in ("read_bandwidth_gbs", "matmul_tflops", "step")},
-        "model": model.name, "weights": args.weights, "tokens_per_word": round(per_word, 3),
-        "input_tokens": input_tokens, "output_tokens": OUTPUT_TOKENS, "requests": requests,
+        "model": model.name, "weights": args.weights, "input_tokens": INPUT_TOKENS,
+        "output_tokens": OUTPUT_TOKENS, "requests": requests,
         "calibration": {"name": report.calibration.name,
                         "factors": {f"{g} {w}": vars(e) for (g, w), e in
                                     report.calibration.factors.items()}},

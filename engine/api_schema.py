@@ -161,6 +161,17 @@ class CompletionRequest(_Sampling):
         return p
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a text's token ids in the served model's tokenizer, as clients
+    that size prompts in the server's tokens use it (servescope loadtest --input-unit tokens)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

@@ -39,7 +39,12 @@ from engine.api_request import (
     sampling_params,
     tool_plan,
 )
-from engine.api_schema import ChatCompletionRequest, CompletionRequest, field_path
+from engine.api_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    field_path,
+)
 from engine.http_guard import BodyGuard, GuardedH11Protocol
 from engine.kv_eviction import parse_policy
 from engine.sequence import SEED_MAX, RequestError, SamplingParams, StreamDelta
@@ -111,6 +116,15 @@ def create_app(llm, loop: EngineLoop, metrics: ServerMetrics,
         return {"object": "list", "data": [
             {"id": llm.model_name, "object": "model", "created": 0, "owned_by": "servescope",
              "max_model_len": llm.max_model_len}]}
+
+    @app.post("/tokenize", responses={k: ERROR_RESPONSES[k] for k in (400, 401, 404, 408, 413)})
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+        llm = _service(request).llm
+        check_model(body, llm.model_name)
+        # A 4 MiB text takes seconds to encode: on a worker thread, as a prompt is.
+        ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids,
+                "token_strs": None}
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:

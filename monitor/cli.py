@@ -239,7 +239,8 @@ def _load_spec(args: argparse.Namespace):
                         arrival=args.arrival, burstiness=args.burstiness,
                         concurrency=args.concurrency, requests=args.requests,
                         duration_s=args.duration, input_len=args.input_len,
-                        output_len=args.output_len, length_spread=args.length_spread,
+                        input_unit=args.input_unit, output_len=args.output_len,
+                        length_spread=args.length_spread,
                         lengths=lengths, token=_token(args), seed=args.seed, slo_ms=slo)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
@@ -258,7 +259,7 @@ def _server_info(args: argparse.Namespace):
 def cmd_loadtest(args: argparse.Namespace) -> int:
     """Load an endpoint, print the figures, and store the run (in --db, else the default
     database the app's History pane reads) unless --no-db."""
-    from monitor.loadgen import run_load, store_run
+    from monitor.loadgen import LoadError, run_load, store_run
     from storage.db import display_url, open_database
 
     try:
@@ -272,7 +273,10 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     def progress(done: int, total: int) -> None:
         print(f"\r{done}/{total}", end="", file=sys.stderr)
 
-    result = run_load(spec, progress=None if args.json else progress)
+    try:
+        result = run_load(spec, progress=None if args.json else progress)
+    except LoadError as exc:
+        return _fail(args, str(exc))
     summary = dict(result.summary)
     if result.summary["completed"] == 0:
         return _fail(args, f"no request to {spec.url} succeeded: "
@@ -447,14 +451,19 @@ def add_monitor_parsers(subparsers) -> None:
 
     lt = subparsers.add_parser("loadtest", help="load an OpenAI-compatible endpoint")
     lt.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    mode = lt.add_mutually_exclusive_group()
-    mode.add_argument("--rate", type=float, help="requests per second (open loop)")
-    mode.add_argument("--concurrency", type=int, help="requests in flight (closed loop)")
+    lt.add_argument("--rate", type=float, help="requests per second (open loop)")
+    lt.add_argument("--concurrency", type=int,
+                    help="requests in flight: alone a closed loop; with --rate a cap that "
+                         "arrivals wait for (as vllm bench serve's --max-concurrency)")
     lt.add_argument("--arrival", choices=("poisson", "gamma", "constant"), default="poisson")
     lt.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; <1 is burstier")
     lt.add_argument("--requests", type=int, default=100)
     lt.add_argument("--duration", type=float, help="stop sending after this many seconds")
-    lt.add_argument("--input-len", type=int, default=128, help="prompt length in words")
+    lt.add_argument("--input-len", type=int, default=128,
+                    help="prompt length, in --input-unit (default words)")
+    lt.add_argument("--input-unit", choices=("words", "tokens"), default="words",
+                    help="tokens: prompts of exactly --input-len tokens of the server's own "
+                         "tokenizer (its /tokenize), sent as token ids (completions only)")
     lt.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     lt.add_argument("--length-spread", type=float, default=0.0,
                     help="uniform lengths within +- this fraction (0 = fixed)")

@@ -34,10 +34,15 @@ class LoadSpec:
     rate: float | None = None  # requests/s; None with no concurrency = all at once
     arrival: str = "poisson"  # "poisson", "gamma" (burstiness = shape) or "constant"
     burstiness: float = 1.0
+    # Requests in flight: alone, a closed loop; with a rate, a cap (arrivals wait for a slot,
+    # as `vllm bench serve --max-concurrency`).
     concurrency: int | None = None
     requests: int = 100
     duration_s: float | None = None
     input_len: int = 128
+    # "words" of WORDS (about 1.1 tokens each), or "tokens" of the server's own tokenizer: token
+    # ids from its /tokenize, sent as the prompt, so each prompt has exactly input_len tokens.
+    input_unit: str = "words"
     output_len: int = 128
     length_spread: float = 0.0  # 0 = fixed lengths; 0.5 = uniform within +-50 %
     lengths: list[tuple[int, int]] | None = None  # (input, output) pairs read from a file
@@ -53,8 +58,11 @@ class LoadSpec:
             raise ValueError("endpoint must be 'completions' or 'chat'")
         if self.arrival not in ("poisson", "gamma", "constant"):
             raise ValueError("arrival must be poisson, gamma or constant")
-        if self.rate is not None and self.concurrency is not None:
-            raise ValueError("give either a request rate or a concurrency, not both")
+        if self.input_unit not in ("words", "tokens"):
+            raise ValueError("the input unit must be 'words' or 'tokens'")
+        if self.input_unit == "tokens" and self.endpoint != "completions":
+            raise ValueError("prompt lengths in tokens are sent as token ids, which only the "
+                             "completions endpoint takes: use the completions endpoint")
         if (self.rate is not None and self.rate <= 0) or self.burstiness <= 0:
             raise ValueError("rate and burstiness must be positive")
         if self.requests < 1 or self.input_len < 1 or self.output_len < 1:
@@ -96,7 +104,44 @@ def make_prompt(n_words: int, rng: np.random.Generator) -> str:
     return " ".join(rng.choice(WORDS, n_words).tolist())
 
 
-def _payload(spec: LoadSpec, prompt: str, max_tokens: int) -> tuple[str, dict]:
+class LoadError(Exception):
+    """A load test that cannot start (the server cannot size its prompts); one sentence."""
+
+
+def token_pool(spec: LoadSpec) -> list[int]:
+    """The server's token ids of WORDS, from its /tokenize (vLLM's and servescope's), which
+    token prompts are drawn from. Raises LoadError saying what to do where it has none."""
+    url = spec.url.rstrip("/") + "/tokenize"
+    body = {"prompt": " " + " ".join(WORDS), "add_special_tokens": False}
+    if spec.model:
+        body["model"] = spec.model
+    headers = {"Authorization": f"Bearer {spec.token}"} if spec.token else {}
+    try:
+        reply = httpx.post(url, json=body, headers=headers, timeout=spec.timeout_s)
+    except httpx.HTTPError as exc:
+        raise LoadError(describe_error(exc, url, spec.timeout_s)) from exc
+    try:
+        tokens = reply.json()["tokens"] if reply.status_code == 200 else None
+    except (ValueError, KeyError, TypeError):
+        tokens = None
+    if not isinstance(tokens, list) or not tokens or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        raise LoadError(f"{url} answered HTTP {reply.status_code} without token ids: prompt "
+                        "lengths in tokens need the server's /tokenize (vLLM's and servescope "
+                        "serve's have one); give them in words instead")
+    return tokens
+
+
+def make_prompts(spec: LoadSpec, lengths: list[tuple[int, int]],
+                 rng: np.random.Generator) -> list[str | list[int]]:
+    """Each request's prompt: words, or exactly its length in the server's token ids."""
+    if spec.input_unit == "words":
+        return [make_prompt(n_in, rng) for n_in, _ in lengths]
+    pool = np.asarray(token_pool(spec))
+    return [rng.choice(pool, n_in).tolist() for n_in, _ in lengths]
+
+
+def _payload(spec: LoadSpec, prompt: str | list[int], max_tokens: int) -> tuple[str, dict]:
     body: dict = {"max_tokens": max_tokens, "stream": True, "temperature": 0.0,
                   "ignore_eos": True, "stream_options": {"include_usage": True}}
     if spec.model:
@@ -132,8 +177,8 @@ def request_error(exc: Exception, spec: LoadSpec) -> str:
     return f"the request to {spec.url} failed: {str(exc).strip() or 'no details were given'}"
 
 
-async def send_one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str, prompt_len: int,
-                   max_tokens: int) -> RequestRecord:
+async def send_one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str | list[int],
+                   prompt_len: int, max_tokens: int) -> RequestRecord:
     """One streamed request, timed from send to each content chunk."""
     path, body = _payload(spec, prompt, max_tokens)
     start = time.perf_counter()
@@ -246,7 +291,7 @@ async def _run(spec: LoadSpec, progress: Callable[[int, int], None] | None) -> L
     rng = np.random.default_rng(spec.seed)
     gaps = arrival_gaps(spec, rng, spec.requests)
     lengths = request_lengths(spec, rng, spec.requests)
-    prompts = [make_prompt(n_in, rng) for n_in, _ in lengths]
+    prompts = await asyncio.to_thread(make_prompts, spec, lengths, rng)
     headers = {"Authorization": f"Bearer {spec.token}"} if spec.token else {}
     limits = httpx.Limits(max_connections=spec.concurrency or spec.requests)
     gate = asyncio.Semaphore(spec.concurrency or spec.requests)
@@ -265,7 +310,7 @@ async def _run(spec: LoadSpec, progress: Callable[[int, int], None] | None) -> L
         for i in range(spec.requests):
             if spec.duration_s is not None and time.perf_counter() - t0 >= spec.duration_s:
                 break
-            if spec.concurrency is not None:
+            if spec.concurrency is not None and spec.rate is None:
                 await gate.acquire()  # closed loop: the next request starts when one ends
                 gate.release()
             tasks.append(asyncio.create_task(one(i, c)))
@@ -278,7 +323,8 @@ async def _run(spec: LoadSpec, progress: Callable[[int, int], None] | None) -> L
 
 
 def run_load(spec: LoadSpec, progress: Callable[[int, int], None] | None = None) -> LoadResult:
-    """Run a load test to completion (blocking) and return its records and summary."""
+    """Run a load test to completion (blocking) and return its records and summary. Raises
+    LoadError when prompts in tokens cannot be made (the server has no /tokenize)."""
     return asyncio.run(_run(spec, progress))
 
 

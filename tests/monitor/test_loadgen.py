@@ -146,8 +146,6 @@ def test_arrival_processes_keep_the_mean_rate():
     assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)  # CV = 1/sqrt(shape)
     assert arrival_gaps(LoadSpec("http://h", rate=4.0, arrival="constant"), rng, 3).tolist() == [
         0.25, 0.25, 0.25]
-    with pytest.raises(ValueError, match="either a request rate or a concurrency"):
-        LoadSpec("http://h", rate=1.0, concurrency=2)
 
 
 def test_loadtest_command_prints_one_json_object_and_stores_the_run(openai_server, tmp_path,

@@ -233,3 +233,14 @@ def test_the_monitors_quantiles_equal_prometheus_over_the_same_scrapes(vllm_serv
             assert values[f"{series}_p{round(q * 100)}"] == pytest.approx(theirs, rel=1e-9), expr
             compared += 1
     assert compared == 21
+
+
+def test_prompts_in_tokens_are_exactly_their_length_on_vllm(vllm_server):
+    """The load generator's token prompts (ids from vLLM's /tokenize): vLLM's own usage counts
+    exactly the tokens asked for."""
+    _wait_idle(vllm_server.url)
+    result = run_load(LoadSpec(url=vllm_server.url, model=vllm_server.model, concurrency=2,
+                               requests=4, input_len=30, output_len=4, input_unit="tokens",
+                               seed=11))
+    assert result.summary["failed"] == 0, result.summary.get("errors")
+    assert [(r.prompt_tokens, r.output_tokens) for r in result.records] == [(30, 4)] * 4
