@@ -13,6 +13,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -166,6 +167,93 @@ def measured_figures(summary: dict) -> dict:
             "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
             "tpot_p50_ms": summary["tpot_ms"]["p50"], "tpot_p99_ms": summary["tpot_ms"]["p99"],
             "completed": summary["completed"], "failed": summary["failed"]}
+
+
+# The figures a run made here is compared on, with their labels in tables.
+VALIDATION_FIGURES = (("throughput_tok_s", "throughput tok/s"), ("ttft_p50_ms", "TTFT p50 ms"),
+                      ("ttft_p99_ms", "TTFT p99 ms"), ("tpot_p50_ms", "TPOT p50 ms"),
+                      ("tpot_p99_ms", "TPOT p99 ms"))
+
+
+@dataclass(frozen=True)
+class ValidationRow:
+    """One plan run here: what the planner predicted, what was measured, by how much it erred
+    (absolute percentage error per figure), and the calibration the prediction used."""
+
+    run_id: int
+    name: str
+    load: str
+    calibration: str
+    predicted: dict
+    measured: dict
+
+    def error_pct(self, figure: str) -> float | None:
+        p, m = self.predicted.get(figure), self.measured.get(figure)
+        if p is None or not m:
+            return None
+        return abs(p - m) / m * 100.0
+
+    def text(self, figure: str) -> str:
+        """"12.3 / 10.1 (22%)": predicted / measured (absolute percentage error)."""
+        p, m, e = self.predicted.get(figure), self.measured.get(figure), self.error_pct(figure)
+        if p is None or m is None:
+            return "—"
+        return f"{p:.3g} / {m:.3g}" + (f" ({e:.0f}%)" if e is not None else "")
+
+
+def validation_rows(runs: list[dict]) -> list[ValidationRow]:
+    """The stored runs "Run a plan here" made (storage.queries.list_runs rows whose config
+    carries the plan's prediction), newest first as given."""
+    rows = []
+    for run in runs:
+        config, summary = run.get("config") or {}, run.get("summary") or {}
+        predicted = (config.get("plan") or {}).get("predicted") if isinstance(config, dict) \
+            else None
+        if not predicted or not summary.get("completed"):
+            continue
+        try:
+            measured = measured_figures(summary)
+        except (KeyError, TypeError):
+            continue  # a run stored by an older version without these figures
+        rows.append(ValidationRow(int(run["id"]), str(run.get("name") or ""), _load_text(config),
+                                  str(predicted.get("calibration") or "uncalibrated"),
+                                  predicted, measured))
+    return rows
+
+
+def _load_text(config: dict) -> str:
+    """"1 req/s, concurrency 4; 24 -> 12 tokens" from a stored load test's config."""
+    parts = []
+    if config.get("rate"):
+        parts.append(f"{config['rate']:g} req/s")
+    if config.get("concurrency"):
+        parts.append(f"concurrency {config['concurrency']}")
+    lengths = f"{config.get('input_len', '?')} -> {config.get('output_len', '?')} tokens"
+    return f"{', '.join(parts) or 'all at once'}; {lengths}"
+
+
+def median_errors(rows: list[ValidationRow]) -> dict[str, float]:
+    """Per figure, the median absolute percentage error over the runs that have it."""
+    out = {}
+    for figure, _ in VALIDATION_FIGURES:
+        errors = [e for e in (r.error_pct(figure) for r in rows) if e is not None]
+        if errors:
+            out[figure] = statistics.median(errors)
+    return out
+
+
+def validation_table(rows: list[ValidationRow]) -> tuple[list[str], list[list[str]]]:
+    """The runs as a table of text (header, rows), a last row of median errors: what the
+    Planner pane's Validation tab and the report show alike."""
+    header = ["Run", "Load", "Calibration"] + [label for _, label in VALIDATION_FIGURES]
+    body = [[f"{r.run_id}: {r.name}", r.load, r.calibration]
+            + [r.text(key) for key, _ in VALIDATION_FIGURES] for r in rows]
+    if rows:
+        medians = median_errors(rows)
+        body.append(["median absolute error", f"{len(rows)} run(s)", ""]
+                    + [f"{medians[k]:.0f}%" if k in medians else "—"
+                       for k, _ in VALIDATION_FIGURES])
+    return header, body
 
 
 def free_port() -> int:

@@ -28,9 +28,9 @@ from app.panes.planner.charts import ChartView
 from app.panes.planner.figures import ChartSpec, all_charts
 from app.panes.planner.form import WorkloadForm
 from app.panes.planner.model import PlannerModel, calibration_text  # noqa: F401 (re-export)
-from app.panes.planner.report import command_lines, manifest_lines
+from app.panes.planner.report import command_lines, manifest_lines, trust_note
 from app.panes.planner.report_writer import write_report
-from app.panes.planner.results import PlanTable, ScenarioTable, WhatIfPanel
+from app.panes.planner.results import PlanTable, ScenarioTable, ValidationTable, WhatIfPanel
 from app.panes.planner.state import (
     Outcome,
     load_form,
@@ -169,6 +169,9 @@ class PlannerPane(PageMixin, QWidget):
         self.tabs.addTab(chart_page, "Charts")
         self.tabs.addTab(self.scenario_table, "Scenarios")
         self.tabs.addTab(self.deploy_page, "Deploy")
+        self.validation_page = self._validation_page()
+        self.tabs.addTab(self.validation_page, "Validation")
+        self.tabs.currentChanged.connect(self._on_tab)
         right = QWidget()
         column = QVBoxLayout(right)
         column.setContentsMargins(0, 0, 0, 0)
@@ -335,6 +338,8 @@ class PlannerPane(PageMixin, QWidget):
                                                    "workload and store the run beside the "
                                                    "prediction")
         self._simulate_chosen()
+        # The note's bands are the chosen plan's (its calibration); the runs stay as read.
+        self.validation_note.setText(trust_note(plan, self._runs_shown))
 
     def copy_deploy(self) -> None:
         """Put the chosen plan's commands and manifests on the clipboard."""
@@ -475,7 +480,7 @@ class PlannerPane(PageMixin, QWidget):
         o = self.outcome
         charts = all_charts(o.result, o.best, o.detail, o.form)
         try:
-            written = write_report(o, charts, Path(path))
+            written = write_report(o, charts, Path(path), self.plan_runs())
         except OSError as exc:
             self.notify.emit("error", f"The report could not be written to {path}: "
                                       f"{exc.strerror or exc}")
@@ -533,10 +538,42 @@ class PlannerPane(PageMixin, QWidget):
         if self.calibrate(bench.model) is None:
             self.status.setText(done + "; no calibration: see the message.")
 
+    def _validation_page(self) -> QWidget:
+        """How far to trust a plan: the published runs' error bands, then every plan run on
+        this machine beside its prediction (Deploy → Run here adds one)."""
+        self.validation_note = QLabel(wordWrap=True)
+        self.validation_note.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.validation_table = ValidationTable()
+        self._runs_shown = 0
+        page = QWidget()
+        column = QVBoxLayout(page)
+        column.addWidget(self.validation_note)
+        column.addWidget(self.validation_table, 1)
+        return page
+
+    def plan_runs(self) -> list:
+        """The plan runs made here, from the database (none, and one notice, if it fails)."""
+        try:
+            return self.store.load_plan_runs()
+        except Exception as exc:  # noqa: BLE001 - the pane works without its database
+            self._database_failed(exc)
+            return []
+
+    def refresh_validation(self) -> None:
+        runs = self.plan_runs()
+        self._runs_shown = len(runs)
+        self.validation_table.show_runs(runs)
+        self.validation_note.setText(trust_note(self.chosen, len(runs)))
+
+    def _on_tab(self, index: int) -> None:
+        if self.tabs.widget(index) is self.validation_page:
+            self.refresh_validation()
+
     def _on_run_here_done(self, result: dict | Failure) -> None:
         if isinstance(result, Failure):
             self._run_here_ended(result.message, "error")
             return
+        self.refresh_validation()
         p, m = result["predicted"], result["measured"]
         self._run_here_ended(
             f"Ran the plan here: {m['throughput_tok_s']:.1f} tok/s measured against "

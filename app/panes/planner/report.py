@@ -11,6 +11,7 @@ from pathlib import Path
 from string import Template
 
 from app.panes.planner.state import Outcome, plan_costs, plan_label
+from app.plan_run import ValidationRow, validation_table
 from planner.cost import CostOptions
 from planner.export import kubernetes_yaml, sglang_command, vllm_command
 from planner.memory import MEMORY_UTILIZATION, RUNTIME_RESERVE_GB
@@ -95,6 +96,57 @@ def _sources(o: Outcome) -> str:
     return _table(["Figure", "Source", "Date"], rows) + f"<p>Catalog files:</p><ul>{files}</ul>"
 
 
+# The plan's figures the trust table covers, in planner.validation.basis' keys.
+TRUSTED = (("throughput_tok_s", "Throughput"), ("ttft_p99_ms", "p99 TTFT"),
+           ("tpot_p99_ms", "p99 TPOT"), ("cost_per_1m_tokens", "$ per 1M tokens"),
+           ("memory_gb_per_gpu", "Memory per GPU"))
+
+
+def _band_text(entry: dict) -> str:
+    band = entry.get("error_band")
+    if not band:
+        return entry.get("note") or "no validation set"
+    return (f"median {band['median_abs_error_pct']:g}%, at most {band['max_abs_error_pct']:g}% "
+            f"(median signed {band['median_signed_error_pct']:+g}%) over {band['against']}")
+
+
+def trust_note(plan: Plan | None, runs: int) -> str:
+    """One paragraph over the Validation tab's table: the chosen plan's error bands against
+    published runs, and how many runs made here follow."""
+    from planner.validation import basis
+
+    here = (f"Below: {runs} plan run(s) made on this machine, each beside its prediction."
+            if runs else "No plan has been run on this machine yet: Deploy → Run here adds one.")
+    if plan is None:
+        return "Search for a plan to see its error bands. " + here
+    b = basis(plan.calibration, plan.simulated)
+    bands = []
+    for key, label in TRUSTED[:3]:
+        band = b[key]["error_band"]
+        if band:
+            bands.append(f"{label} median {band['median_abs_error_pct']:g}% (at most "
+                         f"{band['max_abs_error_pct']:g}%) over {band['points']} points")
+    return (f"Against published runs, with calibration '{plan.calibration}': "
+            + ("; ".join(bands) or "no published points") + ". " + here)
+
+
+def _trust(best: Plan, runs: list[ValidationRow]) -> str:
+    """What each figure rests on and its error against published runs, then every plan run on
+    this machine beside its prediction, so the reader sees how far to trust a plan."""
+    from planner.validation import basis
+
+    b = basis(best.calibration, best.simulated)
+    published = _table(["Figure", "Rests on", "Error against published runs"],
+                       [[label, b[key]["rests_on"], _band_text(b[key])]
+                        for key, label in TRUSTED])
+    if not runs:
+        here = ("<p>No plan has been run on this machine yet: Deploy → Run here serves the "
+                "chosen plan, measures it and lists it here.</p>")
+    else:
+        here = _table(*validation_table(runs))
+    return f"<h3>Against published runs</h3>{published}<h3>Against runs made here</h3>{here}"
+
+
 def _flag_groups(words: list[str]) -> list[list[str]]:
     """Words grouped as the program and its positional arguments, then each --flag with its
     values."""
@@ -158,9 +210,10 @@ def _deploy(best: Plan) -> str:
     return "".join(f"<h3>{html.escape(t)}</h3>{code_block(b)}" for t, b in blocks)
 
 
-def report_html(o: Outcome, images: dict[str, str], image_width: int = 640) -> str:
+def report_html(o: Outcome, images: dict[str, str], image_width: int = 640,
+                runs: list[ValidationRow] = ()) -> str:
     """The whole report; ``images`` maps chart keys to <img> sources (data URIs or names),
-    drawn ``image_width`` pixels wide."""
+    drawn ``image_width`` pixels wide; ``runs``: the plan runs made on this machine."""
     best = o.best
     if best is None:
         raise ValueError("there is no recommended plan to report")
@@ -177,4 +230,5 @@ def report_html(o: Outcome, images: dict[str, str], image_width: int = 640) -> s
         summary=_summary(o, best),
         alternatives=_table(PLAN_HEADER, alternatives) if alternatives
         else "<p>No other plan met every constraint.</p>",
-        charts=charts, assumptions=_assumptions(o), sources=_sources(o), deploy=_deploy(best))
+        charts=charts, trust=_trust(best, list(runs)), assumptions=_assumptions(o),
+        sources=_sources(o), deploy=_deploy(best))

@@ -147,3 +147,21 @@ class ScenarioTable(QTableWidget):
             for c, value in enumerate(values):
                 self.setItem(r, c, QTableWidgetItem(value))
         self.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+
+
+class ValidationTable(QTableWidget):
+    """The plans run on this machine, each figure as "predicted / measured (error)", and the
+    median error over them (app.plan_run.ValidationRow)."""
+
+    def show_runs(self, rows: list) -> None:
+        from app.plan_run import validation_table
+
+        header, body = validation_table(rows)
+        self.clear()
+        self.setColumnCount(len(header))
+        self.setHorizontalHeaderLabels(header)
+        self.setRowCount(len(body))
+        for r, cells in enumerate(body):
+            for c, text in enumerate(cells):
+                self.setItem(r, c, QTableWidgetItem(text))
+        self.resizeColumnsToContents()

@@ -53,6 +53,12 @@ class PlannerStore:
 
         return list_runs(self.database(), "loadtest")
 
+    def load_plan_runs(self) -> list[Any]:
+        """The runs "Run a plan here" stored, each beside its prediction (app.plan_run)."""
+        from app.plan_run import validation_rows
+
+        return validation_rows(self.load_tests())
+
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
