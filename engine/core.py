@@ -13,6 +13,7 @@ those that fail alone end with finish_reason "error".
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -54,6 +55,9 @@ class StepStats:
     wall_s: float
     timestamp: float
     num_evicted_tokens: int = 0  # KV entries dropped by eviction policies this step
+    # Requests recomputed one by one because the batch step failed (EngineCore._isolate): a
+    # bug that keeps failing steps shows here, not only as a slow engine.
+    num_isolated: int = 0
 
 
 class EngineCore:
@@ -196,6 +200,7 @@ class EngineCore:
                 self.seqs.pop(seq.request_id, None)
         if stats is None:
             stats = self._stats(SchedulerOutput(), updated, start, 0, 0)
+        self.last_stats = stats = dataclasses.replace(stats, num_isolated=len(suspects))
         return updated, stats
 
     def _run_alone(self, seq: Sequence) -> tuple[list[Sequence], StepStats | None]:

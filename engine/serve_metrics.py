@@ -59,6 +59,10 @@ class ServerMetrics:
                                   registry=r).labels(model_name)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions", labels,
                                    registry=r).labels(model_name)
+        # servescope's own: requests recomputed alone after a batch step failed.
+        self.isolated = Counter("servescope:engine_isolated_requests", "Requests recomputed "
+                                "one by one because the batch step they were in failed",
+                                labels, registry=r).labels(model_name)
         self._success = Counter("vllm:request_success", "Finished requests", labels +
                                 ["finished_reason"], registry=r)
         self.model_name = model_name
@@ -88,6 +92,7 @@ class ServerMetrics:
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
         self.kv_evicted.inc(stats.num_evicted_tokens)
+        self.isolated.inc(stats.num_isolated)
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Latency histograms and the success counter from a finished request."""

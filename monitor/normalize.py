@@ -163,6 +163,10 @@ TABLE: tuple[MetricMap, ...] = (
     _m("requests_finished_reason", "vllm:request_success_total", "counter",
        per="finished_reason", per_as="reason", values=FINISHED_REASONS),
     _m("preemptions", "vllm:num_preemptions_total", "counter"),
+    # servescope serve's own (engine/serve_metrics.py): KV entries its eviction policies
+    # dropped, and requests recomputed alone after a batch step failed.
+    _m("kv_evicted_tokens", "servescope:kv_evicted_tokens_total", "counter"),
+    _m("isolated_requests", "servescope:engine_isolated_requests_total", "counter"),
     _m("preemptions", "sglang:num_retracted_requests_total", "counter", replicas=_SG_RANKS),
     # Prefix cache and speculative decoding (their ratios are derived below, see RATIOS).
     _m("prefix_cache_queries", "vllm:prefix_cache_queries_total", "counter"),

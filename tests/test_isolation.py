@@ -14,6 +14,7 @@ import pytest
 import engine.output_processor as output_module
 from engine import LLM, SamplingParams
 from engine.server import serve
+from monitor.remote import PrometheusSource, ServerConfig
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Water boils at"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -76,6 +77,15 @@ def test_the_server_answers_the_failed_request_and_keeps_serving(llm, poisoned, 
             assert c.get("/health").status_code == 200
             metrics = c.get("/metrics").text
             assert 'finished_reason="error"' in metrics
+            # The recompute is counted (one request was in the failed step), and the monitor
+            # reads it as servescope's series.
+            isolated = [line for line in metrics.splitlines()
+                        if line.startswith("servescope:engine_isolated_requests_total{")]
+            assert len(isolated) == 1 and float(isolated[0].rsplit(" ", 1)[1]) == 1.0
+            source = PrometheusSource(ServerConfig("iso", srv.url, interval_s=0.01))
+            values = {s.series: s.value for s in source.poll(0.0).samples}
+            source.close()
+            assert values["iso/isolated_requests_total"] == 1.0
     finally:
         srv.close()
 

@@ -58,8 +58,9 @@ CHARTS: tuple[ChartSpec, ...] = (
               (r"(prefix_cache_hit_rate|spec_acceptance_rate)",), 100.0),
     ChartSpec("phases", "Queue / prefill / decode time p99", "ms",
               (r"(queue|prefill|decode)_s_p99",), 1000.0),
-    ChartSpec("events", "Preemptions / finished requests by reason", "/s",
-              (r"(preemptions_per_s|requests_finished_reason_per_s\[.*\])",)),
+    ChartSpec("events", "Preemptions / finished requests by reason / steps recomputed", "/s",
+              (r"(preemptions_per_s|requests_finished_reason_per_s\[.*\]"
+               r"|isolated_requests_per_s)",)),
     # A server's quality canary (Servers → Edit): perplexity on the bundled held-out text.
     ChartSpec("quality", "Quality canary: held-out perplexity", "ppl", (r"canary_perplexity",)),
     # Response lengths and finish reasons against the server's first requests (monitor.drift).
