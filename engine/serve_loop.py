@@ -67,14 +67,28 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> EngineLoop:
+        """Step on a thread of the loop's own."""
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop stepping and wait for the thread; requests in flight end with an error."""
+    def run_here(self, when_ready: Callable[[], None] = lambda: None) -> None:
+        """Step on the calling thread until stop() or an interrupt (Ctrl+C: KeyboardInterrupt
+        propagates once the requests in flight are ended). `when_ready` is called once the
+        loop counts as running (health() is None), before the first step: start serving there."""
+        self._thread = threading.current_thread()
+        when_ready()
+        self._run()
+
+    def stop_soon(self) -> None:
+        """Ask the loop to stop after its current step, without waiting."""
         self._stop.set()
         self._inbox.put(None)  # wake the loop if it sleeps
-        self._thread.join(timeout=30)
+
+    def stop(self) -> None:
+        """Stop stepping and wait for the thread; requests in flight end with an error."""
+        self.stop_soon()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     def health(self) -> str | None:
         """None while the loop can serve, else why not (one sentence)."""
