@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -9,6 +10,25 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+
+
+@contextlib.contextmanager
+def monitor_session(db_url: str, entry):
+    """The Monitor's service (no window) on `db_url`, watching the server `entry` (saved on
+    first use); shut down afterwards, having reported no error."""
+    from app.panes.monitor.service import MonitorService
+
+    errors: list[str] = []
+    service = MonitorService(on_error=errors.append, gpus=False, db_url=db_url)
+    service.start()
+    try:
+        assert service.wait_for_database(30), errors
+        if entry.name not in service.servers:
+            service.add_server(entry)
+        yield service
+    finally:
+        service.shutdown()
+        assert errors == []
 
 
 class LocalServer(ThreadingHTTPServer):

@@ -23,7 +23,7 @@ from monitor.canary import (
     score,
 )
 from monitor.recording import Recording
-from tests.monitor.conftest import LocalServer, QuietHandler
+from tests.monitor.conftest import LocalServer, QuietHandler, monitor_session
 from tests.monitor.sshd import shared_engine_server
 
 # The first ~75 tokens of the held-out text: each score runs a prefill on 2 shared cores.
@@ -214,28 +214,19 @@ def test_a_saved_servers_canary_keeps_its_baseline_across_sessions(server, tmp_p
     the earlier one stored, from its very first score (not after learning a new baseline)."""
     import time
 
-    from app.panes.monitor.service import MonitorService
     from app.panes.monitor.state import ServerEntry
 
     db_url = f"sqlite:///{tmp_path / 'monitor.db'}"
     key = "watched-canary/canary_"
 
     def session(until) -> tuple[list, list]:
-        errors: list[str] = []
-        service = MonitorService(on_error=errors.append, gpus=False, db_url=db_url)
-        service.start()
-        try:
-            assert service.wait_for_database(30), errors
-            if "watched" not in service.servers:
-                service.add_server(ServerEntry("watched", server.url, canary_every_s=0.2))
+        entry = ServerEntry("watched", server.url, canary_every_s=0.2)
+        with monitor_session(db_url, entry) as service:
             deadline = time.monotonic() + 90
             while not until(service.hub) and time.monotonic() < deadline:
                 time.sleep(0.1)
             return (list(service.hub.series(key + "perplexity")[1]),
                     list(service.hub.series(key + "drift")[1]))
-        finally:
-            service.shutdown()
-            assert errors == []
 
     first_ppl, first_drift = session(lambda hub: len(hub.series(key + "drift")[1]) >= 1)
     assert len(first_ppl) >= 3  # the baseline: the median of the first three scores

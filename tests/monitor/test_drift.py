@@ -26,6 +26,7 @@ from monitor.drift import (
 from monitor.loadgen import LoadSpec, run_load
 from monitor.promtext import parse_metrics
 from monitor.remote import PrometheusSource, ServerConfig
+from tests.monitor.conftest import monitor_session
 from tests.monitor.sshd import shared_engine_server
 
 BASE = {"a": 40, "b": 30, "c": 15, "d": 10, "e": 5}
@@ -162,26 +163,16 @@ def test_the_monitor_keeps_a_servers_drift_baseline_across_sessions(server, tmp_
     """The Monitor's service (no window): the first session learns the baseline from the
     server's first 100 requests and stores it; the next session on the same database judges
     the first 20 requests it sees against it, without learning a new one."""
-    from app.panes.monitor.service import MonitorService
     from app.panes.monitor.state import ServerEntry
 
     db_url = f"sqlite:///{tmp_path / 'monitor.db'}"
 
     def session(requests: int, want: str) -> list[float]:
-        errors: list[str] = []
-        service = MonitorService(on_error=errors.append, gpus=False, db_url=db_url)
-        service.start()
-        try:
-            assert service.wait_for_database(30), errors
-            if "drifty" not in service.servers:
-                service.add_server(ServerEntry("drifty", server.url))
+        with monitor_session(db_url, ServerEntry("drifty", server.url)) as service:
             _wait(lambda: len(service.hub.series("drifty/requests_running")[1]) >= 2)
             _load(server, output_len=2, requests=requests)
             _wait(lambda: len(service.hub.series(want)[1]) >= 1)
             return list(service.hub.series(want)[1])
-        finally:
-            service.shutdown()
-            assert errors == []
 
     learnt = session(100, "drifty/response_length_baseline[2]")
     assert learnt == [100]
