@@ -70,13 +70,13 @@ class Ratio:
     absent_is_zero: bool = False
 
 
-# vLLM's own definitions (its SpecDecodingLogging): acceptance rate = accepted / drafted tokens;
-# mean acceptance length = 1 + accepted / drafts (the bonus token counts); per position
-# i: accepted at i / drafts.
 # The series whose distribution is compared with the source's baseline (monitor/drift.py).
 DRIFT_HISTOGRAMS = {"request_generation_tokens": "response_length"}
 DRIFT_COUNTERS = {"requests_finished_reason": "finish_reason"}
 
+# vLLM's own definitions (its SpecDecodingLogging): acceptance rate = accepted / drafted tokens;
+# mean acceptance length = 1 + accepted / drafts (the bonus token counts); per position
+# i: accepted at i / drafts.
 RATIOS = (Ratio("prefix_cache_hit_rate", "prefix_cache_hits", "prefix_cache_queries",
                 absent_is_zero=True),
           Ratio("spec_acceptance_rate", "spec_accepted_tokens", "spec_draft_tokens"),
@@ -163,11 +163,11 @@ TABLE: tuple[MetricMap, ...] = (
     _m("requests_finished_reason", "vllm:request_success_total", "counter",
        per="finished_reason", per_as="reason", values=FINISHED_REASONS),
     _m("preemptions", "vllm:num_preemptions_total", "counter"),
+    _m("preemptions", "sglang:num_retracted_requests_total", "counter", replicas=_SG_RANKS),
     # servescope serve's own (engine/serve_metrics.py): KV entries its eviction policies
     # dropped, and requests recomputed alone after a batch step failed.
     _m("kv_evicted_tokens", "servescope:kv_evicted_tokens_total", "counter"),
     _m("isolated_requests", "servescope:engine_isolated_requests_total", "counter"),
-    _m("preemptions", "sglang:num_retracted_requests_total", "counter", replicas=_SG_RANKS),
     # Prefix cache and speculative decoding (their ratios are derived below, see RATIOS).
     _m("prefix_cache_queries", "vllm:prefix_cache_queries_total", "counter"),
     _m("prefix_cache_hits", "vllm:prefix_cache_hits_total", "counter"),
