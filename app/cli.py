@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 
@@ -52,14 +53,18 @@ def _parser() -> argparse.ArgumentParser:
 
 # ---- plan run-here ----
 def _run_here_parser(plan_sub, common_arguments, layout_arguments) -> None:
+    from app.plan_run import ENGINES
+
     p = plan_sub.add_parser(
         "run-here", help="run one layout on this machine: predict it, start its server, drive "
                          "its workload while recording, store the run beside the prediction",
-        description="Predict the layout as `plan evaluate` does, start `servescope serve` with "
-                    "the layout's settings on this machine's loopback, send the workload "
-                    "(prompt lengths in words), record the server's /metrics into the "
-                    "database and store the run with its deployment and the prediction "
-                    "(`servescope plan machine` first adds this machine to the catalog).")
+        description="Predict the layout as `plan evaluate` does, start the layout's server "
+                    "on this machine's loopback (real vLLM with the exported `vllm serve` "
+                    "flags where vLLM is installed, else `servescope serve` with the same "
+                    "settings), send the workload (prompt lengths in tokens of the server's "
+                    "tokenizer), record the server's /metrics into the database and store the "
+                    "run with its deployment and the prediction (`servescope plan machine` "
+                    "first adds this machine to the catalog).")
     common_arguments(p)
     layout_arguments(p, gpu_default="this machine")
     load = p.add_mutually_exclusive_group(required=True)
@@ -68,6 +73,13 @@ def _run_here_parser(plan_sub, common_arguments, layout_arguments) -> None:
     p.add_argument("--model-path", help="the model's GGUF file or folder (default: the demo "
                                         "model's GGUF for the demo model)")
     p.add_argument("--requests", type=int, default=20, help="requests to send")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="the server: vllm (its Python: $SERVESCOPE_VLLM_PYTHON, else "
+                        ".venv-vllm, else `vllm` on PATH), servescope, or auto (vLLM where "
+                        "installed and able to run the plan; default)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                   help="one more flag for the server, after the plan's (repeat it; e.g. "
+                        "--server-arg=--enforce-eager)")
     p.add_argument("--db", help="SQLAlchemy URL (default: SQLite in the user's data folder)")
     p.set_defaults(func=_run_here)
 
@@ -96,7 +108,8 @@ def _run_here(args) -> int:
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         out = run_here(PlanRun(SimpleNamespace(deployment=d, memory=ev.memory), w, model_path,
-                               args.requests, predicted), db, progress=say)
+                               args.requests, predicted, args.engine, tuple(args.server_arg)),
+                       db, progress=say)
     except (PlanRunError, StorageError, RuntimeError) as exc:
         return _fail(args, exc)
     finally:
@@ -108,6 +121,7 @@ def _run_here(args) -> int:
     print(f"{'':14}{'predicted':>12}{'measured':>12}")
     for key in ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
         print(f"{key:14}{predicted[key]:12.1f}{out['measured'][key]:12.1f}")
+    print(f"served by {out['engine']}: {shlex.join(out['command'])}")
     print(f"stored as run {out['run_id']} in {out['db']} (server metrics as source "
           f"{out['source']!r})")
     return 0

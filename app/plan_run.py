@@ -4,7 +4,9 @@ the plan's predictions, so plan -> run -> measure -> calibrate closes on one mac
 item 5; the planner's calibration reads such runs through planner.measured.from_runs).
 
 Qt-free: `servescope plan run-here` calls it, and so can the Planner pane on a worker thread.
-The server is `servescope serve` with the flags planner.export gives it.
+The server is the one the plan exports: real vLLM with the plan's `vllm serve` flags where vLLM
+is installed here (app/vllm_local.py finds it), else `servescope serve` with the same settings
+(planner.export gives both); `engine=` picks one.
 """
 
 from __future__ import annotations
@@ -24,14 +26,18 @@ from pathlib import Path
 
 import httpx
 
-from planner.export import NotServable, servescope_serve_args
+from app import vllm_local
+from planner.export import NotServable, servescope_serve_args, vllm_command
 from planner.search import Plan
 from planner.workload import Workload
 
 START_TIMEOUT_S = 300.0
 MEASURED_HERE = "measured here"  # how engine/device_profile.py's catalog entries say so
 SOURCE_NAME = "plan-run"
+SCRAPE_S = 0.5  # how often the monitor reads the plan's server while it runs
 DEMO_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the catalog's demo model
+# Which server runs the plan: vLLM where installed ("auto"), or the one named.
+ENGINES = ("auto", "vllm", "servescope")
 
 
 class PlanRunError(RuntimeError):
@@ -47,6 +53,18 @@ class PlanRun:
     model_path: str  # the GGUF file or folder the server loads
     requests: int = 20
     predicted: dict | None = None  # the plan's own figures, stored beside the measured ones
+    engine: str = "auto"  # one of ENGINES
+    server_args: tuple[str, ...] = ()  # more flags for the server, after the plan's
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """How the plan's server starts here."""
+
+    argv: list[str]
+    typed: list[str]  # the command as a user types it (`vllm serve ...`, `servescope serve ...`)
+    engine: str  # "servescope" or "vLLM <version>", stored with the run
+    env: dict[str, str]
 
 
 def predicted_figures(ev) -> dict:
@@ -72,10 +90,10 @@ def demo_model_path(model) -> str:
 def run_here(run: PlanRun, db, progress: Callable[[str], None] = lambda message: None) -> dict:
     """Start the server, drive the load while recording /metrics into `db`, store the run;
     returns the measured and predicted figures with the run's id. PlanRunError says why not."""
-    command = server_command(run)
+    command = server_command(run, progress)
     log = Path(tempfile.mkstemp(prefix="servescope-plan-run-", suffix=".log")[1])
-    progress(f"starting {shlex.join(as_typed(command))}")
-    server = LocalServer(command, log).start()
+    progress(f"starting {shlex.join(command.typed)}")
+    server = LocalServer(command.argv, log, command.env).start()
     try:
         progress(f"server up at {server.url} in {server.started_s:.0f} s; sending the load")
         return _measure(run, db, server, command, progress)
@@ -102,28 +120,110 @@ def check_device(run: PlanRun) -> None:
                        "`servescope plan machine`) to run it here.")
 
 
-def server_command(run: PlanRun) -> list[str]:
-    """`servescope serve` on a free loopback port with the plan's flags."""
+def server_command(run: PlanRun, progress: Callable[[str], None] = lambda message: None
+                   ) -> ServerCommand:
+    """The plan's server on a free loopback port: vLLM or `servescope serve` (run.engine)."""
+    if run.engine not in ENGINES:
+        raise PlanRunError(f"Unknown engine {run.engine!r}: use one of {', '.join(ENGINES)}.")
     check_device(run)
+    if not Path(run.model_path).exists():
+        raise PlanRunError(f"The model {run.model_path} does not exist: give the GGUF file or "
+                           "folder of the plan's model.")
+    if run.engine == "servescope":
+        return servescope_server(run)
+    python = vllm_local.vllm_python()
+    if run.engine == "vllm":
+        if python is None:
+            raise PlanRunError("No vLLM is installed here: set SERVESCOPE_VLLM_PYTHON to the "
+                               "Python of an environment with vLLM, or run the plan with "
+                               "servescope serve.")
+        return vllm_server(run, python)
+    if python is None:
+        return servescope_server(run)
+    try:
+        return vllm_server(run, python)
+    except PlanRunError as exc:  # vLLM here cannot run this plan: servescope serve may
+        progress(f"{exc} Serving it with servescope serve instead.")
+        return servescope_server(run)
+
+
+def servescope_server(run: PlanRun) -> ServerCommand:
+    """`servescope serve` with the plan's flags."""
     try:
         # The model's whole context, not the one the plan was sized for: a chat template or a
         # tokenizer's BOS may add a token or two to the plan's prompt lengths.
         flags = servescope_serve_args(run.plan, sized_context=False)
     except NotServable as exc:
         raise PlanRunError(f"This plan cannot run here: {exc}.") from None
-    if not Path(run.model_path).exists():
-        raise PlanRunError(f"The model {run.model_path} does not exist: give the GGUF file or "
-                           "folder of the plan's model.")
-    return [sys.executable, "-m", "app.cli", "serve", "--model", run.model_path,
-            "--host", "127.0.0.1", "--port", str(free_port()), *flags]
+    tail = ["--model", run.model_path, "--host", "127.0.0.1", "--port", str(free_port()),
+            *flags, *run.server_args]
+    return ServerCommand([sys.executable, "-m", "app.cli", "serve", *tail],
+                         ["servescope", "serve", *tail], "servescope", dict(os.environ))
 
 
-def as_typed(command: list[str]) -> list[str]:
-    """The server command as a user types it (`servescope serve ...`)."""
-    return ["servescope", *command[3:]]
+def vllm_server(run: PlanRun, python: str) -> ServerCommand:
+    """Real vLLM's OpenAI server with the flags of the plan's exported `vllm serve` command."""
+    problem = _vllm_cpu_problem(run.plan.deployment)
+    if problem:
+        raise PlanRunError(f"vLLM cannot run this plan here: {problem}.")
+    try:
+        version = vllm_local.version(python)
+        exported = shlex.split(vllm_command(run.plan))
+    except vllm_local.VllmUnavailable as exc:
+        raise PlanRunError(str(exc)) from None
+    except NotServable as exc:
+        raise PlanRunError(f"vLLM cannot run this plan: {exc}.") from None
+    # `vllm serve MODEL FLAGS...`: the model becomes a local folder; the context stays the
+    # model's (as for servescope serve, above).
+    flags = _without(exported[3:], "--max-model-len")
+    model = _vllm_model(run, python)
+    argv = vllm_local.server_command(python, model, free_port(), run.plan.deployment.model.hf_id,
+                                     [*flags, *run.server_args])
+    typed = ["vllm", "serve", model, *argv[argv.index("--served-model-name"):]]
+    return ServerCommand(argv, typed, f"vLLM {version}",
+                         {**os.environ, **vllm_local.SERVER_ENV})
 
 
-def _measure(run: PlanRun, db, server: LocalServer, command: list[str],
+def _vllm_cpu_problem(d) -> str:
+    """What vLLM's CPU build cannot do of this deployment, on a machine without a CUDA GPU
+    ('' where it can, or where there is a GPU: the export is then vLLM's own business)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ""
+    if d.gpus > 1:
+        return f"on this CPU it runs one instance, and the plan shards the model over {d.gpus}"
+    if d.weights not in ("bf16", "fp16"):
+        return f"its CPU build has no {d.weights} weights for {d.model.name} (plan with bf16)"
+    if d.kv not in ("bf16", "fp16"):
+        return f"its CPU build has no {d.kv} KV cache (plan with a bf16 one)"
+    return ""
+
+
+def _vllm_model(run: PlanRun, python: str) -> str:
+    """The model as vLLM reads it: a Hugging Face folder (the demo GGUF converted once)."""
+    path = Path(run.model_path)
+    if path.is_dir():
+        return str(path)
+    if run.plan.deployment.model.hf_id == DEMO_HF_ID and path == Path(
+            demo_model_path(run.plan.deployment.model)):
+        try:
+            return str(vllm_local.demo_folder(python)[0])
+        except vllm_local.VllmUnavailable as exc:
+            raise PlanRunError(str(exc)) from None
+    raise PlanRunError(f"vLLM serves a Hugging Face folder, and {path} is a file: give the "
+                       "model's folder, or run the plan with servescope serve.")
+
+
+def _without(flags: list[str], name: str) -> list[str]:
+    """The flags less `name` and its value."""
+    if name not in flags:
+        return flags
+    i = flags.index(name)
+    return flags[:i] + flags[i + 2:]
+
+
+def _measure(run: PlanRun, db, server: LocalServer, command: ServerCommand,
              progress: Callable[[str], None]) -> dict:
     from monitor.loadgen import LoadSpec, ServerInfo, run_load, store_run
     from monitor.recording import Recording
@@ -132,7 +232,7 @@ def _measure(run: PlanRun, db, server: LocalServer, command: list[str],
 
     d, w = run.plan.deployment, run.workload
     recording = Recording([server_source(ServerConfig(SOURCE_NAME, server.url,
-                                                      interval_s=0.5))])
+                                                      interval_s=SCRAPE_S))])
     recording.attach_database(db)
     recording.start()
     try:
@@ -143,6 +243,9 @@ def _measure(run: PlanRun, db, server: LocalServer, command: list[str],
                         input_len=w.input_len, input_unit="tokens", output_len=w.output_len,
                         seed=w.seed)
         result = run_load(spec, progress=lambda done, total: progress(f"{done}/{total} requests"))
+        # Two more scrapes after the last reply: the stored counters then include the last
+        # requests (seen without: 2 of 4 finished requests recorded).
+        time.sleep(2 * SCRAPE_S)
     finally:
         recording.stop()
         recording.close()
@@ -151,13 +254,13 @@ def _measure(run: PlanRun, db, server: LocalServer, command: list[str],
         raise PlanRunError(f"No request to the plan's server succeeded ({errors[0]}); its log "
                            f"is {server.log}.")
     info = ServerInfo(gpu=d.gpu.name, tp=d.tp, pp=d.pp, weights=d.weights, kv=d.kv,
-                      engine="servescope")
-    extra = {"plan": {"command": as_typed(command), "predicted": run.predicted or {}}}
+                      engine=command.engine)
+    extra = {"plan": {"command": command.typed, "predicted": run.predicted or {}}}
     run_id = store_run(db, result, name=f"plan run: {d.model.name} on {d.gpu.name}",
                        server=info, extra=extra)
     return {"run_id": run_id, "measured": measured_figures(result.summary),
-            "predicted": run.predicted or {}, "command": as_typed(command),
-            "log": str(server.log),
+            "predicted": run.predicted or {}, "command": command.typed,
+            "engine": command.engine, "log": str(server.log),
             "source": SOURCE_NAME}
 
 
@@ -266,8 +369,8 @@ class LocalServer:
     """An OpenAI-compatible server process on this machine's loopback, stopped with its
     children (its own session)."""
 
-    def __init__(self, command: list[str], log: Path) -> None:
-        self.command, self.log = command, log
+    def __init__(self, command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.command, self.log, self.env = command, log, env
         self.url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
         self.process: subprocess.Popen | None = None
         self.started_s = 0.0
@@ -276,7 +379,7 @@ class LocalServer:
         began = time.monotonic()
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            env=self.env, start_new_session=True)
         try:
             self._wait_healthy(began + timeout_s, timeout_s)
         except BaseException:

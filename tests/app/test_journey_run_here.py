@@ -14,6 +14,7 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app.panes.planner.state import FormState
+from tests.app.test_journey_engine import choose
 from tests.app.test_journey_planner import SEARCH_MS, left_last_time, planner_window
 from tests.app.user import DialogAnswerer, answer_file_dialog, button, menu_action, raw_errors
 
@@ -42,6 +43,8 @@ def test_journey_run_the_chosen_plan_here_and_calibrate_from_it(make_window, qtb
     pane.tabs.setCurrentWidget(pane.deploy_page)  # the Deploy tab, beside the plan's commands
     run_here = button(pane, "Run here")
     assert run_here.isVisible() and run_here.isEnabled(), run_here.toolTip()
+    # The embedded server: tests/vllm/test_plan_run_vllm.py runs a plan on real vLLM.
+    choose(pane.run_here_server, "servescope")
     before = pane.calibration.name
 
     with qtbot.waitSignal(pane.run_here_runner.finished, timeout=RUN_MS):
@@ -50,6 +53,7 @@ def test_journey_run_the_chosen_plan_here_and_calibrate_from_it(make_window, qtb
     ran = [m for m in messages if m.startswith("Ran the plan here")]
     assert ran, messages
     assert "tok/s measured against" in ran[0] and "stored as run" in ran[0]
+    assert ran[0].endswith("(served by servescope).")
     run_id = int(re.search(r"stored as run (\d+)", ran[0]).group(1))
     measured_tok_s, predicted_tok_s = (float(x) for x in re.match(
         r"Ran the plan here: ([\d.]+) tok/s measured against ([\d.]+) predicted", ran[0]).groups())

@@ -8,6 +8,7 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QFont
 from PySide6.QtWidgets import (
     QApplication,
+    QComboBox,
     QFileDialog,
     QGridLayout,
     QHBoxLayout,
@@ -120,6 +121,14 @@ class PlannerPane(PageMixin, QWidget):
                                            "and calibrate the planner from the result")
         self.run_here_button = QPushButton("Run here", enabled=False)
         self.run_here_button.setToolTip(RUN_HERE_NEEDS)
+        self.run_here_server = QComboBox()
+        for label, engine in RUN_HERE_SERVERS:
+            self.run_here_server.addItem(label, engine)
+        self.run_here_server.setAccessibleName("Server to run the plan with")
+        self.run_here_server.setToolTip("Which server \"Run here\" starts: real vLLM with the "
+                                        "plan's vllm serve flags where it is installed "
+                                        "(SERVESCOPE_VLLM_PYTHON, or vllm on PATH), or "
+                                        "servescope serve with the same settings")
         self.report_button = QPushButton("Export report…")
         self.present_button = QPushButton("Presentation", checkable=True)
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -205,6 +214,7 @@ class PlannerPane(PageMixin, QWidget):
         row.addWidget(self.save_deploy_button)
         # Beside the chosen plan's commands: run them here (the action row is full at 1,100 px).
         row.addWidget(self.run_here_button)
+        row.addWidget(self.run_here_server)
         row.addStretch(1)
         page = QWidget()
         column = QVBoxLayout(page)
@@ -464,7 +474,8 @@ class PlannerPane(PageMixin, QWidget):
         self.run_here_button.setEnabled(False)
         self.progress.setVisible(True)
         self.run_here_runner.start(run_here_task(plan, self.outcome.form.workload(),
-                                                 self.store.url, self.calibration))
+                                                 self.store.url, self.calibration,
+                                                 engine=self.run_here_server.currentData()))
         return True
 
     def export_report(self, path: str | Path = "") -> list[Path]:
@@ -578,7 +589,8 @@ class PlannerPane(PageMixin, QWidget):
         self._run_here_ended(
             f"Ran the plan here: {m['throughput_tok_s']:.1f} tok/s measured against "
             f"{p['throughput_tok_s']:.1f} predicted, TPOT p50 {m['tpot_p50_ms']:.0f} ms against "
-            f"{p['tpot_p50_ms']:.0f} ms; stored as run {result['run_id']}.", "info")
+            f"{p['tpot_p50_ms']:.0f} ms; stored as run {result['run_id']} (served by "
+            f"{result['engine']}).", "info")
         self.calibrate()
 
     def _run_here_ended(self, message: str, level: str) -> None:
@@ -675,6 +687,9 @@ class PlannerPane(PageMixin, QWidget):
 
 RUN_HERE_NEEDS = ("Choose a plan on this machine to run it here (add the machine with "
                   "`servescope plan machine`, then tick it under GPU types)")
+# The "Run here" server choices (app.plan_run.ENGINES), as the combo box labels them.
+RUN_HERE_SERVERS = (("auto: vLLM where installed", "auto"), ("vLLM", "vllm"),
+                    ("servescope serve", "servescope"))
 
 
 def run_here_problem(plan: Plan | None) -> str:

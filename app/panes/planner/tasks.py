@@ -144,7 +144,8 @@ def workstation_task(quick: bool | None = None) -> TaskFunction:
 
 
 def run_here_task(plan: Plan, workload: Workload, db_url: str | None,
-                  calibration: Calibration, requests: int = RUN_HERE_REQUESTS) -> TaskFunction:
+                  calibration: Calibration, requests: int = RUN_HERE_REQUESTS,
+                  engine: str = "auto") -> TaskFunction:
     """Run the chosen plan on this machine (app.plan_run): predict it, serve it, load it while
     the monitor records, store the run; the result is run_here's figures."""
 
@@ -156,7 +157,7 @@ def run_here_task(plan: Plan, workload: Workload, db_url: str | None,
         try:
             ev = evaluate(plan.deployment, workload, 1, calibration)
             run = PlanRun(plan, workload, demo_model_path(plan.deployment.model), requests,
-                          predicted_figures(ev))
+                          predicted_figures(ev), engine)
             db = open_database(db_url)
         except (PlanRunError, StorageError, *USER_ERRORS) as exc:
             return Failure(user_message(exc))

@@ -1,0 +1,89 @@
+"""Run a plan here on real vLLM: `servescope plan run-here --engine vllm` starts vLLM's own server
+with the flags of the plan's exported `vllm serve` command, drives the plan's workload, records
+vLLM's /metrics and stores the run under vLLM's name and version; the run then calibrates the
+planner for this machine (issue #15 item 5, issue #19 item 1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import sqlalchemy as sa
+
+from planner.catalog import load_catalog
+from planner.measured import from_runs
+from storage.db import open_database
+from storage.queries import list_runs
+from tests.vllm.server import vllm_version
+
+REQUESTS = 4
+# eager mode skips torch.compile's warm-up (minutes on two cores; the test needs no speed).
+LOAD = ["--input-len", "24", "--output-len", "12", "--requests", str(REQUESTS),
+        "--server-arg=--enforce-eager"]
+pytestmark = pytest.mark.xdist_group("vllm")  # after or before the session's vLLM, not beside
+
+
+def servescope(config, python: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SERVESCOPE_CONFIG_DIR=str(config), SERVESCOPE_VLLM_PYTHON=python)
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True,
+                          text=True, timeout=900, env=env)
+
+
+@pytest.fixture(scope="module")
+def ran(vllm_python, tmp_path_factory, demo_gguf):
+    config = tmp_path_factory.mktemp("config")
+    done = servescope(config, vllm_python, "plan", "machine", "--quick", "--json")
+    assert done.returncode == 0, done.stderr
+    db = f"sqlite:///{tmp_path_factory.mktemp('db') / 'runs.db'}"
+    done = servescope(config, vllm_python, "plan", "run-here", "--model", "smollm2",
+                      "--concurrency", "2", "--max-seqs", "4", "--engine", "vllm", *LOAD,
+                      "--db", db, "--json")
+    assert done.returncode == 0, done.stderr
+    return config, db, json.loads(done.stdout), vllm_version(vllm_python)
+
+
+def test_the_plan_runs_on_vllm_with_its_exported_flags(ran):
+    _config, db_url, out, version = ran
+    assert out["engine"] == f"vLLM {version}"
+    command = out["command"]
+    assert command[:2] == ["vllm", "serve"]
+    assert command[command.index("--max-num-seqs") + 1] == "4"
+    assert command[command.index("--tensor-parallel-size") + 1] == "1"
+    assert "--enable-prefix-caching" in command and command[-1] == "--enforce-eager"
+    measured = out["measured"]
+    assert measured["completed"] == REQUESTS and measured["failed"] == 0
+    assert measured["throughput_tok_s"] > 0 and measured["tpot_p99_ms"] >= measured["tpot_p50_ms"]
+    db = open_database(db_url)
+    try:
+        [run] = list_runs(db)
+        assert run["config"]["engine"] == f"vLLM {version}"
+        assert run["config"]["plan"]["command"] == command
+        with db.engine.connect() as conn:
+            kind, stored_version = conn.execute(sa.text(
+                "SELECT kind, version FROM sources WHERE name = 'plan-run'")).one()
+            finished = conn.execute(sa.text(
+                "SELECT max(s.value) FROM samples s JOIN series r ON s.series_id = r.id "
+                "JOIN sources o ON r.source_id = o.id WHERE o.name = 'plan-run' "
+                "AND r.name = 'requests_finished_total'")).scalar()
+        # The monitor read vLLM itself, and counted the load's requests as the client did.
+        assert (kind, stored_version) == ("vllm", version)
+        assert finished == REQUESTS
+    finally:
+        db.close()
+
+
+def test_the_vllm_run_calibrates_the_planner_on_this_machine(ran):
+    config, db_url, out, version = ran
+    db = open_database(db_url)
+    try:
+        runs = list_runs(db)
+    finally:
+        db.close()
+    catalog = load_catalog(config)
+    [point], skipped = from_runs(runs, catalog)
+    assert skipped == []
+    assert point.gpu == catalog.gpu("this machine").name and point.engine == f"vLLM {version}"
+    assert point.throughput_tok_s == pytest.approx(out["measured"]["throughput_tok_s"])
