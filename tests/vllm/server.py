@@ -58,12 +58,9 @@ def vllm_version(python: str) -> str:
 
 def demo_folder(python: str) -> Path:
     """The demo model as a Hugging Face folder (converted once, then cached)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from vllm_demo_model import ensure_folder
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return ensure_folder(python)[0]
+    from app.vllm_local import demo_folder
+
+    return demo_folder(python)[0]
 
 
 def free_port() -> int:
