@@ -2,17 +2,20 @@
 
 This machine is measured (engine/device_profile.py: read bandwidth, bf16 matmul, the engine's
 step overhead) into a throwaway catalog; the demo model is planned on it at several
-concurrencies and Poisson rates; each plan is run here (app/plan_run.py: `servescope serve`
-with the plan's settings, driven by the load generator) and its throughput and p50/p99 TTFT and
-TPOT are compared with the prediction. Then the planner is calibrated from ONE of the runs
-(the first) and every point is predicted again: the errors before and after, the same runs.
+concurrencies and Poisson rates; each plan is run here (app/plan_run.py: `servescope serve`, or
+real vLLM with --engine vllm, with the plan's settings, driven by the load generator) and its
+throughput and p50/p99 TTFT and TPOT are compared with the prediction. Then the planner is
+calibrated from ONE of the runs (the first) and every point is predicted again: the errors
+before and after, the same runs.
 
 Prints one JSON object: the machine, the device profile, per point the predictions
 (uncalibrated, calibrated) and the measurement, and the median absolute percentage errors.
 Prompt lengths are in tokens for both: the load generator sends token-id prompts of exactly the
 planned length, drawn from the server's own /tokenize.
 
-    .venv/bin/python benchmarks/planner_vs_real.py [--quick] [--weights bf16]
+    .venv/bin/python benchmarks/planner_vs_real.py [--quick] [--weights bf16] [--engine vllm]
+    .venv/bin/python benchmarks/planner_vs_real.py --engine vllm --keep DIR   # then, after a
+    .venv/bin/python benchmarks/planner_vs_real.py --replay DIR   # planner change: same runs
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 INPUT_TOKENS, OUTPUT_TOKENS = 52, 32
-POINTS = ({"concurrency": 1}, {"concurrency": 4}, {"rate": 0.5}, {"rate": 2.0})
+QUICK_POINTS = ({"concurrency": 1}, {"concurrency": 4}, {"rate": 0.5}, {"rate": 2.0})
+POINTS = ({"concurrency": 1}, {"concurrency": 2}, {"concurrency": 4}, {"rate": 0.5},
+          {"rate": 1.0}, {"rate": 2.0})
 FIGURES = ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 
 
@@ -45,62 +50,103 @@ def median_apes(points: list[dict], which: str) -> dict:
             for k in FIGURES}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer requests per point")
-    parser.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4"))
-    args = parser.parse_args()
-    config_dir = Path(tempfile.mkdtemp(prefix="servescope-planner-vs-real-"))
-    os.environ["SERVESCOPE_CONFIG_DIR"] = str(config_dir)
-
-    from app.plan_run import PlanRun, demo_model_path, predicted_figures, run_here
-    from engine.bench import machine
-    from engine.device_profile import measure, write_entry
-    from planner.calibrate import Calibration
-    from planner.catalog import load_catalog
-    from planner.evaluate import evaluate
-    from planner.measured import calibrate_measured
+def deployment_and_workload(model, here, weights: str, load: dict):
     from planner.timing import Deployment
     from planner.workload import Workload
-    from storage.db import open_database
-    from storage.queries import list_runs
 
-    profile = measure(quick=args.quick)
-    write_entry(profile, config_dir)
-    catalog = load_catalog(config_dir)
+    return (Deployment(model, here, weights, "bf16", max_seqs=8),
+            Workload(INPUT_TOKENS, OUTPUT_TOKENS, num_requests=200, **load))
+
+
+def measure_points(args, catalog, db) -> list[dict]:
+    """Each point planned, then run here on the chosen server; its stored run's id and figures."""
+    from app.plan_run import PlanRun, demo_model_path, predicted_figures, run_here
+    from planner.evaluate import evaluate
+
     here, model = catalog.gpu("this machine"), catalog.model("SmolLM2-135M")
-    db = open_database(f"sqlite:///{config_dir / 'runs.db'}")
     requests = 6 if args.quick else 16
     points = []
-    for load in POINTS:
-        d = Deployment(model, here, args.weights, "bf16", max_seqs=8)
-        w = Workload(INPUT_TOKENS, OUTPUT_TOKENS, num_requests=200, **load)
+    for load in (QUICK_POINTS if args.quick else POINTS):
+        d, w = deployment_and_workload(model, here, args.weights, load)
         ev = evaluate(d, w)
         run = PlanRun(SimpleNamespace(deployment=d, memory=ev.memory), w,
-                      demo_model_path(model), requests, predicted_figures(ev))
+                      demo_model_path(model), requests, predicted_figures(ev), args.engine)
         out = run_here(run, db, progress=lambda m: print(m, file=sys.stderr, flush=True))
-        points.append({"load": load, "deployment": d, "workload": w, "run_id": out["run_id"],
-                       "uncalibrated": out["predicted"], "measured": out["measured"]})
-    # One calibration run: the first point's.
+        points.append({"load": load, "run_id": out["run_id"], "engine": out["engine"],
+                       "requests": requests, "measured": out["measured"]})
+    return points
+
+
+def predict_points(points: list[dict], catalog, db, weights: str):
+    """Every point predicted by this checkout's planner, uncalibrated and calibrated from ONE
+    run (the first point's); the errors of both."""
+    from app.plan_run import predicted_figures
+    from planner.evaluate import evaluate
+    from planner.measured import calibrate_measured
+    from storage.queries import list_runs
+
+    here, model = catalog.gpu("this machine"), catalog.model("SmolLM2-135M")
     first = [r for r in list_runs(db) if r["id"] == points[0]["run_id"]]
     report = calibrate_measured([], first, catalog, "one run here")
     for p in points:
-        cal_ev = evaluate(p["deployment"], p["workload"], 1, report.calibration)
-        p["calibrated"] = predicted_figures(cal_ev)
+        d, w = deployment_and_workload(model, here, weights, p["load"])
+        p["uncalibrated"] = predicted_figures(evaluate(d, w))
+        p["calibrated"] = predicted_figures(evaluate(d, w, 1, report.calibration))
         p["error_before_pct"] = apes(p["uncalibrated"], p["measured"])
         p["error_after_pct"] = apes(p["calibrated"], p["measured"])
-    db.close()
-    assert isinstance(report.calibration, Calibration)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 points, fewer requests")
+    parser.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4"))
+    parser.add_argument("--engine", default="servescope", choices=("servescope", "vllm"),
+                        help="the server the plans run on (vllm: real vLLM, its CPU build)")
+    parser.add_argument("--keep", type=Path, help="keep the machine entry, the runs and the "
+                                                  "points in this folder (for --replay)")
+    parser.add_argument("--replay", type=Path, help="predict again the runs a --keep folder "
+                                                    "holds, with this checkout's planner, "
+                                                    "measuring nothing")
+    args = parser.parse_args()
+    config_dir = args.replay or args.keep or Path(tempfile.mkdtemp(
+        prefix="servescope-planner-vs-real-"))
+    config_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["SERVESCOPE_CONFIG_DIR"] = str(config_dir)
+
+    from engine.bench import machine
+    from engine.device_profile import measure, write_entry
+    from planner.catalog import load_catalog
+    from storage.db import open_database
+
+    saved = config_dir / "planner_vs_real.json"
+    if args.replay:
+        kept = json.loads(saved.read_text())
+        profile, points, args.weights = kept["profile"], kept["points"], kept["weights"]
+    else:
+        profile = measure(quick=args.quick)
+        write_entry(profile, config_dir)
+    catalog = load_catalog(config_dir)
+    db = open_database(f"sqlite:///{config_dir / 'runs.db'}")
+    try:
+        if not args.replay:
+            points = measure_points(args, catalog, db)
+            saved.write_text(json.dumps({"profile": profile, "points": points,
+                                         "weights": args.weights, "machine": machine()}))
+        report = predict_points(points, catalog, db, args.weights)
+    finally:
+        db.close()
     result = {
         "benchmark": "planner_vs_real", "machine": machine(),
+        "replayed_from": str(args.replay) if args.replay else None,
         "profile": {k: profile[k] for k in ("read_bandwidth_gbs", "matmul_tflops", "step")},
-        "model": model.name, "weights": args.weights, "input_tokens": INPUT_TOKENS,
-        "output_tokens": OUTPUT_TOKENS, "requests": requests,
+        "model": "SmolLM2-135M", "weights": args.weights, "engine": points[0]["engine"],
+        "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS,
+        "requests": points[0]["requests"],
         "calibration": {"name": report.calibration.name,
                         "factors": {f"{g} {w}": vars(e) for (g, w), e in
                                     report.calibration.factors.items()}},
-        "points": [{k: v for k, v in p.items() if k not in ("deployment", "workload")}
-                   for p in points],
+        "points": points,
         "median_error_before_pct": median_apes(points, "error_before_pct"),
         "median_error_after_pct": median_apes(points, "error_after_pct"),
     }
