@@ -178,9 +178,9 @@ def vllm_server(run: PlanRun, python: str) -> ServerCommand:
     # model's (as for servescope serve, above).
     flags = _without(exported[3:], "--max-model-len")
     model = _vllm_model(run, python)
-    argv = vllm_local.server_command(python, model, free_port(), run.plan.deployment.model.hf_id,
-                                     [*flags, *run.server_args])
-    typed = ["vllm", "serve", model, *argv[argv.index("--served-model-name"):]]
+    port, name, flags = free_port(), run.plan.deployment.model.hf_id, [*flags, *run.server_args]
+    argv = vllm_local.server_command(python, model, port, name, flags)
+    typed = ["vllm", "serve", model, *vllm_local.serve_flags(port, name, flags)]
     env = {**os.environ, **vllm_local.SERVER_ENV}
     if "VLLM_CPU_KVCACHE_SPACE" not in env and not _has_cuda():
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_gib(run.plan))

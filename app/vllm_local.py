@@ -60,8 +60,8 @@ def _python_of_command(name: str) -> str | None:
         return None
     if not first.startswith("#!"):
         return None
-    interpreter = first[2:].strip().split()[0] if first[2:].strip() else ""
-    return interpreter if "python" in Path(interpreter).name else None
+    words = first[2:].split()
+    return words[0] if words and "python" in Path(words[0]).name else None
 
 
 def version(python: str, timeout_s: float = 300.0) -> str:
@@ -85,7 +85,12 @@ def server_command(python: str, model: str, port: int, served_name: str,
                    flags: list[str]) -> list[str]:
     """vLLM's OpenAI-compatible server on 127.0.0.1:port serving `model` as `served_name`."""
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+            *serve_flags(port, served_name, flags)]
+
+
+def serve_flags(port: int, served_name: str, flags: list[str]) -> list[str]:
+    """The flags after the model, as `vllm serve MODEL` takes them too."""
+    return ["--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
             *flags]
 
 

@@ -86,15 +86,16 @@ class Running:
 
 
 def vllm_command(python: str, folder: Path, port: int, eager: bool) -> list[str]:
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "demo",
-               "--max-model-len", "2048"]
-    return command + (["--enforce-eager"] if eager else [])
+    from app.vllm_local import server_command
+
+    return server_command(python, str(folder), port, "demo",
+                          ["--max-model-len", "2048", *(["--enforce-eager"] if eager else [])])
 
 
 def vllm_env(all_cores: bool) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    from app.vllm_local import SERVER_ENV
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **SERVER_ENV}
     if all_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"

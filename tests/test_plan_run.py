@@ -5,8 +5,6 @@ run then calibrates the planner (issue #15 item 5). Every refusal is one sentenc
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -65,15 +63,20 @@ def test_the_plan_runs_and_is_stored_beside_its_prediction(ran):
         db.close()
 
 
-def test_the_stored_run_calibrates_the_planner_on_this_machine(ran, config):
-    db_url, out = ran
+def calibration_points(db_url: str, config):
+    """The stored runs as the planner's calibration reads them: (points, skipped, catalog)."""
     db = open_database(db_url)
     try:
         runs = list_runs(db)
     finally:
         db.close()
     catalog = load_catalog(config)
-    points, skipped = from_runs(runs, catalog)
+    return *from_runs(runs, catalog), catalog
+
+
+def test_the_stored_run_calibrates_the_planner_on_this_machine(ran, config):
+    db_url, out = ran
+    points, skipped, catalog = calibration_points(db_url, config)
     assert skipped == []
     [point] = points
     assert point.model == "SmolLM2-135M" and point.gpu == catalog.gpu("this machine").name
@@ -110,10 +113,9 @@ def test_a_server_that_cannot_start_says_so_and_names_its_log(config, tmp_path):
 
 def _run_here_with(config, tmp_path, vllm_python: str, *flags: str):
     """`plan run-here` with SERVESCOPE_VLLM_PYTHON set to `vllm_python`."""
-    args = [sys.executable, "-m", "app.cli", "plan", "run-here", "--model", "smollm2",
-            "--concurrency", "1", *LOAD, "--db", f"sqlite:///{tmp_path / 'x.db'}", *flags]
-    env = dict(os.environ, SERVESCOPE_CONFIG_DIR=str(config), SERVESCOPE_VLLM_PYTHON=vllm_python)
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    return servescope(config, "plan", "run-here", "--model", "smollm2", "--concurrency", "1",
+                      *LOAD, "--db", f"sqlite:///{tmp_path / 'x.db'}", *flags,
+                      SERVESCOPE_VLLM_PYTHON=vllm_python)
 
 
 @pytest.mark.parametrize("python,flags,needle", [

@@ -31,10 +31,12 @@ date = "2025-01-01"
 """
 
 
-def servescope(config_dir, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, SERVESCOPE_CONFIG_DIR=str(config_dir))
+def servescope(config_dir, *args: str, timeout: float = 600,
+               **env: str) -> subprocess.CompletedProcess:
+    """The CLI with `config_dir` as its config folder and `env` set (SERVESCOPE_VLLM_PYTHON=)."""
+    env = dict(os.environ, SERVESCOPE_CONFIG_DIR=str(config_dir), **env)
     return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True,
-                          text=True, timeout=600, env=env)
+                          text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")

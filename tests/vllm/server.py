@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app import vllm_local
 from app.plan_run import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,8 +30,7 @@ START_TIMEOUT_S = 600.0
 SPECULATIVE = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3,' \
               '"prompt_lookup_min":2}'
 SERVER_ARGS = ("--max-model-len", "2048", "--enforce-eager", "--speculative-config", SPECULATIVE)
-SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-              "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", **vllm_local.SERVER_ENV}
 
 
 def vllm_python() -> str:
@@ -49,11 +49,10 @@ def vllm_python() -> str:
 
 def vllm_version(python: str) -> str:
     """vLLM's version in that environment, or pytest.skip with the import error."""
-    done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
-                          capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        pytest.skip(f"vLLM in {python} does not import: {done.stderr.strip()[-600:]}")
-    return done.stdout.strip().splitlines()[-1]
+    try:
+        return vllm_local.version(python)
+    except vllm_local.VllmUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def demo_folder(python: str) -> Path:
@@ -105,9 +104,7 @@ def start(python: str, folder: Path, log: Path) -> VllmServer:
     """Launch `python -m vllm.entrypoints.openai.api_server` on a free port and wait for it.
     (vllm-cpu's `vllm` console script looks up the distribution name `vllm` and fails.)"""
     port = free_port()
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
-               *SERVER_ARGS]
+    command = vllm_local.server_command(python, str(folder), port, MODEL_NAME, [*SERVER_ARGS])
     env = {**os.environ, **SERVER_ENV}
     began = time.monotonic()
     with open(log, "wb") as out:

@@ -6,17 +6,15 @@ planner for this machine (issue #15 item 5, issue #19 item 1)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import sqlalchemy as sa
 
-from planner.catalog import load_catalog
-from planner.measured import from_runs
 from storage.db import open_database
 from storage.queries import list_runs
+from tests.planner.test_machine_profile import servescope as cli
+from tests.test_plan_run import calibration_points
 from tests.vllm.server import vllm_version
 
 REQUESTS = 4
@@ -27,9 +25,7 @@ pytestmark = pytest.mark.xdist_group("vllm")  # after or before the session's vL
 
 
 def servescope(config, python: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, SERVESCOPE_CONFIG_DIR=str(config), SERVESCOPE_VLLM_PYTHON=python)
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True,
-                          text=True, timeout=900, env=env)
+    return cli(config, *args, timeout=900, SERVESCOPE_VLLM_PYTHON=python)
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +73,7 @@ def test_the_plan_runs_on_vllm_with_its_exported_flags(ran):
 
 def test_the_vllm_run_calibrates_the_planner_on_this_machine(ran):
     config, db_url, out, version = ran
-    db = open_database(db_url)
-    try:
-        runs = list_runs(db)
-    finally:
-        db.close()
-    catalog = load_catalog(config)
-    [point], skipped = from_runs(runs, catalog)
+    [point], skipped, catalog = calibration_points(db_url, config)
     assert skipped == []
     assert point.gpu == catalog.gpu("this machine").name and point.engine == f"vLLM {version}"
     assert point.throughput_tok_s == pytest.approx(out["measured"]["throughput_tok_s"])
