@@ -63,21 +63,22 @@ def cmd_record(args: argparse.Namespace) -> int:
         if args.interval <= 0 or args.timeout <= 0:
             raise UserError("--interval and --timeout must be positive")
         canaries = _canaries(args)
-        sources = [server_source(c) for c in _server_configs(args)] + _prom_api(args) + canaries
-        if args.gpus:
-            sources.append(NvmlSource(interval_s=args.interval))
-        if not sources:
+        servers, others = _server_configs(args), _prom_api(args) + canaries
+        if not (servers or others or args.gpus):
             raise UserError("nothing to record; give --gpus, --server URL, --prom-url URL "
                             "and/or --canary NAME=URL")
         db = open_database(args.db)
+        # Sources made once the database is open: a server's drift baselines are read from it.
+        sources = [server_source(c, _with_stored_baselines(db, c.name)) for c in servers] + others
+        if args.gpus:
+            sources.append(NvmlSource(interval_s=args.interval))
     except (UserError, StorageError) as exc:
         return _fail(args, str(exc))
     for s in sources:
         if s.status.message:
             print(f"{s.name}: {s.status.message}", file=sys.stderr)
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    recording = Recording(sources, on_error=say, on_recover=say, on_flush=_flush_reporter(args),
-                          on_status=_print_status_change, on_alert=lambda e: say(e.message))
+    recording = Recording(sources, on_error=_say, on_recover=_say, on_flush=_flush_reporter(args),
+                          on_status=_print_status_change, on_alert=lambda e: _say(e.message))
     recording.attach_database(db)
     servers = [s.name for s in sources if not isinstance(s, NvmlSource) and s not in canaries]
     recording.set_rules(_slo_rules(args, servers) + drift_rules(servers)
@@ -100,7 +101,34 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0 if "error" not in summary else 1
 
 
+def _with_stored_baselines(db, name: str):
+    """A server source's maker whose drift is judged against the baselines an earlier run
+    stored for `name` in `db` (as the Monitor pane does), learning them only when there are none.
+    A database that cannot be read here is said, and the baselines are learnt again."""
+    import sqlalchemy as sa
+
+    from monitor.drift import OutputDrift, load_baselines
+    from monitor.remote import PrometheusSource
+
+    try:
+        baselines = load_baselines(db, name)
+    except sa.exc.SQLAlchemyError as exc:
+        print(f"{name}: the stored drift baselines cannot be read ({type(exc).__name__}); "
+              "learning them again from the first requests", file=sys.stderr)
+        baselines = {}
+    return lambda config: PrometheusSource(config, drift=OutputDrift(baselines=baselines))
+
+
 _print_lock = threading.Lock()
+
+
+def _say(line: str) -> None:
+    """One whole line on stderr. Sources, the writer and alerts report from their own threads;
+    print() writes the text and its newline separately, so lines would interleave (a CI run read
+    'flushed 1796288122.26v' where a source's line came in between)."""
+    with _print_lock:
+        sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
 
 
 def _print_status_change(name: str, status) -> None:
@@ -109,8 +137,7 @@ def _print_status_change(name: str, status) -> None:
         line = f"{name} is up: {status.message}"
     else:
         line = f"{name} is {status.state}: {status.last_error or status.message or 'no reason'}"
-    with _print_lock:  # sources report from their own threads: one whole line at a time
-        print(line, file=sys.stderr, flush=True)
+    _say(line)
 
 
 def _record_summary(db_url: str, writer, statuses: dict, alerts: list) -> dict:
@@ -213,7 +240,7 @@ def _slo_rules(args: argparse.Namespace, names: list[str]) -> list:
 def _flush_reporter(args: argparse.Namespace):
     if not getattr(args, "report_flushes", False):
         return None
-    return lambda ts: print(f"flushed {ts!r}", file=sys.stderr, flush=True)
+    return lambda ts: _say(f"flushed {ts!r}")
 
 
 def _read_lengths(path: str) -> list[tuple[int, int]]:
@@ -241,7 +268,8 @@ def _load_spec(args: argparse.Namespace):
                         duration_s=args.duration, input_len=args.input_len,
                         input_unit=args.input_unit, output_len=args.output_len,
                         length_spread=args.length_spread,
-                        lengths=lengths, token=_token(args), seed=args.seed, slo_ms=slo)
+                        lengths=lengths, token=_token(args), seed=args.seed, slo_ms=slo,
+                        server_estimates=not args.no_server_metrics)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
 
@@ -304,9 +332,26 @@ def _table(s: dict) -> str:
     lines.append(f"completed {s['completed']}, failed {s['failed']}, "
                  f"{s['request_throughput']:.2f} req/s, {s['output_tokens_per_s']:.1f} tok/s"
                  + ("" if s["goodput"] is None else f", goodput {s['goodput']:.2f} req/s"))
+    lines += _server_lines(s.get("server"))
     if "run_id" in s:
         lines.append(f"stored as run {s['run_id']} in {s['db']}")
     return "\n".join(lines)
+
+
+def _server_lines(server: dict | None) -> list[str]:
+    """The server's own estimates over the run's requests, each with its bucket."""
+    if not server:
+        return []
+    if "unavailable" in server:
+        return [f"no server estimates: {server['unavailable']}"]
+    lines = [f"the server's own histograms ({server['url']}, {server['requests']} requests "
+             f"counted{'' if server['settled'] else ', not all yet'}):"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        for p, got in (server.get(key) or {}).items():
+            hi = "+Inf" if got["hi"] is None else f"{got['hi']:g}"
+            lines.append(f"  {key[:-3]} {p} {got['estimate']:.2f} ms, between "
+                         f"{got['lo']:g} and {hi} ms")
+    return lines
 
 
 def _diagnosis_window(args: argparse.Namespace, db) -> tuple[float, float]:
@@ -475,6 +520,10 @@ def add_monitor_parsers(subparsers) -> None:
     lt.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT SLO in ms")
     lt.add_argument("--slo-e2e-ms", type=float, help="goodput: end-to-end SLO in ms")
     lt.add_argument("--seed", type=int, default=0)
+    lt.add_argument("--no-server-metrics", action="store_true",
+                    help="do not read the server's /metrics before and after the run (by "
+                         "default its own latency estimates over the run's requests are "
+                         "stored beside the exact ones)")
     store = lt.add_mutually_exclusive_group()
     store.add_argument("--db", help="store the run in this database (SQLAlchemy URL; default: "
                                     "SQLite in the user's data folder, which the app shows)")
