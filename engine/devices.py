@@ -7,7 +7,9 @@ import os
 import torch
 
 from engine.config import ModelConfig
+from engine.cpu_features import cpu_default_dtype
 from engine.kv_options import kv_cache_bytes
+from kernels import ONEDNN_DTYPES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,13 +34,15 @@ def resolve_device(device: str) -> tuple[torch.device, str | None]:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """float32 on the CPU and bfloat16 on CUDA unless asked otherwise."""
+    """bfloat16 on CUDA (float16 where the GPU lacks it) and on CPUs with bfloat16 instructions
+    whose oneDNN bfloat16 linear passes its self-check, else float32, unless asked otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        native = cpu_default_dtype() == "bfloat16" and torch.bfloat16 in ONEDNN_DTYPES
+        return torch.bfloat16 if native else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"Unknown dtype '{dtype}': use float32, bfloat16 or float16.")
     return _DTYPES[dtype]

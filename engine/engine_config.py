@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from engine.cpu_features import cpu_default_dtype
 from engine.kv_options import (
     TRAITS,
     eviction_chunk,
@@ -60,8 +61,8 @@ class EngineConfig:
         "help": "a GGUF file, a Hugging Face folder, or a name from `models list`",
         "flag": "--model", "default": "smollm2-135m-instruct"})
     device: str = _option("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = _option("auto", "float32, bfloat16 or float16 (auto: float32 on the CPU, "
-                                 "bfloat16 on CUDA)")
+    dtype: str = _option("auto", "float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on "
+                                 "CPUs with bfloat16 instructions, else float32)")
     weights: str = _option("float", "weight-only quantization: float, int8 (per channel) or "
                                     "int4[:g32|g64|g128] (default float)")
     kv_cache_dtype: str = _option("auto", "KV cache storage: auto (the model's dtype), int8 or "
@@ -171,11 +172,11 @@ class EngineConfig:
                                self.kv_cache_dtype)
 
     def concrete_dtype(self, device_kind: str) -> str:
-        """What "auto" becomes on a device (engine.devices.resolve_dtype's rule, where the GPU
-        supports bfloat16)."""
+        """What "auto" becomes on a device: engine.devices.resolve_dtype's rule, read without
+        torch (where the GPU supports bfloat16; on the CPU, from its instructions alone)."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if device_kind == "cuda" else "float32"
+        return "bfloat16" if device_kind == "cuda" else cpu_default_dtype()
 
     def precisions(self, device_kind: str = "cpu") -> tuple[str | None, str | None]:
         """(weights, KV cache) in the planner's precision names, None where the planner models

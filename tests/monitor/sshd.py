@@ -230,7 +230,10 @@ def shared_engine_server(demo_gguf: Path):
             from engine import LLM
             from engine.server import serve
 
-            _engine.append(serve(LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024),
-                                 "127.0.0.1", 0))
+            # float32, not the CPU's "auto": in bfloat16 (where the CPU has bfloat16
+            # instructions) a decode step's rounding differs from a prefill's, and the canary's
+            # scoring-by-decoding test compares the two on every CI machine kind.
+            _engine.append(serve(LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024,
+                                     dtype="float32"), "127.0.0.1", 0))
             atexit.register(_engine[0].close)
         return _engine[0]
