@@ -28,6 +28,7 @@ class ReplyOptions:
     prompt_ids: list[int] = field(default_factory=list)
     prompt_text: str = ""
     prompt_scores: list[TokenLogprob | None] | None = None  # from the engine loop's Admitted
+    decoded_from: int | None = None  # prompt scored by decoding from this token on (said back)
     tools: ToolPlan | None = None  # a chat request's tools: the reply is read for calls
 
 
@@ -47,8 +48,10 @@ class Reply:
         self._tools = [_ToolReply(plan) for _ in range(n)] if reads_calls else None
 
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
+        said = ({} if self.options.decoded_from is None
+                else {"prompt_logprobs_decoded_from": self.options.decoded_from})
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices}
+                "choices": choices} | said
 
     # ---- streaming ----
     def opening(self) -> list[dict]:

@@ -37,15 +37,17 @@ def check_model(body, served: str) -> None:
                             f"{served}.", "NotFoundError", param="model")
 
 
-# Fields that change the logits before sampling; speculative decoding verifies drafts against
-# the model's own distribution, so they would be ignored there (refused instead).
-_PROCESSING = ("presence_penalty", "frequency_penalty", "logit_bias", "response_format")
+# Refused while the server speculates: the fields that change the logits before sampling
+# (speculative decoding verifies drafts against the model's own distribution, so they would be
+# ignored there), and scoring a prompt by decoding it (every token forced, nothing to verify).
+_NOT_WHILE_SPECULATING = ("presence_penalty", "frequency_penalty", "logit_bias",
+                          "response_format", "prompt_logprobs_decode_from")
 
 
 def check_fields(body, chat: bool, llm) -> None:
     """The checks that need the served model; raise ApiError naming the field."""
     if getattr(llm, "spec", None) is not None:
-        for name in _PROCESSING:
+        for name in _NOT_WHILE_SPECULATING:
             value = getattr(body, name, None)
             if value and getattr(value, "type", "json") != "text":
                 raise _bad(name, "not available while this server runs speculative "
@@ -65,6 +67,22 @@ def check_fields(body, chat: bool, llm) -> None:
         _check_chat(body)
     elif body.max_tokens == 0 and not body.echo:
         raise _bad("max_tokens", "0 is only meaningful with 'echo': true (score the prompt)")
+
+
+def check_decode_scoring(body, chat: bool, prompt_len: int) -> int | None:
+    """prompt_logprobs_decode_from, checked against the request and the prompt's length
+    (check_fields refuses it on a speculating server)."""
+    start = body.prompt_logprobs_decode_from
+    if start is None:
+        return None
+    field = "prompt_logprobs_decode_from"
+    if logprob_counts(body, chat)[1] is None:
+        raise _bad(field, "scores prompt tokens, so ask for them too: 'prompt_logprobs' (or, "
+                          "for a completion, 'echo' with 'logprobs')")
+    if start >= prompt_len:
+        raise _bad(field, f"{start} is not inside the prompt of {prompt_len} tokens: give an "
+                          f"index from 1 to {prompt_len - 1}")
+    return start
 
 
 def _check_chat(body) -> None:

@@ -127,6 +127,10 @@ class _Sampling(BaseModel):
     prompt_cache_key: Text | None = None
     kv_policy: Annotated[Text, AfterValidator(_known_policy)] | None = None
     kv_budget: Annotated[int | float | str, AfterValidator(_valid_budget)] | None = None
+    # servescope: prompt tokens from this index on scored by decoding them through the
+    # request's KV cache (engine/serve_loop.ScoringRun), for a quality canary that must see
+    # what KV eviction or quantization costs a long conversation.
+    prompt_logprobs_decode_from: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

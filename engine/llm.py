@@ -195,13 +195,15 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None,
                     forced_tokens: list[int] | None = None,
-                    share_prompt_with: str | None = None) -> str:
+                    share_prompt_with: str | None = None,
+                    forced_top_k: int | None = None) -> str:
         """Queue a request; raises RequestError (naming the problem) if it can never run.
 
         `arrival` (time.perf_counter seconds) is when the request reached its server, so TTFT
         counts tokenizing and queueing as vLLM's does; default now. `forced_tokens` (evaluation)
         are appended instead of sampled ones; the output's `forced` has the model's
-        log-probability and top-1 choice at each. `share_prompt_with` names a request in flight
+        log-probability and top-1 choice at each (with `forced_top_k`, also each position's
+        TokenLogprob with that many alternatives). `share_prompt_with` names a request in flight
         with the same prompt (another choice, n > 1): this one shares its full prompt blocks
         once they are computed instead of computing them again."""
         params = params or SamplingParams()
@@ -213,7 +215,7 @@ class LLM:
         if kv is not None:  # the chunk the admission checks sized the cache's peak by
             seq.max_chunk_tokens = self.admission.eviction_chunk(ids, kv)
         if forced_tokens is not None:
-            seq.forced = ForcedTokens(list(forced_tokens))
+            seq.forced = ForcedTokens(list(forced_tokens), top_k=forced_top_k)
         source = self.core.seqs.get(share_prompt_with) if share_prompt_with else None
         if source is not None and source.prompt_token_ids == seq.prompt_token_ids:
             seq.prompt_source = source

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from engine.logprobs import prompt_logprobs
 from engine.sequence import RequestError, SamplingParams, StreamDelta
+from engine.teacher_forcing import ForcedTokens
 
 log = logging.getLogger("servescope.serve")
 
@@ -44,6 +45,21 @@ class Submission:
     arrival: float | None = None  # time.perf_counter() when the request reached the server
     prompt_logprobs: int | None = None  # top-k per prompt token, when asked (vLLM's field)
     share_prompt_with: str | None = None  # another choice's request id (n > 1)
+    # Prompt tokens from this index on are scored by decoding them (ScoringRun), not by prefill.
+    decode_from: int | None = None
+
+
+@dataclass
+class ScoringRun:
+    """A prompt scored as a conversation that long sees it: its first `decode_from` tokens
+    prefilled, every later one decoded with the true token forced in, through the request's own
+    KV cache (its eviction policy and budget, the server's KV dtype), so what a long reply
+    would lose to eviction or quantization shows in the scores. The request itself runs once
+    the scoring is done, with the scores as its prompt log-probabilities."""
+
+    sub: Submission
+    prefilled: list  # the first decode_from positions' scores, from a prefill
+    forced: ForcedTokens  # the engine's record of the decoded positions
 
 
 class EngineLoop:
@@ -60,6 +76,7 @@ class EngineLoop:
         self._live: dict[str, Submission] = {}
         # Submissions whose prompt log-probabilities wait for free KV blocks.
         self._deferred: list[Submission] = []
+        self._scoring: dict[str, ScoringRun] = {}  # by the scoring request's engine id
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._broken: str | None = None
@@ -100,14 +117,15 @@ class EngineLoop:
 
     @property
     def in_flight(self) -> int:
-        return len(self._live)
+        return len(self._live) + len(self._scoring)
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
                deliver: Callable[[object], None], arrival: float | None = None,
                prompt_logprobs: int | None = None,
-               share_prompt_with: str | None = None) -> Submission:
+               share_prompt_with: str | None = None,
+               decode_from: int | None = None) -> Submission:
         sub = Submission(prompt, params, deliver, f"srv-{next(self._ids)}", arrival,
-                         prompt_logprobs, share_prompt_with)
+                         prompt_logprobs, share_prompt_with, decode_from)
         reason = self.health()
         if reason is not None:
             _safe_deliver(sub, RequestError(reason))
@@ -118,6 +136,7 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Stop a request whose client went away (LLM.abort is thread-safe)."""
         self.llm.abort(request_id)
+        self.llm.abort(_scoring_id(request_id))
 
     # ---- the loop thread ----
     def _run(self) -> None:
@@ -156,12 +175,14 @@ class EngineLoop:
             except queue.Empty:
                 sub = None
 
-    def _add(self, sub: Submission) -> None:
+    def _add(self, sub: Submission, scored: list | None = None) -> None:
         try:
-            scored = None
-            if sub.prompt_logprobs is not None:
+            if sub.prompt_logprobs is not None and scored is None:
                 if not self._room_for_prompt(sub):
                     self._deferred.append(sub)
+                    return
+                if sub.decode_from is not None:
+                    self._start_scoring(sub)
                     return
                 scored = self._prompt_logprobs(sub)
             self.llm.add_request(sub.prompt, sub.params, request_id=sub.request_id,
@@ -184,11 +205,24 @@ class EngineLoop:
         need = bm.blocks_needed(len(sub.prompt))
         return need <= bm.num_free_blocks or need > bm.num_blocks
 
-    def _prompt_logprobs(self, sub: Submission) -> list:
-        """The prompt's log-probabilities from LLM.prompt_logits, on this thread (the engine's
-        owner), before the request joins the batch."""
-        logits = self.llm.prompt_logits(list(sub.prompt))
-        return prompt_logprobs(logits, list(sub.prompt), sub.prompt_logprobs)
+    def _prompt_logprobs(self, sub: Submission, upto: int | None = None) -> list:
+        """The prompt's (first `upto` tokens') log-probabilities from LLM.prompt_logits, on
+        this thread (the engine's owner), before the request joins the batch."""
+        prompt = list(sub.prompt)[:upto]
+        return prompt_logprobs(self.llm.prompt_logits(prompt), prompt, sub.prompt_logprobs)
+
+    def _start_scoring(self, sub: Submission) -> None:
+        """Score the prompt by decoding (ScoringRun): a request of its own in the batch, under
+        the submission's KV policy and budget; _deliver adds the real request when it ends."""
+        prompt, start = list(sub.prompt), sub.decode_from
+        params = SamplingParams(temperature=0.0, max_tokens=len(prompt) - start,
+                                ignore_eos=True, kv_policy=sub.params.kv_policy,
+                                kv_budget=sub.params.kv_budget)
+        rid = _scoring_id(sub.request_id)
+        self.llm.add_request(prompt[:start], params, request_id=rid, arrival=sub.arrival,
+                             forced_tokens=prompt[start:], forced_top_k=sub.prompt_logprobs)
+        prefilled = self._prompt_logprobs(sub, upto=start)
+        self._scoring[rid] = ScoringRun(sub, prefilled, self.llm.sequence(rid).forced)
 
     def _step(self) -> None:
         deltas, stats = self.llm.step_deltas()
@@ -198,6 +232,9 @@ class EngineLoop:
             self._deliver(delta)
 
     def _deliver(self, delta: StreamDelta) -> None:
+        if delta.request_id in self._scoring:
+            self._scored(delta)
+            return
         sub = self._live.get(delta.request_id)
         if sub is None:
             return
@@ -210,11 +247,26 @@ class EngineLoop:
                 return
         _safe_deliver(sub, delta)
 
+    def _scored(self, delta: StreamDelta) -> None:
+        """A scoring run's step: nothing for the client until it ends; then the request runs
+        with the prefilled and the decoded scores as its prompt log-probabilities."""
+        if delta.output is None:
+            return
+        run = self._scoring.pop(delta.request_id)
+        if delta.output.error is not None:
+            _safe_deliver(run.sub, RequestError(delta.output.error))
+            return
+        if len(run.forced.scored) != len(run.forced.tokens):  # aborted: the client went away
+            _safe_deliver(run.sub, RequestError("The request was cancelled while its prompt "
+                                                "was being scored."))
+            return
+        self._add(run.sub, scored=run.prefilled + run.forced.scored)
+
     def _recover(self, exc: Exception) -> None:
         """End every request in flight and check the engine can still step; if it cannot,
         the loop is broken and says why (before the requests hear of it, so their answer can
         say whether to retry here)."""
-        for rid in self._live:
+        for rid in [*self._live, *self._scoring]:
             self.llm.abort(rid)
         try:
             for _ in range(3):  # applies the aborts so the blocks are freed
@@ -230,7 +282,8 @@ class EngineLoop:
 
     def _fail_live(self, message: str) -> None:
         live, self._live = self._live, {}
-        for sub in live.values():
+        scoring, self._scoring = self._scoring, {}
+        for sub in [*live.values(), *(run.sub for run in scoring.values())]:
             _safe_deliver(sub, RequestError(message))
 
     def _drain_inbox(self, message: str) -> None:
@@ -244,6 +297,10 @@ class EngineLoop:
                 return
             if sub is not None:
                 _safe_deliver(sub, RequestError(message))
+
+
+def _scoring_id(request_id: str) -> str:
+    return f"{request_id}/score"
 
 
 def _safe_deliver(sub: Submission, item: object) -> None:

@@ -17,6 +17,24 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+PHASES = {"queue": "Time waiting before first scheduled",
+          "prefill": "Time from first scheduled to the first token",
+          "decode": "Time from the first token to the last",
+          "inference": "Time from first scheduled to the last token"}
+
+
+def phase_seconds(m) -> dict[str, float]:
+    """A finished request's phases as vLLM defines them (queued -> scheduled -> first token ->
+    last token), for the phases its timestamps cover."""
+    last = m.token_times[-1] if m.token_times else None
+    spans = {"queue": (m.arrival, m.first_scheduled),
+             "prefill": (m.first_scheduled, m.first_token),
+             "decode": (m.first_token, last),
+             "inference": (m.first_scheduled, last)}
+    return {phase: max(0.0, end - start) for phase, (start, end) in spans.items()
+            if start is not None and end is not None}
+
+
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
     """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value`."""
     out, exponent = [], 0
@@ -72,6 +90,14 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
                              labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        # vLLM's TPOT and request phases (its names and buckets), so the monitor charts the
+        # same figures for servescope serve as for vLLM.
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Time per output "
+                              "token after the first, per request", labels, buckets=ITL_BUCKETS,
+                              registry=r).labels(model_name)
+        self.phases = {phase: Histogram(f"vllm:request_{phase}_time_seconds", doc, labels,
+                                        buckets=E2E_BUCKETS, registry=r).labels(model_name)
+                       for phase, doc in PHASES.items()}
         # Tokens per request, as vLLM's: the monitor's response-length drift reads the second.
         tokens = build_1_2_5_buckets(max_model_len)
         self.request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per "
@@ -103,6 +129,10 @@ class ServerMetrics:
             self.itl.observe(gap)
         if m.finished is not None:
             self.e2e.observe(m.finished - m.arrival)
+        if m.tpot_s is not None:
+            self.tpot.observe(m.tpot_s)
+        for phase, seconds in phase_seconds(m).items():
+            self.phases[phase].observe(seconds)
         self.request_prompt.observe(len(output.prompt_token_ids))
         self.request_generation.observe(len(output.token_ids))
         self._success.labels(self.model_name, output.finish_reason or "unknown").inc()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import ipaddress
 import json
 import logging
@@ -32,6 +33,7 @@ from engine.api_reply import Reply, error_body
 from engine.api_request import (
     ApiError,
     chat_prompt_ids,
+    check_decode_scoring,
     check_fields,
     check_model,
     grammar_spec,
@@ -52,6 +54,11 @@ from engine.sequence import SEED_MAX, RequestError, SamplingParams, StreamDelta
 from engine.serve_loop import Admitted, EngineLoop
 from engine.serve_metrics import ServerMetrics
 from engine.tool_calls import ToolServing
+
+try:
+    SERVESCOPE_VERSION = importlib.metadata.version("servescope")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was not installed
+    SERVESCOPE_VERSION = "unknown"
 
 log = logging.getLogger("servescope.serve")
 
@@ -89,7 +96,7 @@ def create_app(llm, loop: EngineLoop, metrics: ServerMetrics,
                limits: ServerLimits = ServerLimits(), api_key: str | None = None,
                tools: ToolServing | None = None):
     """The ASGI application: routes, error handlers and the body guard around them."""
-    app = FastAPI(title="servescope", version="0.1.0",
+    app = FastAPI(title="servescope", version=SERVESCOPE_VERSION,
                   description="OpenAI-compatible API of the servescope engine.")
     tools = tools or ToolServing.for_template(llm.tokenizer.chat_template)
     # The routes find the engine through the app's state, never a closure: FastAPI keeps every
@@ -105,6 +112,11 @@ def create_app(llm, loop: EngineLoop, metrics: ServerMetrics,
         if reason is not None:
             return _error_response(ApiError(503, reason, "server_error"))
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        # As vLLM's /version: monitors store it with the source (monitor.remote.VERSION_PATHS).
+        return {"version": f"servescope {SERVESCOPE_VERSION}"}
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
@@ -214,10 +226,12 @@ class _Service:
         prompt_ids = await run_in_threadpool(self._prompt_ids, body, chat, tools)
         grammar = await run_in_threadpool(grammar_spec, body, chat, self.llm.tokenizer, tools)
         params = self._sampling(body, len(prompt_ids), chat, grammar)
+        decode_from = check_decode_scoring(body, chat, len(prompt_ids))
         streams = await self._submit(prompt_ids, params, arrival, body.n,
-                                     logprob_counts(body, chat)[1])
+                                     logprob_counts(body, chat)[1], decode_from)
         options = reply_options(body, chat, prompt_ids, self.llm.tokenizer)
         options.prompt_scores = streams[0].admitted.prompt_logprobs
+        options.decoded_from = decode_from
         options.tools = tools
         reply = Reply(self.llm.model_name, chat, self.llm.tokenizer, options, body.n)
         if body.stream:
@@ -228,7 +242,8 @@ class _Service:
         return JSONResponse(reply.whole(choices))
 
     async def _submit(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
-                      n: int, prompt_logprobs: int | None) -> list[_EngineStream]:
+                      n: int, prompt_logprobs: int | None,
+                      decode_from: int | None = None) -> list[_EngineStream]:
         """One engine request per choice, each admitted before the reply starts; a seed gives
         choice i the seed + i. Choices after the first share the first one's full prompt
         blocks (the scheduler's fork) instead of computing the prompt's KV again."""
@@ -236,7 +251,8 @@ class _Service:
         for i, stream in enumerate(streams):
             stream.submit(prompt_ids, _choice_params(params, i), arrival,
                           prompt_logprobs if i == 0 else None,  # the prompt is scored once
-                          share_prompt_with=streams[0].request_id if i else None)
+                          share_prompt_with=streams[0].request_id if i else None,
+                          decode_from=decode_from if i == 0 else None)
         for stream in streams:
             first = await stream.next()
             if isinstance(first, RequestError):
@@ -339,9 +355,10 @@ class _EngineStream:
         self._mailbox = _Mailbox.of_running_loop()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, arrival: float,
-               prompt_logprobs: int | None = None, share_prompt_with: str | None = None) -> None:
+               prompt_logprobs: int | None = None, share_prompt_with: str | None = None,
+               decode_from: int | None = None) -> None:
         sub = self.loop.submit(prompt_ids, params, self._deliver_threadsafe, arrival,
-                               prompt_logprobs, share_prompt_with)
+                               prompt_logprobs, share_prompt_with, decode_from)
         self.request_id = sub.request_id
 
     def _deliver_threadsafe(self, item) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.features import Step, StepFeature
+from engine.logprobs import TokenLogprob, token_logprobs
 
 
 @dataclass
@@ -18,6 +19,10 @@ class ForcedTokens:
     tokens: list[int]
     logprobs: list[float] = field(default_factory=list)
     top1: list[int] = field(default_factory=list)
+    # With top_k set (a server scoring a prompt by decoding it), each position also as the
+    # reply's log-probability entry: the token's rank and its top_k most likely alternatives.
+    top_k: int | None = None
+    scored: list[TokenLogprob] = field(default_factory=list)
 
 
 class TeacherForcing(StepFeature):
@@ -33,4 +38,7 @@ class TeacherForcing(StepFeature):
             logprobs = torch.log_softmax(logits[rows[i]].float(), dim=-1)
             forced.logprobs.append(float(logprobs[token]))
             forced.top1.append(int(logprobs.argmax()))
+            if forced.top_k is not None:
+                row = rows[i]
+                forced.scored += token_logprobs(logits[row : row + 1], [token], forced.top_k)
             chosen[i] = [token]

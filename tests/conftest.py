@@ -97,6 +97,20 @@ def vllm_python() -> str:
     return vllm_python()
 
 
+# SGLang's own argument checks (tests/planner/sglang_accepts.py) run in an environment of its
+# own: it pins another torch and transformers. `.ci/run` makes it; by hand, see the README.
+SGLANG_VERSION = "0.5.23"
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """The Python of the virtual environment holding SGLang (skips, saying why, without)."""
+    from tests.peer_envs import peer_python
+
+    return peer_python("sglang", "SGLang", f"make .venv-sglang as .ci/run's install_sglang "
+                                           f"does (sglang=={SGLANG_VERSION})")
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory):
     """One real vLLM server on 127.0.0.1 serving the demo model as "demo", for the session."""

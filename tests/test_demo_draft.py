@@ -23,7 +23,7 @@ PROMPTS = ["Write a short poem about the ocean.", "Explain what a GPU does in si
 
 @pytest.fixture(scope="module")
 def plain(demo_gguf):
-    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048)
+    return LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=2048)
 
 
 def _chat(llm: LLM) -> list[list[int]]:
@@ -46,7 +46,7 @@ def test_greedy_output_is_identical_with_the_demo_draft(demo_gguf, plain):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = _chat(plain)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
-    spec = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048,
+    spec = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=2048,
                speculative="demo-draft:k=2,lookup=0")
     assert spec.spec.config.draft_model == str(DEMO_DRAFT_PATH)
     alone = [spec.generate([p], params)[0].token_ids for p in prompts]
@@ -58,7 +58,8 @@ def test_greedy_output_is_identical_with_the_demo_draft(demo_gguf, plain):
     assert c.draft_tokens > 0 and c.acceptance_rate > 0.25
     assert spec.block_manager.num_used_blocks == 0
     # The default: prompt lookup first, the draft where lookup finds nothing.
-    hybrid = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, speculative="demo-draft")
+    hybrid = LLM(str(demo_gguf), device="cpu", dtype="float32",
+                 kv_cache_tokens=2048, speculative="demo-draft")
     assert [o.token_ids for o in hybrid.generate(prompts, params)] == expected
     # Sampled requests verify the draft's argmax choices as deterministic proposals.
     sampled = SamplingParams(temperature=0.8, max_tokens=16, seed=5, ignore_eos=True)
@@ -99,7 +100,7 @@ def test_bad_drafts_are_refused_with_a_reason(demo_gguf, plain, tmp_path):
                    plain.model.dtype, plain.block_manager, plain.max_model_len, plain.model)
 
     with pytest.raises(ModelError, match="does not exist"):
-        LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256,
+        LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=256,
             speculative=f"draft:{tmp_path / 'missing.safetensors'}")
     with pytest.raises(ModelError, match="different tokenizer"):
         load(_altered_draft(tmp_path, {"tokenizer_sha256": "0" * 64}, {}))

@@ -24,7 +24,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm(demo_gguf) -> LLM:
-    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=4096, max_num_seqs=16)
+    return LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=4096, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_batching_is_invisible(llm, alone):
 
 def test_preemption_recomputes_and_outputs_match(demo_gguf, alone):
     # 8 requests need ~8 x 3 blocks of 16; a pool of 8 blocks forces preemption.
-    small = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=128, max_num_seqs=8)
+    small = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=128, max_num_seqs=8)
     together = small.generate(PROMPTS, GREEDY)
     assert small.scheduler.num_preemptions > 0
     assert [o.token_ids for o in together] == alone
@@ -56,7 +56,8 @@ def test_preemption_recomputes_and_outputs_match(demo_gguf, alone):
 
 def test_chunked_prefill_matches_whole_prefill(demo_gguf, llm):
     prompt = llm.tokenizer.encode(PROMPTS[6] * 6)
-    chunked = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024, max_num_batched_tokens=32)
+    chunked = LLM(str(demo_gguf), device="cpu", dtype="float32",
+                  kv_cache_tokens=1024, max_num_batched_tokens=32)
     a = chunked.generate([prompt], GREEDY)[0].token_ids
     b = llm.generate([prompt], GREEDY)[0].token_ids
     assert a == b
@@ -204,7 +205,7 @@ def test_load_reports_progress_and_can_be_cancelled(demo_gguf):
             raise LoadCancelled("cancelled by the test")
 
     with pytest.raises(LoadCancelled):
-        LLM(str(demo_gguf), device="cpu", progress=cancel_half_way)
+        LLM(str(demo_gguf), device="cpu", dtype="float32", progress=cancel_half_way)
     assert seen == sorted(seen) and 0.5 < seen[-1] < 0.6
 
 
@@ -221,7 +222,8 @@ def test_prefix_cache_reuses_shared_blocks_and_keeps_outputs(demo_gguf, llm):
     prompts = [system + q for q in ("What bikes do you sell?", "Do you repair tires?",
                                     "When are you open on Sundays?")]
     expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    cached = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, prefix_caching=True)
+    cached = LLM(str(demo_gguf), device="cpu", dtype="float32",
+                 kv_cache_tokens=2048, prefix_caching=True)
     first = cached.generate([prompts[0]], GREEDY)[0]
     rid = cached.add_request(prompts[1], GREEDY)
     _, stats = cached.step()
@@ -240,7 +242,8 @@ def test_prefix_cache_reuses_shared_blocks_and_keeps_outputs(demo_gguf, llm):
 
 
 def test_prefix_cache_evicts_when_memory_is_needed(demo_gguf):
-    small = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256, prefix_caching=True)
+    small = LLM(str(demo_gguf), device="cpu", dtype="float32",
+                kv_cache_tokens=256, prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for i in range(6):  # distinct 100-token prompts: the cache must give blocks back
         small.generate([[100 + i] * 100], params)

@@ -50,7 +50,7 @@ class Recorder(StepFeature):
 
 @pytest.fixture(scope="module")
 def llm(demo_gguf):
-    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024)
+    return LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024)
 
 
 def test_a_plugged_in_feature_sees_every_step_in_order_and_chooses_tokens(llm):
@@ -76,10 +76,12 @@ def test_a_plugged_in_feature_sees_every_step_in_order_and_chooses_tokens(llm):
 
 def test_preemption_resets_each_feature_through_its_hook(demo_gguf):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    roomy = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, speculative="ngram")
+    roomy = LLM(str(demo_gguf), device="cpu", dtype="float32",
+                kv_cache_tokens=2048, speculative="ngram")
     expected = [o.token_ids for o in roomy.generate(PROMPTS, params)]
     # 6 blocks of 16 for three requests of about 48 tokens each: preemption, more than once.
-    small = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=96, speculative="ngram",
+    small = LLM(str(demo_gguf), device="cpu", dtype="float32",
+                kv_cache_tokens=96, speculative="ngram",
                 prefix_caching=True)
     recorder = Recorder()
     small.core.features.append(recorder)

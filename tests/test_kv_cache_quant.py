@@ -213,7 +213,8 @@ _TEXT = ("Alice was beginning to get very tired of sitting by her sister on the 
 def engines(demo_gguf):
     from engine import LLM
 
-    return {kv: LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024, max_num_seqs=8,
+    return {kv: LLM(str(demo_gguf), device="cpu", dtype="float32",
+                    kv_cache_tokens=1024, max_num_seqs=8,
                     kv_cache_dtype=kv) for kv in ("auto", "int8", "fp8")}
 
 
@@ -262,7 +263,7 @@ def test_batching_is_invisible_on_a_quantized_cache(engines):
 def test_eviction_runs_on_a_quantized_cache(demo_gguf, policy):
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=512, max_model_len=128,
+    llm = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=512, max_model_len=128,
               kv_cache_dtype="int8", kv_policy=policy, kv_budget=64)
     prompt = llm.chat_prompt([{"role": "user", "content": "Tell me a long story about a fox."}])
     max_tokens = 150 if policy == "streaming" else 60  # StreamingLLM runs past the context

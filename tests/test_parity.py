@@ -25,7 +25,8 @@ def hf_demo(demo_gguf):
 
 @pytest.fixture(scope="module")
 def demo_llm(demo_gguf):
-    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024)
+    # float32 on both sides: "auto" is bfloat16 on CPUs with bfloat16 instructions.
+    return LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024)
 
 
 def _prompt_ids(llm: LLM, n: int) -> list[int]:
@@ -77,7 +78,7 @@ def _tiny(kind: str, tmp_path, demo_checkpoint, **extra):
 ])
 def test_tiny_random_models_match_transformers(kind, extra, tmp_path, demo_checkpoint):
     model, folder = _tiny(kind, tmp_path, demo_checkpoint, **extra)
-    llm = LLM(str(folder), device="cpu", kv_cache_tokens=512)
+    llm = LLM(str(folder), device="cpu", dtype="float32", kv_cache_tokens=512)
     ids = list(range(100, 300, 3))[:60]
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits[0]

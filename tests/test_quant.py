@@ -157,7 +157,7 @@ _PROMPT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of
 def engines(demo_gguf):
     from engine import LLM
 
-    return {w: LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256, weights=w)
+    return {w: LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=256, weights=w)
             for w in ("float", "int8", "int4")}
 
 

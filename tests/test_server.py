@@ -179,6 +179,13 @@ def test_spec_decode_counters_on_metrics(demo_gguf):
             r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
                                                 "logit_bias": {"5": 3}})
             assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+            # Scoring a prompt by decoding forces every token: no drafts to verify, so refused.
+            r = c.post("/v1/completions", json={"prompt": text, "max_tokens": 1,
+                                                "prompt_logprobs": 0,
+                                                "prompt_logprobs_decode_from": 4})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "prompt_logprobs_decode_from"
+            assert "--speculative" in r.json()["error"]["message"]
     finally:
         srv.close()
 

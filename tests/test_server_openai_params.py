@@ -26,7 +26,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def llm(demo_gguf):
-    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, max_num_seqs=8)
+    return LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=2048, max_num_seqs=8)
 
 
 def _reference(llm, prompt_ids: list[int], max_tokens: int) -> dict:

@@ -89,8 +89,9 @@ PROMPTS = [COPY_PROMPT, "The capital of France is", "def fibonacci(n):\n    if n
 
 @pytest.fixture(scope="module")
 def engines(demo_gguf):
-    plain = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048)
-    spec = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, speculative="ngram")
+    plain = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=2048)
+    spec = LLM(str(demo_gguf), device="cpu", dtype="float32",
+               kv_cache_tokens=2048, speculative="ngram")
     return plain, spec
 
 
@@ -111,7 +112,8 @@ def test_speculation_survives_preemption(demo_gguf, engines):
     plain, _ = engines
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
-    small = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=160, speculative="ngram")
+    small = LLM(str(demo_gguf), device="cpu", dtype="float32",
+                kv_cache_tokens=160, speculative="ngram")
     assert [o.token_ids for o in small.generate(PROMPTS, params)] == expected
     assert small.scheduler.num_preemptions > 0
     assert small.block_manager.num_free_blocks == small.block_manager.num_blocks
@@ -159,14 +161,15 @@ def test_draft_model_speculation_is_lossless(demo_gguf, engines, tmp_path):
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
     # The demo model drafting for itself accepts (nearly) everything; a random tiny draft
     # sharing its tokenizer accepts almost nothing. Both must leave the output unchanged.
-    same = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048,
+    same = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=2048,
                speculative=f"draft:{demo_gguf},k=4,adaptive=0")
     assert [o.token_ids for o in same.generate(PROMPTS, params)] == expected
     assert [same.generate([p], params)[0].token_ids for p in PROMPTS] == expected
     assert same.spec.counters.acceptance_rate > 0.95
     assert same.spec.counters.mean_accepted_length > 4
     tiny = _tiny_draft(tmp_path / "tiny", plain.tokenizer, plain.config.vocab_size)
-    weak = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, speculative=f"draft:{tiny}")
+    weak = LLM(str(demo_gguf), device="cpu", dtype="float32",
+               kv_cache_tokens=2048, speculative=f"draft:{tiny}")
     assert [o.token_ids for o in weak.generate(PROMPTS, params)] == expected
     assert weak.spec.counters.acceptance_rate < 0.5
     sampled = SamplingParams(temperature=0.9, max_tokens=16, seed=11, ignore_eos=True)
@@ -186,4 +189,5 @@ def test_a_draft_with_another_tokenizer_is_refused(demo_gguf, tmp_path):
     other = Tokenizer(Backend(WordLevel(vocab, unk_token="w0")), eos_token_ids=[1])
     folder = _tiny_draft(tmp_path / "other", other, 256)
     with pytest.raises(ModelError, match="different tokenizer"):
-        LLM(str(demo_gguf), device="cpu", kv_cache_tokens=512, speculative=f"draft:{folder}")
+        LLM(str(demo_gguf), device="cpu", dtype="float32",
+            kv_cache_tokens=512, speculative=f"draft:{folder}")

@@ -100,12 +100,12 @@ def test_a_draft_that_is_always_wrong_stops_drafting_and_stays_lossless(demo_ggu
     from tests.test_spec import _tiny_draft
 
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    plain = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024)
+    plain = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024)
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
     tiny = _tiny_draft(tmp_path / "tiny", plain.tokenizer, plain.config.vocab_size)
     drafts = {}
     for adaptive in (0, 1):
-        llm = measured(LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024,
+        llm = measured(LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024,
                            speculative=f"draft:{tiny},k=3,adaptive={adaptive}"), monkeypatch)
         assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == expected
         drafts[adaptive] = llm.spec.counters.drafts
@@ -118,9 +118,9 @@ def test_a_draft_that_is_always_wrong_stops_drafting_and_stays_lossless(demo_ggu
 
 def test_a_draft_that_is_right_keeps_drafting(demo_gguf, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    plain = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024)
+    plain = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024)
     expected = plain.generate([PROMPTS[1]], params)[0].token_ids
-    same = measured(LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024,
+    same = measured(LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024,
                         speculative=f"draft:{demo_gguf},k=3"), monkeypatch)
     same.spec.costs.draft_token_s = 0.0  # as if drafting were free: acceptance decides
     monkeypatch.setattr(same.spec.costs, "observe_drafting", lambda tokens, seconds: None)
@@ -130,7 +130,7 @@ def test_a_draft_that_is_right_keeps_drafting(demo_gguf, monkeypatch):
 
 
 def test_a_sequence_left_without_drafts_probes_now_and_then(demo_gguf, monkeypatch):
-    spec = measured(LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024,
+    spec = measured(LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024,
                         speculative="ngram"), monkeypatch)
     rid = spec.add_request("Hello", SamplingParams(temperature=0, max_tokens=4))
     spec.step()

@@ -209,7 +209,7 @@ def test_a_chain_verified_as_a_tree_accepts_as_verify_does():
 def demo(demo_gguf):
     from engine import LLM
 
-    return LLM(str(demo_gguf), device="cpu", kv_cache_tokens=512)
+    return LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=512)
 
 
 def _sequence(llm, prompt: list[int], extra: int):
@@ -376,7 +376,8 @@ def test_tree_speculation_keeps_greedy_output(demo_gguf, greedy_expected, spec, 
     caplog.set_level("WARNING", logger="servescope.engine")
 
     params, expected, expected_logprobs = greedy_expected
-    llm = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=2048, speculative=spec, **options)
+    llm = LLM(str(demo_gguf), device="cpu", dtype="float32",
+              kv_cache_tokens=2048, speculative=spec, **options)
     moved = []
     copy_slots = llm.runner.copy_slots
 
