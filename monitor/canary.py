@@ -17,7 +17,12 @@ from monitor.types import Poll, Sample, SourceStatus
 
 HELDOUT_PATH = Path(__file__).resolve().parents[1] / "assets" / "canary" / "heldout.txt"
 DEFAULT_INTERVAL_S = 300.0
-DEFAULT_TOLERANCE = 0.05  # alert when perplexity is 5% above the source's baseline
+# Alert when perplexity is 2% above the source's baseline. A score is the model's own
+# log-probabilities of a fixed text, no sampling: the same server scores it the same to 1e-6 in
+# float32 (and within a few tenths of a percent in bfloat16, batched with other requests), so
+# 2% is far above the noise, and low enough for H2O at a 10% budget scored by decoding (+4.7%
+# on the demo model, benchmarks/canary_sensitivity.py), which a 5% bar missed.
+DEFAULT_TOLERANCE = 0.02
 DEFAULT_BASELINE_SCORES = 3
 DEFAULT_TIMEOUT_S = 120.0  # a CPU server scores a few hundred tokens in seconds, not minutes
 
@@ -57,10 +62,14 @@ METHODS = {"echo": {"max_tokens": 0, "echo": True, "logprobs": 1},
 
 def score(url: str, model: str | None, text: str, api_key: str | None = None, *,
           extra_body: dict | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-          methods: tuple[str, ...] = tuple(METHODS)) -> CanaryScore:
+          methods: tuple[str, ...] = tuple(METHODS), decode_from: int | None = None
+          ) -> CanaryScore:
     """Score `text` on the server at `url` (its base, e.g. http://host:8000): POST
     /v1/completions with echo and logprobs, else with vLLM's prompt_logprobs; `extra_body`
-    adds fields (e.g. servescope's kv_policy / kv_budget). Raises CanaryError."""
+    adds fields (e.g. servescope's kv_policy / kv_budget). With `decode_from` (`servescope
+    serve` only), the server prefills that many tokens and decodes the rest one at a time
+    through its KV cache, and the perplexity is of the decoded tokens alone: what eviction or
+    a quantized cache costs a long reply, which a prefill never shows. Raises CanaryError."""
     unknown = set(methods) - set(METHODS)
     if unknown or not methods:
         raise ValueError(f"canary methods must be among {sorted(METHODS)}, not {methods!r}")
@@ -68,6 +77,8 @@ def score(url: str, model: str | None, text: str, api_key: str | None = None, *,
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = {"prompt": text, "temperature": 0} | ({"model": model} if model else {})
     base |= extra_body or {}
+    if decode_from is not None:
+        base["prompt_logprobs_decode_from"] = decode_from
     started = time.perf_counter()
     with httpx.Client(timeout=timeout_s, headers=headers) as client:
         refused = []
@@ -75,10 +86,21 @@ def score(url: str, model: str | None, text: str, api_key: str | None = None, *,
             reply, why = _post(client, endpoint, base | METHODS[via], timeout_s)
             values = None if reply is None else _prompt_values(reply, via)
             if values is not None:
+                if decode_from is not None:
+                    values = _decoded(reply, values, decode_from, endpoint)
                 return _summarise(values, time.perf_counter() - started, via, endpoint)
             refused.append(why or f"answered without them to '{_param(via)}'")
     raise CanaryError(f"{endpoint} returned no prompt log-probabilities: it "
                       f"{' and '.join(refused)}.", "error")
+
+
+def _decoded(reply: dict, values: list, decode_from: int, endpoint: str) -> list:
+    """The decoded positions' values (after one None: _summarise skips the first), once the
+    reply says the server scored them by decoding; a server that ignored the field did not."""
+    if reply.get("prompt_logprobs_decoded_from") != decode_from:
+        raise CanaryError(f"{endpoint} does not score prompts by decoding them (a `servescope "
+                          "serve` extension): remove decode= from this canary.", "error")
+    return [None, *values[decode_from:]]
 
 
 def _param(via: str) -> str:
@@ -135,6 +157,12 @@ def _prompt_values(reply: dict, via: str) -> list[float | None] | None:
     # prompt's own token first (alone with prompt_logprobs 0).
     return [None if e is None else next(iter(e.values()), {}).get("logprob")
             for e in entries if e is None or isinstance(e, dict)]
+
+
+def summarise(values: list, elapsed_s: float, via: str, endpoint: str) -> CanaryScore:
+    """A score from every prompt token's log-probability (the first, without context, None):
+    what a server returns, or what the embedded engine computes from its own logits."""
+    return _summarise(values, elapsed_s, via, endpoint)
 
 
 def _summarise(values: list, elapsed_s: float, via: str, endpoint: str) -> CanaryScore:
@@ -201,11 +229,15 @@ class CanarySource:
     def __init__(self, name: str, url: str, model: str | None = None, *,
                  interval_s: float = DEFAULT_INTERVAL_S, text: str | None = None,
                  api_key: str | None = None, baseline: CanaryBaseline | None = None,
-                 extra_body: dict | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 extra_body: dict | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 decode_from: int | None = None) -> None:
         if not name or "/" in name:
             raise ValueError(f"canary name {name!r} must be non-empty and without '/'")
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("the canary's interval and timeout must be positive")
+        if decode_from is not None and decode_from < 1:
+            raise ValueError("the canary's decode= must be a token index of at least 1")
+        self.decode_from = decode_from
         self.name, self.url, self.model = name, url, model
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.text = heldout_text() if text is None else text
@@ -218,7 +250,8 @@ class CanarySource:
         self.status.scrapes += 1
         try:
             result = score(self.url, self.model, self.text, self.api_key,
-                           extra_body=self.extra_body, timeout_s=self.timeout_s)
+                           extra_body=self.extra_body, timeout_s=self.timeout_s,
+                           decode_from=self.decode_from)
         except CanaryError as exc:
             self.status.failed_scrapes += 1
             self._set_state("down", now, str(exc), exc.reason)
@@ -249,25 +282,26 @@ class CanarySource:
 
 
 def parse_canary(spec: str, api_key: str | None = None) -> CanarySource:
-    """A CanarySource from `NAME=URL[,every=S][,model=M][,baseline=PPL]` (the command line's
-    form); a mistake raises ValueError naming it."""
+    """A CanarySource from `NAME=URL[,every=S][,model=M][,baseline=PPL][,decode=N]` (the
+    command line's form); a mistake raises ValueError naming it."""
     name, sep, rest = spec.partition("=")
     if not sep or not rest:
         raise ValueError(f"--canary {spec!r}: give NAME=URL, e.g. srv=http://127.0.0.1:8000")
     url, *options = rest.split(",")
     if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
         raise ValueError(f"--canary {spec!r}: {url!r} is not an http(s) URL")
-    known = {"every": float, "model": str, "baseline": float}
+    known = {"every": float, "model": str, "baseline": float, "decode": int}
     values: dict = {}
     for option in options:
         key, _, value = option.partition("=")
         if key not in known or not value:
             raise ValueError(f"--canary {spec!r}: unknown or empty option {option!r}; use "
-                             "every=SECONDS, model=NAME or baseline=PERPLEXITY")
+                             "every=SECONDS, model=NAME, baseline=PERPLEXITY or decode=TOKENS")
         try:
             values[key] = known[key](value)
         except ValueError:
             raise ValueError(f"--canary {spec!r}: {key}={value!r} is not a number") from None
     return CanarySource(name, url, values.get("model"), api_key=api_key,
                         interval_s=values.get("every", DEFAULT_INTERVAL_S),
-                        baseline=CanaryBaseline(pinned=values.get("baseline")))
+                        baseline=CanaryBaseline(pinned=values.get("baseline")),
+                        decode_from=values.get("decode"))

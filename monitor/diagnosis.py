@@ -179,7 +179,8 @@ RULES: tuple[Rule, ...] = (
          context=("tensor_util_pct", "tensor_active_pct", "sm_util_pct", "sm_active_pct")),
     Rule("kv_pressure", "p99 spike", "server",
          "p99 TTFT spike with KV cache full and {preemptions:.0f} preemptions (p99 TTFT up to "
-         "{ttft_spike_num:.3g} s, {ttft_spike:.0f}x the median p50; KV cache at "
+         "{ttft_spike_num:.3g} s{ttft_spike_between}, {ttft_spike:.0f}x the median p50; KV "
+         "cache at "
          "{kv_usage:.0%})",
          "KV-cache pressure (thrashing): preempted requests are recomputed and new ones wait "
          "for blocks. Give the KV cache more memory (--gpu-memory-utilization; on CPU "
@@ -364,11 +365,16 @@ class Evidence:
     limit: float | None = None
     over: str | None = None
     summary: dict[str, float] = field(default_factory=dict)
+    # A histogram quantile's bucket (lower, upper; upper None = unbounded) where the value was
+    # read: the true quantile lies there, the estimate is only an interpolation.
+    bucket: tuple[float, float | None] | None = None
 
     def sentence(self) -> str:
         what = f"{self.stat} of {self.series}" + (f" / median of {self.over}" if self.over else "")
         shown = "a rise from 0" if self.value is None else _num(self.value)
         text = f"{what} over {self.end - self.start:.0f} s is {shown}"
+        if self.bucket is not None and self.over is None:
+            text += f" ({between(*self.bucket)})"
         if self.threshold:
             text += f" (limit {self.threshold} = {_num(self.limit)})"
         return text
@@ -422,6 +428,14 @@ class Diagnosis:
 
 def _num(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4g}"
+
+
+def between(lo: float, hi: float | None) -> str:
+    """A histogram bucket as words: "between 0.1 and 0.25", "above 20"."""
+    return f"above {_num(lo)}" if hi is None else f"between {_num(lo)} and {_num(hi)}"
+
+
+_QUANTILE = re.compile(r"_p\d+$")
 
 
 def _summary(values: np.ndarray) -> dict[str, float]:
@@ -480,11 +494,31 @@ def _judge(subject: _Subject, cond: Condition) -> tuple[bool, Evidence | None, d
         seen = int(np.bitwise_or.reduce(values.astype(np.int64)))
         fields[f"{cond.name}_reasons"] = ", ".join(n for b, n in THROTTLE_BITS.items()
                                                     if seen & b & cond.mask) or "none"
+    bucket = _bucket_at_max(subject, key) if cond.stat == "max" else None
+    if cond.stat == "max":
+        unit = " s" if "_s_p" in key else ""  # latencies are stored in seconds
+        fields[f"{cond.name}_between"] = f", {between(*bucket)}{unit}" if bucket else ""
     # A growth from nothing is infinite: held, but stored as no number (JSON has no Infinity).
     shown = value if math.isfinite(value) else None
     evidence = Evidence(key, cond.stat, shown, subject.start, subject.end, cond.threshold, limit,
-                        over, _summary(values))
+                        over, _summary(values), bucket)
     return holds, evidence, fields
+
+
+def _bucket_at_max(subject: _Subject, key: str) -> tuple[float, float | None] | None:
+    """The bucket stored with a histogram quantile's highest reading (monitor.normalize writes
+    ``key_lo`` and, unless unbounded, ``key_hi`` in the same scrape); None for exact series."""
+    if not _QUANTILE.search(key):
+        return None
+    ts, values = subject.read(key)
+    at = ts[int(np.argmax(values))]
+    lo_ts, lo = subject.read(key + "_lo")
+    hit = np.flatnonzero(lo_ts == at)
+    if not hit.size:
+        return None
+    hi_ts, hi = subject.read(key + "_hi")
+    hi_hit = np.flatnonzero(hi_ts == at)
+    return float(lo[hit[0]]), (float(hi[hi_hit[0]]) if hi_hit.size else None)
 
 
 def _context(subject: _Subject, rule: Rule) -> list[Evidence]:

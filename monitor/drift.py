@@ -144,6 +144,17 @@ def stored_baselines(keys_and_values: Iterable[tuple[str, float]]) -> dict[str, 
     return out
 
 
+def load_baselines(db, source: str) -> dict[str, dict]:
+    """The drift baselines an earlier session stored for `source` (as
+    `<source>/<drift>_baseline[<category>]` series, their first values), or {} to learn them
+    again. A database error (SQLAlchemyError) is the caller's to report."""
+    from storage.queries import first_values, list_series
+
+    prefix = f"{source}/"
+    keys = [k for k in list_series(db, source) if k.startswith(prefix) and "_baseline[" in k]
+    return stored_baselines((k[len(prefix):], v) for k in keys for v in first_values(db, k, 1))
+
+
 def drift_rules(sources: Iterable[str], window_s: float = 60.0) -> list[AlertRule]:
     """An alert per source and drift when the window's PSI is above its bar (drift > 1)."""
     return [AlertRule(f"{name} {what} drift", f"{name}/{drift}_drift", 1.0, window_s=window_s)

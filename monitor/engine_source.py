@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -32,8 +32,13 @@ class EngineSource:
     """Reads `engine.last_stats` each poll; finished outputs are handed in with `add_finished`."""
 
     def __init__(self, engine: Any, name: str = "engine", interval_s: float = 0.5,
-                 window_s: float = LATENCY_WINDOW_S) -> None:
+                 window_s: float = LATENCY_WINDOW_S,
+                 spec_summary: Callable[[], dict | None] | None = None) -> None:
         self.engine = engine
+        # The speculative decoder's counters (engine.spec.decoder's summary), read each poll:
+        # acceptance per draft position over the last window, as vLLM defines it.
+        self.spec_summary = spec_summary
+        self._spec_seen: deque[tuple[float, int, int, int, list[int]]] = deque()
         self.name = name
         self.interval_s = interval_s
         self.window_s = window_s
@@ -42,6 +47,17 @@ class EngineSource:
         self._finished: list[RequestRecord] = []
         self._lock = threading.Lock()
         self._last_stamp: float | None = None
+        # Quality canary scores of the loaded model (the Engine pane's "Score quality canary"),
+        # judged against the first ones of the same model: a new model starts a new baseline.
+        self._canary: list[tuple[str, Any]] = []
+        self._canary_model: str | None = None
+        self._canary_baseline: Any = None
+
+    def add_canary(self, model: str, score: Any) -> None:
+        """A quality canary score (monitor.canary.CanaryScore) of `model`, from any thread;
+        the next poll emits it as `<name>/canary_perplexity`, `_tokens` and `_drift`."""
+        with self._lock:
+            self._canary.append((model, score))
 
     def add_finished(self, outputs: Iterable[Any]) -> None:
         """Called from the engine's thread with outputs whose request has finished."""
@@ -52,7 +68,9 @@ class EngineSource:
     def poll(self, now: float) -> Poll:
         with self._lock:
             requests, self._finished = self._finished, []
-        latencies = self._latency_samples(requests, now)
+            canary, self._canary = self._canary, []
+        latencies = (self._latency_samples(requests, now) + self._canary_samples(canary, now)
+                     + self._spec_samples(now))
         stats = getattr(self.engine, "last_stats", None)
         if stats is None or stats.timestamp == self._last_stamp:
             return Poll(latencies, requests)  # no new step since the last poll
@@ -71,6 +89,50 @@ class EngineSource:
             samples.append(Sample(p + "decode_tokens_per_s", now,
                                   stats.num_decode_tokens / stats.wall_s))
         return Poll(samples, requests)
+
+    def _spec_samples(self, now: float) -> list[Sample]:
+        """Acceptance rate, mean accepted length (the bonus token counts) and acceptance at
+        each draft position over the last window, from the decoder's running counters (vLLM's
+        definitions, as monitor.normalize.RATIOS derives them from a server's)."""
+        summary = self.spec_summary() if self.spec_summary is not None else None
+        if not summary or not summary.get("drafts"):
+            self._spec_seen.clear()
+            return []
+        seen = (now, summary["drafts"], summary["accepted_tokens"], summary["draft_tokens"],
+                list(summary.get("accepted_per_position") or []))
+        if self._spec_seen and seen[1] < self._spec_seen[-1][1]:
+            self._spec_seen.clear()  # a new model (or decoder): its counters start again
+        self._spec_seen.append(seen)
+        # The oldest reading inside the window is the base the increases are taken from.
+        while len(self._spec_seen) > 1 and self._spec_seen[1][0] <= now - self.window_s:
+            self._spec_seen.popleft()
+        base = self._spec_seen[0] if len(self._spec_seen) > 1 else (now, 0, 0, 0, [])
+        drafts, accepted, drafted = (seen[i] - base[i] for i in (1, 2, 3))
+        if drafts <= 0 or drafted <= 0:
+            return []
+        p = f"{self.name}/"
+        out = [Sample(p + "spec_acceptance_rate", now, accepted / drafted),
+               Sample(p + "spec_mean_accepted_len", now, 1.0 + accepted / drafts)]
+        for i, total in enumerate(seen[4]):
+            before = base[4][i] if i < len(base[4]) else 0
+            out.append(Sample(f"{p}spec_acceptance_rate_at[position={i}]", now,
+                              (total - before) / drafts))
+        return out
+
+    def _canary_samples(self, scores: list[tuple[str, Any]], now: float) -> list[Sample]:
+        from monitor.canary import CanaryBaseline, drift_ratio
+
+        samples, p = [], f"{self.name}/"
+        for model, score in scores:
+            if model != self._canary_model:
+                self._canary_model, self._canary_baseline = model, CanaryBaseline()
+            self._canary_baseline.add(score.perplexity)
+            samples += [Sample(p + "canary_perplexity", now, score.perplexity),
+                        Sample(p + "canary_tokens", now, float(score.tokens))]
+            if self._canary_baseline.value is not None:
+                samples.append(Sample(p + "canary_drift", now,
+                                      drift_ratio(score.perplexity, self._canary_baseline.value)))
+        return samples
 
     def _latency_samples(self, finished: list[RequestRecord], now: float) -> list[Sample]:
         """``ttft_s_p50`` ... ``tpot_s_p99``: exact percentiles (numpy's linear interpolation,

@@ -66,11 +66,18 @@ class ScrapeLoop:
         self.hub = hub
         self.source = source
         self.stopping = threading.Event()
+        # Set to end the wait for the next slot early: by stop() and by a scrape asked for now
+        # (the scrape then runs on this loop's own thread, never beside one in flight).
+        self.wake = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"servescope-scrape-{source.name}",
                                        daemon=True)
 
     def start(self) -> None:
         self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.wake.set()
 
     def _run(self) -> None:
         interval = max(self.source.interval_s, self.hub.tick_s)  # 0 would spin
@@ -79,7 +86,9 @@ class ScrapeLoop:
             while not self.stopping.is_set():
                 self.hub.scrape(self.source, time.time())
                 slot = next_slot(slot, interval, time.monotonic())
-                self.stopping.wait(max(0.0, slot - time.monotonic()))
+                if self.wake.wait(max(0.0, slot - time.monotonic())):
+                    self.wake.clear()
+                    slot = time.monotonic()  # asked for now: the schedule restarts from here
         finally:
             self.source.close()
 
@@ -140,9 +149,22 @@ class Hub:
             self._described.pop(name, None)
             loop = self._loops.pop(name, None)
         if loop is not None:
-            loop.stopping.set()  # the loop closes the source once its scrape in flight ends
+            loop.stop()  # the loop closes the source once its scrape in flight ends
         elif source is not None:
             source.close()
+
+    def scrape_now(self, name: str) -> bool:
+        """Have a source scraped now, on its own loop's thread, instead of at its next slot (a
+        quality canary scored on demand); False when no such source runs here. On a hub that
+        was not started, the next tick() polls it."""
+        with self._lock:
+            if name not in self._sources:
+                return False
+            self._due[name] = 0.0
+            loop = self._loops.get(name)
+        if loop is not None:
+            loop.wake.set()
+        return True
 
     def statuses(self) -> dict[str, SourceStatus]:
         """A copy of every source's status (sources update theirs on their own threads)."""
@@ -272,7 +294,7 @@ class Hub:
             loops = list(self._loops.values())
             unstarted = [s for name, s in self._sources.items() if name not in self._loops]
         for loop in loops:
-            loop.stopping.set()
+            loop.stop()
         if self._thread is not None:
             self._thread.join(10)
         deadline = time.monotonic() + self.stop_wait_s

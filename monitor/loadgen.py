@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 
 from monitor.remote import describe_error
+from monitor.run_window import ServerWindow
 from monitor.types import RequestRecord
 from storage.queries import describe
 
@@ -50,6 +51,9 @@ class LoadSpec:
     timeout_s: float = 300.0
     seed: int = 0
     slo_ms: dict[str, float] = field(default_factory=dict)  # keys ttft, tpot, e2e
+    # Read the server's /metrics before and after the run, and store its own latency
+    # estimates over exactly these requests beside the exact ones (monitor/run_window.py).
+    server_estimates: bool = True
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -304,6 +308,8 @@ async def _run(spec: LoadSpec, progress: Callable[[int, int], None] | None) -> L
         if progress is not None:
             progress(len(records), spec.requests)
 
+    window = (await asyncio.to_thread(ServerWindow, spec.url, spec.token)
+              if spec.server_estimates else None)
     started, t0 = time.time(), time.perf_counter()
     async with httpx.AsyncClient(timeout=spec.timeout_s, headers=headers, limits=limits) as c:
         tasks = []
@@ -318,8 +324,10 @@ async def _run(spec: LoadSpec, progress: Callable[[int, int], None] | None) -> L
                 await asyncio.sleep(gaps[i])
         await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
-    return LoadResult(spec, records, started, duration,
-                      summarize(records, duration, spec.slo_ms))
+    summary = summarize(records, duration, spec.slo_ms)
+    if window is not None:
+        summary["server"] = await asyncio.to_thread(window.close, summary["completed"])
+    return LoadResult(spec, records, started, duration, summary)
 
 
 def run_load(spec: LoadSpec, progress: Callable[[int, int], None] | None = None) -> LoadResult:

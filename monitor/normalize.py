@@ -214,13 +214,61 @@ TABLE: tuple[MetricMap, ...] = (
     _m("throttle_reasons", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "gauge", per="gpu"),
 )
 
+SERVESCOPE_PREFIX = "servescope:"
 KIND_PREFIXES = (("vllm", "vllm:"), ("sglang", "sglang:"), ("tgi", "tgi_"),
                  ("llamacpp", "llamacpp:"), ("trtllm", "trtllm_"), ("triton", "nv_inference_"),
                  ("dcgm", "DCGM_FI_"))
 
 
+# What the monitor can chart of a server, by the series its metrics feed (the Servers pane's
+# "Exposes" column): derived from TABLE, so it says what the normaliser really reads.
+EXPOSED_GROUPS = (
+    ("latency percentiles", ("ttft_s", "tpot_s", "itl_s", "e2e_s")),
+    ("request phases", ("queue_s", "prefill_s", "decode_s", "inference_s")),
+    ("running/waiting", ("requests_running", "requests_waiting")),
+    ("KV-cache usage", ("kv_cache_usage",)),
+    ("tokens/s", ("prompt_tokens", "generation_tokens")),
+    ("finish reasons", ("requests_finished_reason",)),
+    ("preemptions", ("preemptions",)),
+    ("prefix-cache hits", ("prefix_cache_hits",)),
+    ("speculative acceptance", ("spec_accepted_tokens", "spec_acceptance_rate")),
+    ("KV eviction", ("kv_evicted_tokens",)),
+    ("GPU utilization, memory, power", ("gpu_util_pct", "memory_used_bytes", "power_w")),
+    ("SM occupancy", ("sm_occupancy_pct",)),
+)
+# The metric-name prefixes each kind's own exporter uses (Triton's GPU and TRT-LLM backend
+# families have prefixes of their own; servescope serve speaks vLLM's names besides its own).
+KIND_NAME_PREFIXES = {"servescope": ("vllm:", "servescope:"),
+                      "triton": ("nv_inference_", "nv_trt_llm_", "nv_gpu_")}
+# Kinds read without Prometheus text: what they give instead.
+NOT_PROMETHEUS = {"ollama": "loaded models and their memory (no /metrics)",
+                  "openai": "the models it serves (no /metrics): load-test it for latencies",
+                  "tabbyapi": "the models it serves (no /metrics): load-test it for latencies",
+                  # monitor/promapi.py's default PromQL over vLLM's names, backfilled.
+                  "prometheus-api": "the fleet's latency percentiles, running/waiting, KV-cache "
+                                    "usage and tokens/s, through PromQL"}
+
+
+def exposes(kind: str, api_only: bool = False) -> str:
+    """What the monitor reads from a server of this kind, in a few words."""
+    if api_only or kind in NOT_PROMETHEUS:
+        return NOT_PROMETHEUS.get(kind, NOT_PROMETHEUS["openai"])
+    prefixes = KIND_NAME_PREFIXES.get(kind) or tuple(p for k, p in KIND_PREFIXES if k == kind)
+    if not prefixes:
+        return "whatever it exports under names the monitor does not know" \
+            if kind == "prometheus" else "—"
+    fed = {m.series for m in TABLE if m.remote.startswith(prefixes)}
+    fed |= {r.series for r in RATIOS if r.numerator in fed}
+    return ", ".join(label for label, series in EXPOSED_GROUPS if fed.intersection(series))
+
+
 def detect_kind(names: set[str]) -> str:
-    """The server kind whose metric prefix most names carry, else "prometheus"."""
+    """The server kind whose metric prefix most names carry, else "prometheus".
+
+    `servescope serve` speaks vLLM's names (so dashboards work unchanged) plus a few of its
+    own namespace, which name it."""
+    if any(n.startswith(SERVESCOPE_PREFIX) for n in names):
+        return "servescope"
     counts = {kind: sum(1 for n in names if n.startswith(p)) for kind, p in KIND_PREFIXES}
     kind, hits = max(counts.items(), key=lambda kv: kv[1])
     return kind if hits else "prometheus"

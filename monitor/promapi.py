@@ -19,8 +19,13 @@ JOB_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_:.\-]{0,23}")
 MAX_BACKFILL_POINTS = 1000
 
 
-def _quantile(q: float, histogram: str, sel: str) -> str:
-    return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{sel}[1m])))"
+def _quantile(q: float, histogram: str, sel: str, older: str | None = None) -> str:
+    """PromQL for the q-quantile of a histogram over the last minute; `older` names the same
+    figure's histogram on older servers, read where the newer one is absent."""
+    rate = f"rate({histogram}_bucket{sel}[1m])"
+    if older is not None:
+        rate = f"({rate} or rate({older}_bucket{sel}[1m]))"
+    return f"histogram_quantile({q}, sum by (le) ({rate}))"
 
 
 def default_queries(job: str = "") -> dict[str, str]:
@@ -33,7 +38,12 @@ def default_queries(job: str = "") -> dict[str, str]:
     return {
         **{f"ttft_s_p{round(q * 100)}": _quantile(q, "vllm:time_to_first_token_seconds", sel)
            for q in (0.5, 0.95, 0.99)},
-        **{f"tpot_s_p{round(q * 100)}": _quantile(q, "vllm:time_per_output_token_seconds", sel)
+        # TPOT per request (vLLM V1's histogram; V0's time_per_output_token was per token,
+        # an inter-token latency, and V1 no longer exports it), and the inter-token latency.
+        **{f"tpot_s_p{round(q * 100)}": _quantile(q, "vllm:request_time_per_output_token_seconds",
+                                                  sel) for q in (0.5, 0.95, 0.99)},
+        **{f"itl_s_p{round(q * 100)}": _quantile(q, "vllm:inter_token_latency_seconds", sel,
+                                                 older="vllm:time_per_output_token_seconds")
            for q in (0.5, 0.95, 0.99)},
         "e2e_s_p99": _quantile(0.99, "vllm:e2e_request_latency_seconds", sel),
         "requests_running": f"sum(vllm:num_requests_running{sel})",

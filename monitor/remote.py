@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from monitor import ollama
+from monitor import ollama, openai_api
 from monitor.drift import OutputDrift
 from monitor.normalize import Normalizer, detect_kind
 from monitor.promtext import MetricsError, parse_metrics
@@ -20,7 +20,7 @@ from monitor.types import Poll, Sample, SourceStatus
 
 MAX_BACKOFF_S = 60.0
 # Where a server kind names its version ({"version": "0.32.0"}), and how often to retry asking.
-VERSION_PATHS = {"vllm": "/version"}
+VERSION_PATHS = {"vllm": "/version", "servescope": "/version"}
 VERSION_RETRY_S = 60.0
 # The largest body a scrape reads: far above any real /metrics page (vLLM's is ~100 KiB), far
 # below what would hurt the recorder; over it the scrape stops reading and the source is down.
@@ -230,6 +230,9 @@ class PrometheusSource(BackoffSource):
         self.url = metrics_url(config.url)
         self.normalizer = Normalizer(window_s, drift)
         self.ollama_version = ""  # set when the server turns out to be Ollama
+        # Set when the server has no Prometheus text but answers GET /v1/models: read from then
+        # on through that (monitor/openai_api.py).
+        self.api_only = False
         self._version_tried = -math.inf
 
     def poll(self, now: float) -> Poll:
@@ -239,14 +242,24 @@ class PrometheusSource(BackoffSource):
         try:
             if self.status.kind == "ollama":
                 return self._up(now, self._read_ollama(), "")
+            if self.api_only:
+                return self._up(now, self._read_models(), "")
             text = self._fetch_metrics()
-            if text is None:  # no /metrics, but Ollama's API answered: read that from now on
-                return self._up(now, self._read_ollama(), "")
-            scrape = parse_metrics(text)
+            if text is None:  # no /metrics, but Ollama's or an OpenAI API answered: read that
+                return self._up(now, self._read_ollama() if self.status.kind == "ollama"
+                                else self._read_models(), "")
+            try:
+                scrape = parse_metrics(text)
+            except MetricsError:
+                # JSON or HTML where Prometheus text should be (trtllm-serve's /metrics is
+                # JSON): a server whose OpenAI API answers is watched through that instead.
+                if self._api_only_server():
+                    return self._up(now, self._read_models(), "")
+                raise
         except MetricsError as exc:
             self._fail(now, f"{self.url} sent {exc}", "not_prometheus")
             return Poll()
-        except ollama.OllamaError as exc:
+        except (ollama.OllamaError, openai_api.OpenAIApiError) as exc:
             self._fail(now, str(exc), "not_prometheus")
             return Poll()
         except (FetchError, httpx.HTTPError, OSError) as exc:
@@ -279,6 +292,8 @@ class PrometheusSource(BackoffSource):
         if self.status.kind == "ollama":
             version = f"Ollama {self.ollama_version}; " if self.ollama_version else ""
             message += f" ({version}{ollama.NOT_PROVIDED})"
+        elif self.api_only:
+            message += f" ({openai_api.NOT_PROVIDED})"
         self._ok(now, message)
         return Poll([Sample(f"{self.name}/{series}", now, value) for series, value in values])
 
@@ -299,17 +314,40 @@ class PrometheusSource(BackoffSource):
 
     def _fetch_metrics(self) -> str | None:
         """The /metrics text; None when there is none but the server is Ollama (detected by
-        its GET /api/version, which then sets the kind)."""
+        its GET /api/version, which then sets the kind) or answers the OpenAI API's GET
+        /v1/models (llama.cpp without --metrics answers 501 there, most others 404)."""
         try:
             return self.fetch()
         except FetchError as exc:
-            if exc.status_code != 404 or self.config.kind not in (None, "ollama"):
+            if exc.status_code not in (404, 501) or self.config.kind not in (None, "ollama"):
                 raise
-            version = self._ollama_version()
+            version = self._ollama_version() if exc.status_code == 404 else None
             if version is None:
+                if self._api_only_server():
+                    return None
                 raise
         self.ollama_version, self.status.kind = version, "ollama"
         return None
+
+    def _api_only_server(self) -> bool:
+        """Whether a server of no configured kind answers GET /v1/models with a model list;
+        if so it is read through that from now on, its kind named by the models' owner."""
+        if self.config.kind is not None:
+            return False
+        try:
+            models = self._models()
+        except (FetchError, openai_api.OpenAIApiError, httpx.HTTPError, OSError):
+            return False
+        self.api_only, self.status.kind = True, openai_api.kind_of(models)
+        self.status.api_only = True
+        return True
+
+    def _models(self) -> list[dict]:
+        url = openai_api.models_url(self.config.url)
+        return openai_api.parse_models(self.fetch(url), url)
+
+    def _read_models(self) -> list[tuple[str, float]]:
+        return openai_api.model_values(self._models())
 
     def _ollama_version(self) -> str | None:
         try:

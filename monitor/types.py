@@ -45,6 +45,7 @@ class SourceStatus:
     state: str = "unknown"  # "up", "down", "unknown", "unavailable"
     kind: str = "unknown"
     version: str | None = None  # what the server says it runs, where it says (vLLM: /version)
+    api_only: bool = False  # no Prometheus text: read through its OpenAI API's /v1/models
     last_error: str | None = None
     last_ok: float | None = None
     message: str = ""

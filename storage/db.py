@@ -91,9 +91,27 @@ def migrate(engine: Engine) -> None:
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    lock = engine.dialect.name == "sqlite" and not _at_head(engine, cfg)
     with engine.begin() as conn:
+        if lock:
+            # Two programs opening one new file at once (the app and `servescope record`) would
+            # both find no schema and both create it, one failing on "table already exists":
+            # pysqlite runs DDL outside a transaction. An immediate transaction takes the write
+            # lock first, so the second waits (busy timeout), then finds the schema at head.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+
+
+def _at_head(engine: Engine, cfg) -> bool:
+    """Whether the schema is already at the newest revision (then opening writes nothing, and
+    a read-only file opens as before)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    with engine.connect() as conn:
+        current = MigrationContext.configure(conn).get_current_heads()
+    return set(current) == set(ScriptDirectory.from_config(cfg).get_heads())
 
 
 @dataclass

@@ -28,6 +28,8 @@ class Source(Base):
     # A user-added server's quality canary (monitor/canary.py): seconds between scorings of the
     # held-out text; None where it has none.
     canary_every_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # ...scored by decoding from this token on (`servescope serve` only); None: by prefill.
+    canary_decode_from: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_ms: Mapped[int] = mapped_column(BigInteger, default=0)
 
 

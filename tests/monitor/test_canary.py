@@ -58,8 +58,8 @@ def reference(server, sample) -> dict:
     assert server.loop.in_flight == 0  # the engine is idle: its own prefill is safe here
     ids = server.llm.tokenizer.encode(sample)
     logp = torch.log_softmax(server.llm.prompt_logits(ids), dim=-1)
-    return {"ids": ids,
-            "mean": sum(float(logp[i - 1, t]) for i, t in enumerate(ids) if i) / (len(ids) - 1)}
+    each = [float(logp[i - 1, t]) for i, t in enumerate(ids) if i]  # token i's, from i = 1
+    return {"ids": ids, "each": each, "mean": sum(each) / len(each)}
 
 
 @pytest.mark.parametrize("via", ["echo", "prompt_logprobs"])
@@ -101,6 +101,83 @@ def test_drift_alert_fires_on_a_worse_score_and_not_on_the_baseline(server, samp
     assert drift_ratio(source.last.perplexity, source.baseline.value) > 1.05
     assert source.baseline.value == full.perplexity  # the baseline stays the first score
     assert [e.rule for e in recording.firing()] == ["srv canary perplexity drift"]
+
+
+DECODE_FROM = 8  # the sample's first 8 tokens prefilled, its other ~60 decoded one by one
+
+
+@pytest.mark.parametrize("via", ["echo", "prompt_logprobs"])
+def test_scoring_by_decoding_with_the_full_cache_equals_the_prefills_scores(server, sample,
+                                                                            reference, via):
+    """`prompt_logprobs_decode_from` (servescope's extension): tokens from that index on are
+    decoded one at a time with the true token forced in; with the full cache each decoded
+    log-probability is the prefill's, so the perplexity of the decoded tokens is the
+    engine's own over the same tokens. The reply says it scored by decoding."""
+    got = score(server.url, None, sample, methods=(via,), decode_from=DECODE_FROM)
+    decoded = reference["each"][DECODE_FROM - 1:]
+    assert got.tokens == len(decoded) == len(reference["ids"]) - DECODE_FROM
+    assert got.mean_logprob == pytest.approx(sum(decoded) / len(decoded), rel=5e-3)
+
+
+def test_the_canary_sees_kv_eviction_by_decoding_and_its_alert_fires(server, sample):
+    """H2O at a 10% budget: invisible to a prefill's scores (drift 1.000, the test above), but
+    scored by decoding, the evicting cache's perplexity is well above the full cache's, and
+    the canary's drift alert fires against the full cache's score as the baseline."""
+    full = score(server.url, None, sample, decode_from=DECODE_FROM)
+    h2o_body = {"kv_policy": "h2o", "kv_budget": 0.1}
+    prefilled = score(server.url, None, sample, extra_body=h2o_body)
+    source = CanarySource("srv", server.url, text=sample, interval_s=300,
+                          extra_body=h2o_body, decode_from=DECODE_FROM,
+                          baseline=CanaryBaseline(pinned=full.perplexity))
+    recording = Recording([source])
+    recording.set_rules([canary_rule("srv", interval_s=300)])
+    recording.hub.tick(1_000_000.0)
+    drift = recording.hub.latest("srv/canary_drift")
+    assert drift > 1.05 and drift == pytest.approx(source.last.perplexity / full.perplexity)
+    assert [e.rule for e in recording.firing()] == ["srv canary perplexity drift"]
+    # What the prefill-only canary reports for the same request: no loss at all.
+    plain = score(server.url, None, sample)
+    assert drift_ratio(prefilled.perplexity, plain.perplexity) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_scoring_by_decoding_is_refused_clearly_where_it_cannot_be_done(server, sample):
+    """A request that asks to score by decoding without asking for prompt scores, or from
+    outside the prompt, gets a 400 naming the field; a server that ignores the field (any
+    server but servescope) makes the canary say so instead of storing prefill scores as
+    decoded ones."""
+    import httpx
+
+    body = {"prompt": sample, "max_tokens": 1, "prompt_logprobs_decode_from": 4}
+    for extra in ({}, {"prompt_logprobs": 0, "prompt_logprobs_decode_from": 10_000}):
+        reply = httpx.post(server.url + "/v1/completions", json=body | extra, timeout=60)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == "prompt_logprobs_decode_from"
+        _one_sentence(reply.json()["error"]["message"])
+    srv = LocalServer(_IgnoresDecoding)
+    srv.serve_in_background()
+    try:
+        with pytest.raises(CanaryError) as caught:
+            score(srv.url, None, "a short text", decode_from=2, timeout_s=5)
+    finally:
+        srv.close()
+    _one_sentence(str(caught.value))
+    assert "does not score prompts by decoding" in str(caught.value)
+
+
+class _IgnoresDecoding(QuietHandler):
+    """Echo with logprobs as OpenAI answers it, prompt_logprobs_decode_from ignored."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        reply = {"choices": [{"index": 0, "text": "a short text", "logprobs": {
+            "token_logprobs": [None, -1.0, -2.0], "tokens": ["a", " short", " text"]}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 0}}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
 
 def test_baseline_median_and_pin():
@@ -176,8 +253,11 @@ def test_parse_canary_the_command_lines_form():
     assert source.baseline.value == 12.5 and source.text == heldout_text()
     default = parse_canary("a=https://box:8000")
     assert default.interval_s == 300.0 and default.baseline.value is None
+    assert default.decode_from is None
+    assert parse_canary("a=http://x:1,decode=64").decode_from == 64
     for bad in ("http://x:1", "a=ftp://x", "a=http://x:1,every=soon", "a=http://x:1,color=red",
-                "a=http://x:1,every=0", "b/c=http://x:1"):
+                "a=http://x:1,every=0", "b/c=http://x:1", "a=http://x:1,decode=0",
+                "a=http://x:1,decode=half"):
         with pytest.raises(ValueError):
             parse_canary(bad)
 

@@ -65,12 +65,14 @@ def test_diagnose_names_kv_pressure_stores_it_and_exports_csv(recorded_db, capsy
 
 
 def test_a_window_without_trouble_says_what_it_could_not_judge(recorded_db, capsys):
-    # The first 20 s: idle, then the light load that fits.
+    # From the start to the end of the light load that fits (the recording says when).
+    light_end = json.loads(RECORDING.read_text())["meta"]["loads"]["light"]["ended_s"]
+    window = f"{light_end:g}"
     code, out, _ = run(capsys, "--db", recorded_db, "--json", "--no-store",
-                       "--end", str(T0 + 20), "--window", "20")
+                       "--end", str(T0 + light_end), "--window", window)
     result = json.loads(out)
     assert code == 0 and result["verdicts"] == [] and result["stored"] == []
-    assert result["summary"].startswith("No rule's conditions held over 20 s")
+    assert result["summary"].startswith(f"No rule's conditions held over {light_end:.0f} s")
     assert "memory_bound" in result["not_evaluated"]
 
 

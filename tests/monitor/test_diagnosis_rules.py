@@ -211,12 +211,42 @@ def test_real_vllm_with_too_small_a_kv_cache_is_named_kv_pressure(vllm_recording
     ev = {e.series: e for e in kv[0].evidence}
     assert ev["vllm/kv_cache_usage"].value >= 0.9
     assert ev["vllm/ttft_s_p99"].value >= 3.0  # p99 over the median p50
+    # The p99 is vLLM's histogram estimate: the title names the bucket it lies in.
+    lo, hi = ev["vllm/ttft_s_p99"].bucket
+    assert f", between {lo:.4g} and {hi:.4g} s," in kv[0].title
     # A long request is not blamed where preemptions explain the tail.
     assert "long_request" not in {v.rule for v in result.verdicts}
     # The light load alone (before the heavy one began): nothing to name.
     light = meta["loads"]["light"]
     calm = evaluate(view, start, light["ended_s"])
     assert "kv_pressure" not in {v.rule for v in calm.verdicts}
+
+
+def test_a_histogram_p99_carries_its_bucket_into_the_verdict():
+    """The p99 TTFT a verdict quotes is a histogram estimate: its title and evidence say which
+    bucket the true value lies in (the one stored with the highest reading), in words; the
+    same rule on exact percentiles (the embedded engine's) says nothing of buckets."""
+    ts = T0 + np.arange(60, dtype=float)
+    p99 = np.where(np.arange(60) == 40, 19.8, 0.6)
+    series = {"vllm/ttft_s_p50": steady(0.4), "vllm/ttft_s_p99": (ts, p99),
+              "vllm/ttft_s_p99_lo": (ts, np.where(p99 > 10, 10.0, 0.5)),
+              "vllm/ttft_s_p99_hi": (ts, np.where(p99 > 10, 20.0, 0.75)),
+              "vllm/kv_cache_usage": steady(0.97), "vllm/preemptions_total": ramp(0, 12)}
+    verdict = next(v for v in evaluate(RecordedSeries(series), T0, T0 + 59).verdicts
+                   if v.rule == "kv_pressure")
+    assert "p99 TTFT up to 19.8 s, between 10 and 20 s, 50x the median p50" in verdict.title
+    ev = {e.series: e for e in verdict.evidence}
+    assert ev["vllm/ttft_s_p99"].bucket == (10.0, 20.0)
+    exact = {k: v for k, v in series.items() if not k.endswith(("_lo", "_hi"))}
+    verdict = next(v for v in evaluate(RecordedSeries(exact), T0, T0 + 59).verdicts
+                   if v.rule == "kv_pressure")
+    assert "up to 19.8 s, 50x" in verdict.title and "between" not in verdict.title
+    # Above the last finite bound the bucket has no upper end.
+    series["vllm/ttft_s_p99_hi"] = (ts[:40], series["vllm/ttft_s_p99_hi"][1][:40])
+    verdict = next(v for v in evaluate(RecordedSeries(series), T0, T0 + 59).verdicts
+                   if v.rule == "kv_pressure")
+    assert "up to 19.8 s, above 10 s," in verdict.title
+    assert verdict.to_dict()["evidence"][0]["bucket"] == (10.0, None)
 
 
 def test_verdicts_export_as_csv_with_their_evidence(vllm_recording):

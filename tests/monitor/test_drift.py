@@ -185,3 +185,53 @@ def _wait(condition, timeout_s: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_servescope_record_keeps_a_servers_drift_baseline_across_runs(server, tmp_path):
+    """`servescope record` as the Monitor pane: the first run learns the baseline from the
+    server's first 100 requests and stores it; the next run on the same database judges its
+    first 20 requests against it, without learning a new one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from storage import queries
+    from storage.db import StorageError, open_database
+
+    db_url = f"sqlite:///{tmp_path / 'record.db'}"
+
+    def stored(key: str) -> list[float]:
+        if not (tmp_path / "record.db").exists():
+            return []
+        try:
+            db = open_database(db_url)
+        except StorageError:  # the recorder is still making its tables
+            return []
+        try:
+            return queries.series_window(db, key, 0, 2e10, "raw")[1].tolist()
+        finally:
+            db.close()
+
+    def run(requests: int, want: str) -> list[float]:
+        # This run's samples, not the last one's: the load starts once it scrapes, and what it
+        # waits for is a value stored after those the database already holds.
+        before, wanted = len(stored("drifty/requests_running")), len(stored(want))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "monitor.cli", "record", "--db", db_url, "--server",
+             f"drifty={server.url}", "--interval", "0.2"],
+            stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+        try:
+            _wait(lambda: len(stored("drifty/requests_running")) >= before + 2)
+            _load(server, output_len=2, requests=requests)
+            _wait(lambda: len(stored(want)) > wanted)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        return stored(want)[wanted:]
+
+    assert run(100, "drifty/response_length_baseline[2]") == [100]
+    judged = run(20, "drifty/response_length_psi")
+    assert judged[0] == pytest.approx(0.0, abs=1e-9)  # the same lengths as the baseline's
+    assert stored("drifty/response_length_baseline[2]") == [100]  # none learnt the second time

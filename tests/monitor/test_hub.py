@@ -79,6 +79,36 @@ def test_hub_thread_runs_and_stops():
     assert source.n >= 5 and len(hub.series("t/v")[0]) == source.n
 
 
+def test_a_source_scraped_now_is_polled_at_once_on_its_own_thread():
+    """A source due an hour from now (a quality canary) is scraped within moments of being
+    asked, by its own loop; an unknown name is said, not ignored; on a hub not started the
+    next tick polls it."""
+    source = Ramp("canary", interval_s=3600.0)
+    hub = Hub([source], tick_s=0.01).start()
+    try:
+        deadline = time.monotonic() + 5
+        while source.n < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert source.n == 1
+        asked = time.monotonic()
+        assert hub.scrape_now("canary") and not hub.scrape_now("nothing")
+        while source.n < 2 and time.monotonic() - asked < 5:
+            time.sleep(0.01)
+        assert source.n == 2 and time.monotonic() - asked < 1.0
+        time.sleep(0.2)
+        assert source.n == 2  # and then back on its hourly schedule
+    finally:
+        hub.stop()
+    idle = Ramp("idle", interval_s=3600.0)
+    unstarted = Hub([idle])
+    unstarted.tick(100.0)
+    unstarted.tick(101.0)
+    assert idle.n == 1
+    unstarted.scrape_now("idle")
+    unstarted.tick(102.0)
+    assert idle.n == 2
+
+
 def test_a_failing_on_tick_is_reported_and_the_hub_thread_keeps_polling():
     calls = []
 
@@ -253,3 +283,30 @@ def test_a_removed_source_is_closed_by_its_loop_and_stores_nothing_more():
     time.sleep(0.1)
     assert source.closed and source.n == polls and "r" not in hub.statuses()
     hub.stop()
+
+
+def test_engine_speculation_is_judged_over_the_last_minute_by_position():
+    """The decoder's running counters become vLLM's ratios over the window: acceptance per
+    draft position (accepted there / drafts), mean accepted length (1 + accepted / drafts);
+    a new model's counters start a new window; no drafts, no series."""
+    counters = {"drafts": 0}
+    source = EngineSource(SimpleNamespace(last_stats=None), spec_summary=lambda: counters)
+    assert source.poll(0.0).samples == []
+    counters.update(drafts=10, draft_tokens=30, accepted_tokens=15,
+                    accepted_per_position=[8, 5, 2])
+    values = {s.series: s.value for s in source.poll(1.0).samples}
+    assert values["engine/spec_acceptance_rate_at[position=0]"] == pytest.approx(0.8)
+    assert values["engine/spec_acceptance_rate_at[position=2]"] == pytest.approx(0.2)
+    assert values["engine/spec_mean_accepted_len"] == pytest.approx(2.5)
+    assert values["engine/spec_acceptance_rate"] == pytest.approx(0.5)
+    # 70 s later, 10 more drafts all accepted at the first position only: the window holds them.
+    counters.update(drafts=20, draft_tokens=60, accepted_tokens=25,
+                    accepted_per_position=[18, 5, 2])
+    source.poll(40.0)
+    values = {s.series: s.value for s in source.poll(71.0).samples}
+    assert values["engine/spec_acceptance_rate_at[position=0]"] == pytest.approx(1.0)
+    assert values["engine/spec_acceptance_rate_at[position=1]"] == pytest.approx(0.0)
+    # A new model: counters from zero again, judged alone.
+    counters.update(drafts=2, draft_tokens=6, accepted_tokens=1, accepted_per_position=[1, 0, 0])
+    values = {s.series: s.value for s in source.poll(72.0).samples}
+    assert values["engine/spec_acceptance_rate_at[position=0]"] == pytest.approx(0.5)

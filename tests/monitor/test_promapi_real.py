@@ -3,70 +3,32 @@ scraping a vLLM-shaped /metrics served by the test; skipped, saying why, without
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from monitor.hub import Hub
 from monitor.promapi import PromApiSource, default_queries
 from monitor.remote import ServerConfig
+from tests.monitor.prometheus import (
+    PROMETHEUS,
+    SKIP_REASON,
+    running_prometheus,
+    wait_for_scrapes,
+)
 
 HERE = Path(__file__).parent
-PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian: "
-                                "apt-get install prometheus; .ci/run installs it)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason=SKIP_REASON)
 
 
 @pytest.fixture
 def prometheus(serve_text, tmp_path):
     """A Prometheus scraping a vLLM-shaped server every second as job "vllm-test"."""
     target = serve_text((HERE / "vllm_metrics_a.txt").read_text())
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        "scrape_configs:\n"
-        "  - job_name: vllm-test\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{target.server_port}']}}]\n")
-    port = _free_port()
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_scrapes(url, proc, 3)
+    with running_prometheus(tmp_path, "vllm-test", f"127.0.0.1:{target.server_port}") as url:
+        wait_for_scrapes(url, "vllm-test", 3)
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def _wait_for_scrapes(url: str, proc: subprocess.Popen, scrapes: int) -> None:
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"prometheus exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            answer = httpx.get(f"{url}/api/v1/query", params={
-                "query": 'count_over_time(up{job="vllm-test"}[1m])'}).json()
-            result = answer["data"]["result"]
-            if result and float(result[0]["value"][1]) >= scrapes:
-                return
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass  # still starting
-        time.sleep(0.3)
-    pytest.fail("prometheus did not scrape the target within 30 s")
 
 
 def test_a_real_prometheus_backfills_and_then_answers_each_poll(prometheus):
@@ -87,3 +49,24 @@ def test_a_real_prometheus_backfills_and_then_answers_each_poll(prometheus):
     assert other.poll(now).samples == [] and other.status.state == "up"
     hub.stop()
     other.close()
+
+
+def test_a_real_prometheus_over_a_served_engine_gives_tpot_and_itl(demo_gguf, tmp_path):
+    """Prometheus scraping a real `servescope serve` (vLLM's V1 names) through a load test: the
+    fleet queries find TPOT (vLLM V1's per-request histogram) and the inter-token latency, each
+    inside the bucket the server's own histograms put it in over the same requests."""
+    from monitor.loadgen import LoadSpec, run_load
+    from tests.monitor.sshd import shared_engine_server
+
+    server = shared_engine_server(demo_gguf)
+    with running_prometheus(tmp_path, "served", server.url.removeprefix("http://")) as url:
+        summary = run_load(LoadSpec(server.url, concurrency=2, requests=6, input_len=12,
+                                    output_len=8, seed=4)).summary
+        time.sleep(2.5)  # two more scrapes after the last request
+        source = PromApiSource(ServerConfig("fleet", url), default_queries("served"))
+        values = {s.series.split("/", 1)[1]: s.value for s in source.poll(time.time()).samples}
+    assert source.status.state == "up", source.status.last_error
+    for name in ("tpot", "itl"):
+        got = values[f"{name}_s_p50"] * 1e3
+        bucket = summary["server"][f"{name}_ms"]["p50"]
+        assert bucket["lo"] <= got <= (bucket["hi"] or float("inf")), (name, got, bucket)

@@ -102,7 +102,7 @@ def test_a_box_is_recorded_through_the_tunnel_and_survives_a_dropped_connection(
         wait_for(lambda: hub.latest("box/1/throttle_reasons") is not None
                  and hub.latest("box/generation_tokens_total") is not None, what="first scrape")
         status = hub.statuses()["box"]
-        assert status.state == "up" and status.kind == "vllm" and status.reason is None
+        assert status.state == "up" and status.kind == "servescope" and status.reason is None
         assert "through ssh://box; 2 GPU(s) from nvidia-smi" in status.message
         # The server's own counter, read through the tunnel, is what it says directly.
         generated = next(float(line.split()[-1]) for line in direct.splitlines()
@@ -244,7 +244,7 @@ def test_a_key_held_only_by_the_agent_logs_in(sshd, engine, tmp_path, monkeypatc
     finally:
         agent.terminate()
         agent.wait(5)
-    assert (status.state, status.kind, status.reason) == ("up", "vllm", None)
+    assert (status.state, status.kind, status.reason) == ("up", "servescope", None)
 
 
 def test_record_reads_ssh_servers(sshd, engine, tmp_path, capsys):

@@ -215,3 +215,34 @@ def test_sigkilled_record_under_load_loses_at_most_1_5_s_and_stays_intact(tmp_pa
     assert lost_s <= 1.5
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     assert max(gaps) < 500  # no hole in what was stored
+
+
+def test_programs_opening_one_new_database_at_once_all_open_it(tmp_path):
+    """The app and `servescope record` started together on a fresh file: each process opens
+    (creating the schema once), none fails on "table already exists", and the schema ends at
+    the newest revision. Without the migration's write lock most rounds fail."""
+    script = textwrap.dedent("""
+        import sys
+        from storage.db import open_database
+        open_database(sys.argv[1]).close()
+    """)
+    for round_ in range(6):
+        url = f"sqlite:///{tmp_path / f'fresh{round_}.db'}"
+        procs = [subprocess.Popen([sys.executable, "-c", script, url], stderr=subprocess.PIPE,
+                                  text=True) for _ in range(3)]
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0], errors
+        with sqlite3.connect(tmp_path / f"fresh{round_}.db") as conn:
+            assert conn.execute("select version_num from alembic_version").fetchall() == [
+                (_head(),)]
+
+
+def _head() -> str:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from storage.db import MIGRATIONS_DIR
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return ScriptDirectory.from_config(cfg).get_current_head()

