@@ -167,11 +167,16 @@ def sglang_command(plan: Plan, prefix_caching: bool = True) -> str:
         args.append("--disable-radix-cache")
     spec = _spec(plan)
     if spec is not None:
-        args += ["--speculative-algorithm", SGLANG_SPEC.get(spec.method, spec.method.upper())]
+        algorithm = SGLANG_SPEC.get(spec.method, spec.method.upper())
+        args += ["--speculative-algorithm", algorithm]
         if spec.draft:
             args += ["--speculative-draft-model-path", spec.draft]
-        args += ["--speculative-num-steps", str(spec.draft_len),
-                 "--speculative-num-draft-tokens", str(spec.draft_len + 1)]
+        args += ["--speculative-num-steps", str(spec.draft_len)]
+        if algorithm.startswith("EAGLE"):
+            # One chain of draft_len tokens: SGLang needs the branching factor whenever the
+            # steps are given (without it, its resolution fails comparing None with 1).
+            args += ["--speculative-eagle-topk", "1"]
+        args += ["--speculative-num-draft-tokens", str(spec.draft_len + 1)]
     return shlex.join(args)
 
 

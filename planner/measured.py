@@ -178,7 +178,15 @@ def _run_point(run: dict[str, Any], catalog: Catalog) -> Measurement | str:
     return Measurement(model, gpu, weights, kv, int(config.get("tp", 1)), int(config.get("pp", 1)),
                        batch, int(config.get("input_len", 128)),
                        int(config.get("output_len", 128)), float(tok_s), mode="continuous",
+                       tpot_ms=_median(summary, "tpot_ms"), ttft_ms=_median(summary, "ttft_ms"),
                        source=label, engine=str(config.get("engine", "")))
+
+
+def _median(summary: dict[str, Any], key: str) -> float | None:
+    """A run's p50 of `key` (what the planner's closed-loop prediction is judged against), None
+    where the run has none."""
+    value = (summary.get(key) or {}).get("p50")
+    return float(value) if value else None
 
 
 def run_batch(config: dict[str, Any], summary: dict[str, Any], tok_s: float) -> int | None:

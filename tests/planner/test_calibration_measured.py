@@ -163,3 +163,29 @@ def test_a_quantized_benchmark_calibrates_its_own_precision(catalog):
     assert {(m.weights, m.kv) for m in int8} == {("int8", "fp8")}
     points, skipped = from_engine([{**engine_result(catalog), "weights": "int3"}], catalog)
     assert points == [] and "weights 'int3'" in skipped[0]
+
+
+def test_a_run_at_batch_1_with_its_ttft_pins_the_flops_factor(catalog):
+    """Decode at batch 1 never touches the compute roof, so its throughput fits any FLOPs
+    factor; its TTFT (a prefill, which does) pins it. One stored run at concurrency 1, with the
+    p50 TPOT and TTFT of a known efficiency, recovers that efficiency's FLOPs factor."""
+    truth = Efficiency(flops=0.4, memory=0.6)
+    m = Measurement("Llama-3.1-8B", "L4", "bf16", "bf16", 1, 1, 1, 2048, 64, 1.0,
+                    mode="continuous")
+    figures = predict(deployment_for(m, catalog), m, truth)
+    run = {"id": 1, "kind": "loadtest", "name": "plan run",
+           "config": {"model": "Llama-3.1-8B", "gpu": "L4", "concurrency": 1, "input_len": 2048,
+                      "output_len": 64},
+           "summary": {"output_tokens_per_s": figures["throughput_tok_s"],
+                       "tpot_ms": {"p50": figures["tpot_ms"]},
+                       "ttft_ms": {"p50": figures["ttft_ms"]}}}
+    [point], _ = from_runs([run], catalog)
+    assert (point.tpot_ms, point.ttft_ms) == (figures["tpot_ms"], figures["ttft_ms"])
+    cal = calibrate_measured([], [run], catalog).calibration
+    assert cal.efficiency("L4", "bf16").flops == pytest.approx(0.4, abs=0.051)
+    assert cal.efficiency("L4", "bf16").memory == pytest.approx(0.6, abs=0.051)
+    # Without the TTFT the same run leaves the FLOPs factor to the tie-break.
+    del run["summary"]["ttft_ms"]
+    loose = calibrate_measured([], [run], catalog).calibration.efficiency("L4", "bf16")
+    assert loose.memory == pytest.approx(0.6, abs=0.051)
+    assert loose.flops != pytest.approx(0.4, abs=0.051)

@@ -1,23 +1,31 @@
-"""Every `vllm serve` command the planner can emit, checked by real vLLM's own argument parser
-and config classes (in vLLM's environment, as a subprocess; skipped, saying why, without it)."""
+"""Every `vllm serve` and `sglang.launch_server` command the planner can emit, checked by the
+real servers' own argument parsers and config checks (each in its own environment, as a
+subprocess; skipped, saying why, without it)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from planner.catalog import Model, load_catalog
 from planner.checkpoints import DRAFTS, NATIVE, QUANTIZED
 from planner.disagg import search_disagg
-from planner.export import disagg_vllm_commands, vllm_command
+from planner.export import NotServable, disagg_vllm_commands, sglang_command, vllm_command
 from planner.search import SearchSpace, enumerate_deployments, search, servable_only
 from planner.timing import SpecDecode
 from planner.workload import Slo, Workload
 
 HERE = Path(__file__).parent
+# One worker for both servers' checks: they share the search (exportable()).
+pytestmark = pytest.mark.xdist_group("exports")
 ARCH = {"llama": ("LlamaForCausalLM", "llama"), "mixtral": ("MixtralForCausalLM", "mixtral"),
         "qwen2": ("Qwen2ForCausalLM", "qwen2"), "deepseek": ("DeepseekV3ForCausalLM",
                                                              "deepseek_v3")}
@@ -97,54 +105,143 @@ def model_folders(tmp: Path) -> dict[str, str]:
     return folders
 
 
-def every_command() -> tuple[list[str], dict[str, int]]:
-    """The distinct commands of every servable layout of every catalog model (GPU and batch
-    limit do not change what vLLM checks), plus those of a catalog-wide search's plans."""
+@dataclass
+class Exportable:
+    """What the planner can emit commands for: every servable layout of every catalog model
+    (GPU and batch limit do not change what the servers check), the plans of a catalog-wide
+    search, and the disaggregated plans of a long-prompt search."""
+
+    layouts: list
+    plans: list
+    disagg: list
+    dropped: dict[str, int]
+
+
+@functools.cache
+def exportable() -> Exportable:
+    """Computed once per worker: both servers' checks read it (the search is most of their
+    time)."""
     catalog = load_catalog()
     space = SearchSpace(gpus=("H100 SXM",), max_seqs=(64,),
                         spec=(None, SpecDecode(), SpecDecode(method="ngram")))
-    commands: set[str] = set()
+    layouts, plans, disagg = [], [], []
     dropped: dict[str, int] = {}
     for model in catalog.models.values():
         kept, why = servable_only(enumerate_deployments(model, catalog, space))
         for reason, n in why.items():
             dropped[reason] = dropped.get(reason, 0) + n
-        commands |= {vllm_command(SimpleNamespace(deployment=d)) for d in kept}
+        layouts += [SimpleNamespace(deployment=d) for d in kept]
     w = Workload(800, 200, rate=4, slo=Slo(ttft_p99_ms=3000, tpot_p99_ms=80), num_requests=200)
     for model in catalog.models.values():
         result = search(model, w, catalog, SearchSpace(max_seqs=(64, 256)))
-        commands |= {vllm_command(p) for p in result.candidates + result.pareto}
-    # Both pools of disaggregated plans, with the NIXL KV-transfer config (on one GPU type: the
-    # GPU changes nothing vLLM checks, and the search over every type took most of this test).
+        plans += result.candidates + result.pareto
+    # Disaggregated plans on one GPU type: the GPU changes nothing the servers check, and the
+    # search over every type took most of this test.
     long = Workload(16384, 512, rate=1, slo=Slo(ttft_p99_ms=8000, tpot_p99_ms=30),
                     num_requests=200)
     for name in ("Llama-3.1-8B", "Llama-3.1-70B"):
-        for plan in search_disagg(catalog.model(name), long, catalog,
-                                  SearchSpace(gpus=("H100 SXM",), max_seqs=(64, 256))).plans[:6]:
-            commands |= set(disagg_vllm_commands(plan).values())
-    return sorted(commands), dropped
+        disagg += search_disagg(catalog.model(name), long, catalog,
+                                SearchSpace(gpus=("H100 SXM",), max_seqs=(64, 256))).plans[:6]
+    return Exportable(layouts, plans, disagg, dropped)
 
 
-def test_every_exported_vllm_command_passes_vllms_parser_and_config(vllm_python, tmp_path):
-    import shlex
+def every_command() -> tuple[list[str], dict[str, int]]:
+    """The distinct `vllm serve` commands of everything exportable, disaggregated plans' both
+    pools included (with the NIXL KV-transfer config)."""
+    e = exportable()
+    commands = {vllm_command(p) for p in e.layouts + e.plans}
+    for plan in e.disagg:
+        commands |= set(disagg_vllm_commands(plan).values())
+    return sorted(commands), e.dropped
 
-    commands, dropped = every_command()
+
+def every_sglang_command() -> tuple[list[str], dict[str, int]]:
+    """The distinct SGLang commands of every layout and plan, and how many layouts the
+    exporter refuses for SGLang, by reason (it raises NotServable, naming what SGLang lacks)."""
+    e = exportable()
+    commands: set[str] = set()
+    refused: dict[str, int] = {}
+    for plan in e.layouts + e.plans:
+        try:
+            commands.add(sglang_command(plan))
+        except NotServable as exc:
+            reason = str(exc).split(";")[0]
+            refused[reason] = refused.get(reason, 0) + 1
+    return sorted(commands), refused
+
+
+def check_in(python: str, script: str, commands: list[str], tmp_path: Path) -> dict:
+    """The server's own verdict on each command, from `script` run in its environment."""
     request = {"commands": [shlex.split(c) for c in commands],
                "folders": model_folders(tmp_path)}
-    done = subprocess.run([vllm_python, str(HERE / "vllm_accepts.py")], input=json.dumps(request),
+    done = subprocess.run([python, str(HERE / script)], input=json.dumps(request),
                           capture_output=True, text=True, timeout=900,
                           env={"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                                "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-3000:]
-    answer = json.loads(done.stdout.strip().splitlines()[-1])
-    rejected = [(c, r["stage"], r["error"]) for c, r in zip(commands, answer["results"],
-                                                           strict=True) if not r["ok"]]
-    print(f"\nvLLM {answer['vllm']}: {len(commands)} commands checked, {len(rejected)} rejected; "
-          f"not offered: {dropped}", file=sys.stderr)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def report(server: str, commands: list[str], answer: dict, not_offered: dict) -> list:
+    """The rejected commands; prints the count checked and rejected (the README quotes it).
+    Those whose last check runs on CUDA only are counted apart, not as rejected."""
+    results = list(zip(commands, answer["results"], strict=True))
+    rejected = [(c, r["stage"], r["error"]) for c, r in results
+                if not r["ok"] and r["stage"] != "cuda_only"]
+    cuda_only = sum(r["stage"] == "cuda_only" for _, r in results)
+    print(f"\n{server}: {len(commands)} commands checked, {len(rejected)} rejected, "
+          f"{cuda_only} parsed but resolvable only on CUDA; not offered: {not_offered}",
+          file=sys.stderr)
     kinds: dict[str, int] = {}
     for _cmd, stage, err in rejected:
         key = f"{stage}: {err.splitlines()[-1] if err else ''}"[:160]
         kinds[key] = kinds.get(key, 0) + 1
     print("\n".join(f"  {n} x {k}" for k, n in kinds.items()), file=sys.stderr)
+    return rejected
+
+
+def test_every_exported_vllm_command_passes_vllms_parser_and_config(vllm_python, tmp_path):
+    commands, dropped = every_command()
+    answer = check_in(vllm_python, "vllm_accepts.py", commands, tmp_path)
+    rejected = report(f"vLLM {answer['vllm']}", commands, answer, dropped)
     assert len(commands) > 500
     assert not rejected, "\n".join(f"{stage}: {cmd}\n  {err}" for cmd, stage, err in rejected[:8])
+
+
+def test_every_exported_sglang_command_passes_sglangs_parser_and_checks(sglang_python,
+                                                                       tmp_path):
+    """SGLang's own argument parser and resolution (resolve_once, check_server_args) accept
+    every `sglang.launch_server` command the planner emits (tests/planner/sglang_accepts.py;
+    resolved on the CPU device: SGLang refuses to resolve without an accelerator)."""
+    commands, refused = every_sglang_command()
+    answer = check_in(sglang_python, "sglang_accepts.py", commands, tmp_path)
+    rejected = report(f"SGLang {answer['sglang']}", commands, answer, refused)
+    assert len(commands) > 300
+    # Only GPTQ checkpoints stop short of the last check here, and all of them do.
+    cuda_only = {c for c, r in zip(commands, answer["results"], strict=True)
+                 if r["stage"] == "cuda_only"}
+    gptq_ids = {f"--model-path {c.hf_id} " for c in QUANTIZED.values() if c.method == "gptq"}
+    gptq = {c for c in commands if any(i in c for i in gptq_ids)}
+    assert gptq and cuda_only == gptq
+    assert not rejected, "\n".join(f"{stage}: {cmd}\n  {err}" for cmd, stage, err in rejected[:8])
+
+
+def test_a_wrong_command_is_rejected_by_each_servers_check(vllm_python, sglang_python,
+                                                           tmp_path):
+    """The checks can fail: vLLM refuses a quantization the checkpoint does not carry and a
+    tensor-parallel size that does not divide the attention heads; SGLang an unknown
+    quantization and speculative decoding with pipeline parallelism. (vLLM 0.32's config
+    classes accept n-gram speculation with pipeline parallelism; the planner never offers it.)"""
+    vllm = ["vllm serve meta-llama/Llama-3.1-8B-Instruct --quantization awq",
+            "vllm serve meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 3"]
+    for sub in ("v", "s"):
+        (tmp_path / sub).mkdir()
+    answer = check_in(vllm_python, "vllm_accepts.py", vllm, tmp_path / "v")
+    assert [r["ok"] for r in answer["results"]] == [False, False]
+    sglang = ["python -m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct "
+              "--quantization bogus",
+              "python -m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct "
+              "--pp-size 2 --speculative-algorithm EAGLE --speculative-draft-model-path "
+              f"{DRAFTS['Llama-3.1-8B'].hf_id}"]
+    answer = check_in(sglang_python, "sglang_accepts.py", sglang, tmp_path / "s")
+    assert [r["ok"] for r in answer["results"]] == [False, False], answer
