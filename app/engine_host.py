@@ -94,9 +94,11 @@ class _EngineWorker(QObject):
     event = Signal(str, object)
 
     def __init__(self, epochs: _Epochs, buffer: StreamBuffer, meter: RateMeter,
-                 finished: FinishedListeners, history: StepHistory) -> None:
+                 finished: FinishedListeners, history: StepHistory,
+                 canaries: FinishedListeners | None = None) -> None:
         super().__init__()
         self._finished = finished
+        self._canaries = canaries if canaries is not None else FinishedListeners()
         self._history = history
         self._epochs = epochs
         self._buffer = buffer
@@ -192,6 +194,27 @@ class _EngineWorker(QObject):
             stream.close()
         return None
 
+    @Slot()
+    def score_canary(self) -> None:
+        """The quality canary on the loaded model: the bundled held-out text's perplexity from
+        the engine's own logits (one prefill), as a server's canary scores it over HTTP."""
+        if self._llm is None:
+            self._emit("canary_failed", "No model is loaded: load one before scoring the "
+                                        "quality canary.")
+            return
+        try:
+            score = canary_score(self._llm)
+        except RequestError as exc:
+            self._emit("canary_failed", f"The quality canary could not be scored: {exc}")
+            return
+        except Exception as exc:  # reported in the pane; the model stays loaded
+            log.exception("canary scoring failed")
+            self._emit("canary_failed", f"The quality canary failed. {unexpected_message(exc)}")
+            return
+        self.stats = self._llm.last_stats
+        self._canaries.notify([(self._llm.model_name, score)])
+        self._emit("canary_scored", score)
+
     @Slot(bool, int)
     def benchmark(self, quick: bool, epoch: int) -> None:
         if self._llm is None:
@@ -248,6 +271,19 @@ class _EngineWorker(QObject):
         self._emit("unloaded")
 
 
+def canary_score(llm: Any) -> Any:
+    """The held-out text scored by the engine itself (monitor.canary.CanaryScore)."""
+    from engine.logprobs import prompt_logprobs
+    from monitor.canary import heldout_text, summarise
+
+    started = time.perf_counter()
+    ids = llm.tokenizer.encode(heldout_text())
+    values = [None if v is None else v.logprob
+              for v in prompt_logprobs(llm.prompt_logits(ids), ids, 0)]
+    return summarise(values, time.perf_counter() - started, "engine",
+                     f"the embedded engine ({llm.model_name})")
+
+
 def describe_load_error(request: LoadRequest, exc: BaseException) -> str:
     """One sentence for a failed load that names the input and what to do."""
     if isinstance(exc, ModelError | RequestError):
@@ -261,7 +297,8 @@ def describe_load_error(request: LoadRequest, exc: BaseException) -> str:
 
 
 _TERMINAL_EVENTS = frozenset({"loaded", "load_failed", "load_cancelled", "reply_finished",
-                              "reply_failed", "bench_finished", "bench_failed", "bench_cancelled"})
+                              "reply_failed", "bench_finished", "bench_failed", "bench_cancelled",
+                              "canary_scored", "canary_failed"})
 
 
 class EngineHost(QObject):
@@ -279,7 +316,10 @@ class EngineHost(QObject):
     bench_finished = Signal(object)
     bench_failed = Signal(str)
     bench_cancelled = Signal()
+    canary_scored = Signal(object)  # a monitor.canary.CanaryScore
+    canary_failed = Signal(str)
     _load_requested = Signal(object, int)
+    _canary_requested = Signal()
     _unload_requested = Signal()
     _generate_requested = Signal(object, object, int)
     _bench_requested = Signal(bool, int)
@@ -294,12 +334,15 @@ class EngineHost(QObject):
         self._pending = 0
         # Listeners of finished requests (the monitor's engine source); called on the engine thread.
         self.finished = FinishedListeners()
+        # Listeners of quality canary scores, given [(model name, CanaryScore)] on the engine
+        # thread (the monitor's engine source charts and judges them).
+        self.canaries = FinishedListeners()
         # KV blocks used, tokens evicted and prefix hit rate per engine step, for the live chart.
         self.history = StepHistory()
         self._thread = QThread()
         self._thread.setObjectName("servescope-engine")
         self.worker = _EngineWorker(self._epochs, self.buffer, self.meter, self.finished,
-                                    self.history)
+                                    self.history, self.canaries)
         self.worker.moveToThread(self._thread)
         self._thread.finished.connect(self.worker.release, Qt.ConnectionType.DirectConnection)
         self._connect_worker()
@@ -311,6 +354,7 @@ class EngineHost(QObject):
         self._unload_requested.connect(w.unload)
         self._generate_requested.connect(w.generate)
         self._bench_requested.connect(w.benchmark)
+        self._canary_requested.connect(w.score_canary)
         w.event.connect(self._on_event)
 
     # ---- requests (GUI thread)
@@ -353,6 +397,13 @@ class EngineHost(QObject):
     def cancel_benchmark(self) -> None:
         """Stop the benchmark at its next progress event."""
         self._epochs.bench += 1
+
+    def score_canary(self) -> None:
+        """Score the quality canary on the loaded model in the background: canary_scored (or
+        canary_failed) follows, and the monitor's engine source charts it."""
+        self._set_state("scoring")
+        self._pending += 1
+        self._canary_requested.emit()
 
     def is_running(self) -> bool:
         """Whether the engine thread is running (it stops only in shutdown)."""

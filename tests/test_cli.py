@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from engine.cpu_features import native_bf16
+
 
 def servescope(*args: str, tmp_path=None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
@@ -76,8 +78,11 @@ def test_bench_quick_json(demo_gguf, tmp_path):
     assert set(out["throughput_tokens_per_s"]) == {"1", "4"}
     assert out["machine"]["cpus"] >= 1
     assert (out["weights"], out["kv_cache_dtype"]) == ("float", "auto")
-    # float32 on the CPU: no precision the planner models, so it calibrates nothing from it.
-    assert out["precision"] == {"weights": None, "kv": None}
+    # "auto" is bfloat16 on a CPU with bfloat16 instructions, which the planner models; float32
+    # elsewhere, which it does not, so such a run calibrates nothing.
+    expected = "bf16" if native_bf16() else None
+    assert out["dtype"] == ("bfloat16" if native_bf16() else "float32")
+    assert out["precision"] == {"weights": expected, "kv": expected}
     saved = (tmp_path / "bench_results.jsonl").read_text().splitlines()
     assert json.loads(saved[-1])["ttft_ms"] == out["ttft_ms"]
 
@@ -198,6 +203,16 @@ def test_plan_evaluate_and_search_are_wired_in():
     assert r.returncode == 0, r.stderr
     found = json.loads(r.stdout)
     assert found["evaluated"] > 100 and found["candidates"]
+    # Every plan carries the commands that run it, not only the best one: each names its own
+    # tensor-parallel size (as the plan says it) and the model.
+    plans = found["candidates"] + found["pareto"]
+    assert len({p["vllm_command"] for p in plans}) > 1
+    for plan in plans:
+        assert f"--tensor-parallel-size {plan['tp']} " in plan["vllm_command"]
+        assert f"--max-num-seqs {plan['max_seqs']} " in plan["vllm_command"]
+        assert "Llama-3.1-8B" in plan["vllm_command"]
+        if plan["sglang_command"] is not None:  # None: SGLang cannot run this plan
+            assert f"--tp-size {plan['tp']} " in plan["sglang_command"]
 
 
 def test_bad_weights_is_one_clear_error(demo_gguf):

@@ -52,7 +52,7 @@ def test_load_is_served_measured_and_recorded(server, tmp_path):
     assert summary["output_tokens_per_s"] > 0
     # The server counted exactly the requests the load generator sent.
     assert _ttft_count(server.url) - before == REQUESTS
-    assert source.status.state == "up" and source.status.kind == "vllm"
+    assert source.status.state == "up" and source.status.kind == "servescope"
     series = list_series(db, "local")
     assert series, "the monitor stored no samples"
     run_id = store_run(db, result, name="e2e")

@@ -275,6 +275,8 @@ def test_kv_cache_dtype_choice_shows_the_memory_saved_and_loads_int8(make_window
     pane = window.pane("engine")
     panel = pane.load_panel
     assert pane.picker.add_path(str(demo_gguf))
+    # float32 chosen (auto is bfloat16 on a CPU with bfloat16 instructions): 4 bytes a value.
+    panel.dtype_combo.setCurrentIndex(panel.dtype_combo.findData("float32"))
     wait_for_estimate(qtbot, panel)
     assert "KV cache saves" not in panel.estimate_label.text()
     plain_kv = panel._estimate.kv_bytes

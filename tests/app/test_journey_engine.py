@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from PySide6.QtCore import Qt
 
 from tests.app.conftest import LOAD_TIMEOUT_MS
@@ -151,6 +152,18 @@ def test_journey_benchmark_to_history_and_planner(make_window, qtbot, demo_gguf:
 
     assert load_results()[-1]["configuration"]["speculative"] == "ngram:k=5"
 
+    # The Monitor charts the engine's speculation as vLLM's counters are charted: acceptance
+    # at each draft position (the first position accepted at least as often as the second).
+    window.rail.select("monitor")
+    chart = window.pane("monitor").charts["spec_pos"]
+    first, second = ("engine/spec_acceptance_rate_at[position=0]",
+                     "engine/spec_acceptance_rate_at[position=1]")
+    qtbot.waitUntil(lambda: first in chart.data and second in chart.data, timeout=15_000)
+    at0, at1 = (float(chart.data[key][1][-1]) for key in (first, second))  # in %
+    assert 0.0 < at0 <= 100.0 and 0.0 <= at1 <= at0
+    spec = pane.host.spec_summary()
+    assert spec["drafts"] > 0 and spec["accepted_per_position"][0] > 0
+
     # In History, beside the load tests, by kind and configuration.
     window.rail.select("history")
     runs = history.runs_table
@@ -164,4 +177,48 @@ def test_journey_benchmark_to_history_and_planner(make_window, qtbot, demo_gguf:
     menu_action(window, "Planner", "Calibrate from measured runs…").trigger()
     messages = [n.message for n in window.notifications.notifications()]
     assert any("No calibration" in m and "CPU run" in m for m in messages), messages
+    assert raw_errors(window) == []
+
+
+def test_journey_the_quality_canary_scores_the_loaded_model(make_window, qtbot, demo_gguf: Path):
+    """Engine → Score quality canary: the bundled held-out text's perplexity from the loaded
+    model's own logits, said in a notification and charted in the Monitor's quality chart; it
+    equals the same text scored by a second engine of the same model and dtype. Without a
+    model, the same action says to load one."""
+    import math
+
+    import torch
+
+    from engine import LLM
+    from monitor.canary import heldout_text
+
+    window = make_window()
+    pane, monitor = window.pane("engine"), window.pane("monitor")
+    menu_action(window, "Engine", "Score quality canary").trigger()
+    qtbot.waitUntil(lambda: any(n.message.startswith("No model is loaded: load one before "
+                                                     "scoring") for n in
+                                window.notifications.notifications()), timeout=10_000)
+    fetch_and_load(qtbot, pane, demo_gguf)
+    with qtbot.waitSignal(pane.host.canary_scored, timeout=120_000) as scored:
+        menu_action(window, "Engine", "Score quality canary").trigger()
+    score = scored.args[0]
+    assert any(n.message.startswith(f"Quality canary: perplexity {score.perplexity:.4g} over "
+                                    f"the held-out text's {score.tokens} tokens")
+               for n in window.notifications.notifications())
+    window.rail.select("monitor")
+    chart = monitor.charts["quality"]
+    qtbot.waitUntil(lambda: "engine/canary_perplexity" in chart.data, timeout=15_000)
+    assert float(chart.data["engine/canary_perplexity"][1][-1]) == score.perplexity
+
+    # The same text through a second engine of the same model and dtype, by hand.
+    info = pane.host.info
+    llm = LLM(str(demo_gguf), device="cpu", dtype=info.dtype, max_model_len=512)
+    try:
+        ids = llm.tokenizer.encode(heldout_text())
+        logp = torch.log_softmax(llm.prompt_logits(ids), dim=-1)
+    finally:
+        llm.close()
+    mean = sum(float(logp[i - 1, t]) for i, t in enumerate(ids) if i) / (len(ids) - 1)
+    assert score.tokens == len(ids) - 1
+    assert score.perplexity == pytest.approx(math.exp(-mean), rel=1e-3)
     assert raw_errors(window) == []

@@ -21,6 +21,7 @@ from tests.app.user import (
     menu_action,
     press,
     raw_errors,
+    shown_precision,
 )
 
 
@@ -128,7 +129,7 @@ def test_journey_servers_to_history(make_window, engine_server, qtbot, tmp_path)
     select_server(qtbot, servers, "local")
     with qtbot.waitSignal(servers.tester.succeeded, timeout=20_000):
         qtbot.mouseClick(button(servers, "Test connection"), Qt.MouseButton.LeftButton)
-    assert table_row(servers, "local")["Kind"] == "vllm"
+    assert table_row(servers, "local")["Kind"] == "servescope"
     assert table_row(servers, "local")["Status"] == "up"
     assert any(n.message.startswith("local is up") for n in window.notifications.notifications())
 
@@ -195,7 +196,9 @@ def test_journey_servers_to_history(make_window, engine_server, qtbot, tmp_path)
     assert exact == runs.item(0, 7).text()  # the runs table's exact TTFT p99
     lo, _, hi = bucket.removesuffix(" ms").partition("–")
     assert float(lo) <= float(estimate) <= float(hi)  # the estimate lies in its bucket
-    assert float(gap) == pytest.approx(float(estimate) - float(exact), rel=1e-3, abs=0.01)
+    # The cells show 4 significant digits; the gap is of the unrounded values.
+    assert float(gap) == pytest.approx(float(estimate) - float(exact),
+                                       abs=shown_precision(estimate, exact))
 
     # Export CSV through the save dialog.
     target = tmp_path / "runs.csv"
@@ -306,7 +309,8 @@ def test_journey_a_quality_canary_scores_the_server_and_is_kept(make_window, eng
     assert servers.service.wait_for_database(30)
     go_to(qtbot, window, "Servers")
 
-    def with_canary(name: str, url: str, minutes: str, prometheus: bool = False):
+    def with_canary(name: str, url: str, minutes: str, prometheus: bool = False,
+                    decode_from: str = ""):
         calls: list[int] = []
 
         def answer(dialog) -> None:
@@ -321,6 +325,9 @@ def test_journey_a_quality_canary_scores_the_server_and_is_kept(make_window, eng
                 dialog.api.setCurrentIndex(1)
             dialog.canary.lineEdit().selectAll()
             qtbot.keyClicks(dialog.canary, minutes)
+            if decode_from:
+                dialog.canary_decode.lineEdit().selectAll()
+                qtbot.keyClicks(dialog.canary_decode, decode_from)
             ok = dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Ok)
             qtbot.mouseClick(ok, Qt.MouseButton.LeftButton)
 
@@ -346,8 +353,42 @@ def test_journey_a_quality_canary_scores_the_server_and_is_kept(make_window, eng
     assert 1.0 < drawn < 1000.0 and direct.tokens > 100
     assert cell == f"every 2 min: perplexity {drawn:.3g}"
 
-    # A Prometheus server's API has no prompt to score: the dialog says so, nothing is added.
+    # Scored again on demand (its next slot is two minutes away): Score canary now.
     go_to(qtbot, window, "Servers")
+    scored = len(servers.service.hub.series("watched-canary/canary_tokens")[1])
+    click_row(qtbot, servers.table, table_names(servers).index("watched"))
+    qtbot.mouseClick(button(servers, "Score canary now"), Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: len(servers.service.hub.series("watched-canary/canary_tokens")[1])
+                    > scored, timeout=60_000)
+    assert any(n.message.startswith("Scoring watched's quality canary now")
+               for n in window.notifications.notifications())
+
+    # Scored by decoding from token 400 (the held-out text's last ~65 tokens decoded one at a
+    # time through the server's cache): the reply said so, or the canary would show an error;
+    # it scored exactly the decoded tokens.
+    go_to(qtbot, window, "Servers")
+    answerer = DialogAnswerer(with_canary("decoded", engine_server.url, "1", decode_from="400"))
+    qtbot.mouseClick(button(servers, "Add server"), Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "decoded" in table_names(servers), timeout=15_000)
+    answerer.stop()
+    qtbot.waitUntil(lambda: "perplexity" in table_row(servers, "decoded")["Quality canary"],
+                    timeout=90_000)
+    assert table_row(servers, "decoded")["Quality canary"].startswith(
+        "every 1 min, decoded from token 400: perplexity ")
+    assert servers.service.servers["decoded"].canary_decode_from == 400
+    tokens = servers.service.hub.series("decoded-canary/canary_tokens")[1]
+    assert list(tokens[:1]) == [direct.tokens + 1 - 400]
+
+    # Decoding without a canary interval is not a canary: the dialog says so in one sentence.
+    answerer = DialogAnswerer(with_canary("nocanary", engine_server.url, "0", decode_from="64"))
+    qtbot.mouseClick(button(servers, "Add server"), Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: QApplication.activeModalWidget() is None, timeout=10_000)
+    answerer.stop()
+    assert "nocanary" not in table_names(servers)
+    assert any(n.message.startswith("scoring by decoding is a way of running the quality canary")
+               for n in window.notifications.notifications())
+
+    # A Prometheus server's API has no prompt to score: the dialog says so, nothing is added.
     answerer = DialogAnswerer(with_canary("fleet", "http://127.0.0.1:9090", "5", True))
     qtbot.mouseClick(button(servers, "Add server"), Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: QApplication.activeModalWidget() is None, timeout=10_000)
@@ -364,5 +405,6 @@ def test_journey_a_quality_canary_scores_the_server_and_is_kept(make_window, eng
     assert servers.service.wait_for_database(30)
     qtbot.waitUntil(lambda: "watched" in table_names(servers), timeout=15_000)
     assert servers.service.servers["watched"].canary_every_s == 120.0
+    assert servers.service.servers["decoded"].canary_decode_from == 400
     qtbot.waitUntil(lambda: "perplexity" in table_row(servers, "watched")["Quality canary"],
                     timeout=60_000)

@@ -65,7 +65,7 @@ def test_journey_gpu_boxes_over_ssh(make_window, sshd, engine, qtbot, monkeypatc
     assert table_row(servers, "gpubox")["URL"] == f"ssh://box/{port}"
     # The hub's own scrapes, through the tunnel: up, detected, and nothing to say why.
     qtbot.waitUntil(lambda: table_row(servers, "gpubox")["Status"] == "up"
-                    and table_row(servers, "gpubox")["Kind"] == "vllm", timeout=20_000)
+                    and table_row(servers, "gpubox")["Kind"] == "servescope", timeout=20_000)
     assert table_row(servers, "gpubox")["Why"] == ""
     qtbot.waitUntil(lambda: table_row(servers, "bare")["Why"].startswith(
         "no_nvidia_smi: no nvidia-smi on the remote"), timeout=20_000)
@@ -77,7 +77,7 @@ def test_journey_gpu_boxes_over_ssh(make_window, sshd, engine, qtbot, monkeypatc
     click_row(qtbot, servers.table, table_names(servers).index("gpubox"))
     with qtbot.waitSignal(servers.tester.succeeded, timeout=20_000):
         qtbot.mouseClick(button(servers, "Test connection"), Qt.MouseButton.LeftButton)
-    assert any(n.message.startswith("gpubox is up: a vllm server (")
+    assert any(n.message.startswith("gpubox is up: a servescope server (")
                and "through ssh://box; 2 GPU(s) from nvidia-smi" in n.message
                for n in window.notifications.notifications())
 

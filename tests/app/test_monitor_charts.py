@@ -87,7 +87,7 @@ def test_time_axis_labels_match_pyqtgraphs_date_axis(qtbot):
 def test_chart_curves_span_their_data_and_long_series_are_decimated(qtbot):
     from app.panes.monitor.charts import ChartView
 
-    chart = ChartView(CHARTS[6])  # running / waiting
+    chart = ChartView(next(spec for spec in CHARTS if spec.chart_id == "queue"))
     qtbot.addWidget(chart)
     ts = 1_700_000_000.0 + np.arange(20_000) / 10
     flat = np.full(20_000, 3.0)

@@ -57,7 +57,7 @@ def test_server_load_test_history_and_charts(monitor_window, engine_server, qtbo
     assert servers.add_server(ServerEntry("local", engine_server.url, dollars_per_hour=2.5))
     with qtbot.waitSignal(servers.tester.succeeded, timeout=20_000):
         servers.test_selected()
-    assert _row(servers, "local")["Kind"] == "vllm"
+    assert _row(servers, "local")["Kind"] == "servescope"
     assert _row(servers, "local")["Status"] == "up"
 
     dialog = servers.open_load_test()

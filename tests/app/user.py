@@ -201,3 +201,13 @@ def wait_for_estimate(qtbot, panel, timeout_ms: int = 60_000) -> None:
     """Until the Engine pane's load panel shows its memory estimate (the model's header is read
     in the background)."""
     qtbot.waitUntil(lambda: "header" not in panel.estimate_label.text(), timeout=timeout_ms)
+
+
+def shown_precision(*cells: str) -> float:
+    """How far apart the unrounded values behind table cells (4 significant digits, the
+    panes' fmt) and a figure computed from them can be: half a unit of the coarsest cell's last
+    digit, for each cell, plus one for the figure's own rounding."""
+    import math
+
+    units = [10 ** (math.floor(math.log10(abs(float(c)))) - 3) for c in cells if float(c)]
+    return (len(cells) + 1) * 0.5 * max(units, default=0.0)

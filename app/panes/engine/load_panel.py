@@ -40,6 +40,7 @@ from app.theme import LEVEL_COLOURS, current_theme
 from app.workers import Progress, TaskRunner
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+AUTO_DTYPE_LABEL = "Auto (bf16 where native, else fp32)"  # the tooltip says where
 # engine.kv_eviction.POLICIES with what each keeps (the engine module imports torch).
 KV_POLICIES = (
     ("none", "No eviction", "Keep every token"),
@@ -137,8 +138,9 @@ class LoadPanel(QGroupBox):
         self.device_combo.addItem("Auto (a GPU if there is one)", "auto")
         self.device_combo.addItem("CPU", "cpu")
         for dtype in DTYPES:
-            self.dtype_combo.addItem("Auto (float32 on CPU, bf16 on GPU)" if dtype == "auto"
-                                     else dtype, dtype)
+            self.dtype_combo.addItem(AUTO_DTYPE_LABEL if dtype == "auto" else dtype, dtype)
+        self.dtype_combo.setToolTip("Auto: bfloat16 on GPUs and on CPUs with bfloat16 "
+                                    "instructions (AVX512-BF16 or AMX), else float32")
         for value, label in WEIGHT_LABELS.items():
             self.weights_combo.addItem(label, value)
         self.weights_combo.setToolTip("Weight-only quantization of the decoder's matmuls; the "

@@ -67,6 +67,8 @@ class EnginePane(PageMixin, QWidget):
         self.host.load_cancelled.connect(
             lambda: self.notify.emit("info", "The load was cancelled."))
         self.host.unloaded.connect(self.live_view.refresh)
+        self.host.canary_scored.connect(self._on_canary)
+        self.host.canary_failed.connect(lambda message: self.notify.emit("error", message))
 
     def _make_actions(self) -> list[QAction]:
         specs = [
@@ -81,6 +83,7 @@ class EnginePane(PageMixin, QWidget):
             ("Copy last reply", "Ctrl+Shift+C", self.chat.copy_reply),
             ("Clear conversation", "Ctrl+Shift+K", self.chat.clear),
             ("Run benchmark", "Ctrl+B", self.bench.run),
+            ("Score quality canary", "Ctrl+Alt+Q", self.host.score_canary),
         ]
         return make_actions(self, specs)
 
@@ -107,6 +110,11 @@ class EnginePane(PageMixin, QWidget):
         self.load_panel.set_model(model)
         if model:
             self._settings.set("engine/model", model)
+
+    def _on_canary(self, score) -> None:
+        self.notify.emit("info", f"Quality canary: perplexity {score.perplexity:.4g} over the "
+                                 f"held-out text's {score.tokens} tokens, scored in "
+                                 f"{score.elapsed_s:.1f} s (the Monitor charts it and its drift).")
 
     def _on_loaded(self, info: EngineInfo) -> None:
         self.load_panel.show_loaded(info)

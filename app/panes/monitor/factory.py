@@ -17,7 +17,9 @@ def monitor_panes(host: Any = None, gpus: bool = True, settings: Any = None) -> 
     service = MonitorService(on_error=bridge.error.emit,
                              engine_stats=None if host is None else host.stats, gpus=gpus,
                              engine_finished=None if host is None else host.finished,
-                             on_database=bridge.database.emit)
+                             on_database=bridge.database.emit,
+                             engine_canaries=None if host is None else host.canaries,
+                             engine_spec=None if host is None else host.spec_summary)
     monitor = MonitorPane(service, bridge, settings)
     bridge.setParent(monitor)  # the bridge lives as long as the pane that shows its errors
     servers = ServersPane(service)

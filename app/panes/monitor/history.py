@@ -261,7 +261,7 @@ class HistoryPane(PageMixin, QWidget):
         self.loaded.emit()
 
     def _on_estimated(self, result: tuple[dict, str | None, list[list[str]]]) -> None:
-        from app.panes.monitor.estimates import COLUMNS, SLACK_S
+        from app.panes.monitor.estimates import COLUMNS, SLACK_S, window_note
 
         run, source, rows = result
         self.estimates = rows
@@ -278,6 +278,9 @@ class HistoryPane(PageMixin, QWidget):
         self.compare_table.setHorizontalHeaderLabels(
             [f"Run {run['id']} vs {source}", *COLUMNS[1:]])
         fill_table(self.compare_table, rows)
+        note = window_note(run)
+        if note:
+            self.notify.emit("info", note)
         self.estimated.emit()
 
     def _on_compared(self, pair: tuple[dict, dict]) -> None:

@@ -28,11 +28,12 @@ from app.panes.monitor.loadtest import LoadTestDialog
 from app.panes.monitor.service import MonitorService, test_connection
 from app.panes.monitor.state import API_METRICS, API_PROMETHEUS, ServerEntry, fmt
 from app.workers import TaskRunner
+from monitor.normalize import exposes
 from monitor.ssh import SSH_REASONS, is_ssh_url, parse_target, ssh_url
 from monitor.types import REASONS
 
-COLUMNS = ("Name", "URL", "Kind", "Status", "Why", "Scrapes", "Last error", "$/hour", "Token",
-           "Quality canary")
+COLUMNS = ("Name", "URL", "Kind", "Exposes", "Status", "Why", "Scrapes", "Last error", "$/hour",
+           "Token", "Quality canary")
 STATUS_REFRESH_MS = 1000
 
 
@@ -81,13 +82,23 @@ class ServerDialog(QDialog):
                                "(kept across sessions)")
         if entry and entry.canary_every_s:
             self.canary.setValue(max(1, round(entry.canary_every_s / 60)))
+        self.canary_decode = QSpinBox(minimum=0, maximum=1_000_000, prefix="from token ")
+        self.canary_decode.setSpecialValueText("no: one prefill (any server)")
+        self.canary_decode.setToolTip(
+            "servescope serve only: prefill the text up to this token and decode the rest one "
+            "token at a time through the server's KV cache, so the score shows what KV-cache "
+            "eviction or quantization costs a long reply (a prefill never does); decoding "
+            "takes a step per token")
+        if entry and entry.canary_decode_from:
+            self.canary_decode.setValue(entry.canary_decode_from)
         self.api.currentIndexChanged.connect(self._on_api)
         self._on_api()
         form = QFormLayout(self)
         for label, widget in (("Name", self.name), ("URL", self.url),
                               ("Remote port", self.remote_port), ("Reads", self.api),
                               ("Job", self.job), ("Token", self.token_ref),
-                              ("Price", self.price), ("Quality canary", self.canary)):
+                              ("Price", self.price), ("Quality canary", self.canary),
+                              ("Canary decodes", self.canary_decode)):
             form.addRow(label, widget)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok
                                    | QDialogButtonBox.StandardButton.Cancel)
@@ -111,11 +122,12 @@ class ServerDialog(QDialog):
         """The entry the fields describe; ValueError names what is wrong."""
         price = self.price.value()
         api = self.api.currentData()
-        minutes = self.canary.value()
+        minutes, decode_from = self.canary.value(), self.canary_decode.value()
         return ServerEntry(self.name.text().strip(), self._url(),
                            self.token_ref.text().strip(), price if price > 0 else None, api,
                            self.job.text().strip() if api == API_PROMETHEUS else "",
-                           60.0 * minutes if minutes else None)
+                           60.0 * minutes if minutes else None,
+                           decode_from or None)
 
 
 class ServersPane(PageMixin, QWidget):
@@ -153,6 +165,7 @@ class ServersPane(PageMixin, QWidget):
             ("Remove server", "Ctrl+Shift+Del", self.remove_server),
             ("Test connection", "Ctrl+Shift+J", self.test_selected),
             ("Load test…", "Ctrl+Shift+G", self.open_load_test),
+            ("Score canary now", "Ctrl+Alt+N", self.score_canary_now),
         ))
         for action in actions:
             button = QPushButton(action.text().rstrip("…"))
@@ -220,6 +233,20 @@ class ServersPane(PageMixin, QWidget):
             yield  # a generator task, though one scrape has no progress to report
 
         self.tester.start(task)
+
+    def score_canary_now(self) -> None:
+        """Score the selected server's quality canary now (it otherwise scores on its
+        schedule); the Servers table's canary column shows the new score when it is in."""
+        name = self.selected()
+        if name is None:
+            self.notify.emit("warning", "Select a server whose quality canary to score.")
+            return
+        problem = self.service.score_canary_now(name)
+        if problem is not None:
+            self.notify.emit("warning", problem)
+        else:
+            self.notify.emit("info", f"Scoring {name}'s quality canary now; its perplexity "
+                                     "appears in the Quality canary column when it is in.")
 
     def open_load_test(self) -> LoadTestDialog | None:
         """Open the load-test dialog for the selected server."""
@@ -290,7 +317,8 @@ class ServersPane(PageMixin, QWidget):
             kind = status.kind if status else "unknown"
             if kind in ("unknown", "prometheus") and tested is not None:
                 kind = tested.kind  # an idle hub scrape may not show labelled metrics yet
-            out.append([name, entry.url, kind, status.state if status else "unknown",
+            exposed = exposes(kind, bool(status and status.api_only)) if status else "—"
+            out.append([name, entry.url, kind, exposed, status.state if status else "unknown",
                         _why(status), _scrapes(status),
                         (status.last_error or "") if status else "",
                         fmt(entry.dollars_per_hour), entry.token_ref or "—",
@@ -319,6 +347,8 @@ def _canary(entry: ServerEntry, status, service: MonitorService) -> str:
     if entry.canary_every_s is None:
         return "off"
     every = f"every {entry.canary_every_s / 60:g} min"
+    if entry.canary_decode_from is not None:
+        every += f", decoded from token {entry.canary_decode_from}"
     if status is None or status.state == "unknown":
         return f"{every}: scoring…"
     if status.state != "up":

@@ -43,7 +43,9 @@ class MonitorService:
     def __init__(self, on_error: Callable[[str], None] | None = None,
                  engine_stats: Callable[[], Any] | None = None, gpus: bool = True,
                  engine_finished: Any = None, db_url: str | None = None,
-                 on_database: Callable[[], None] | None = None) -> None:
+                 on_database: Callable[[], None] | None = None,
+                 engine_canaries: Any = None,
+                 engine_spec: Callable[[], Any] | None = None) -> None:
         self.on_error = on_error
         self.on_database = on_database  # called (on the opener thread) once open or failed
         self.db_url = db_url  # None: the default SQLite file in the user's data folder
@@ -58,6 +60,8 @@ class MonitorService:
         self.slo_ms = {"ttft": DEFAULT_SLO_TTFT_MS, "tpot": DEFAULT_SLO_TPOT_MS}
         self._engine_stats = engine_stats
         self._engine_finished = engine_finished  # the host's FinishedListeners: add / remove
+        self._engine_canaries = engine_canaries  # the host's canary listeners, the same kind
+        self._engine_spec = engine_spec  # the host's speculative-decoding counters, or None
         self.engine_source: Any = None
         self._gpus = gpus
         self._lock = threading.Lock()
@@ -101,10 +105,13 @@ class MonitorService:
         if self._engine_stats is not None:
             from monitor.engine_source import EngineSource
 
-            self.engine_source = EngineSource(_EngineStats(self._engine_stats))
+            self.engine_source = EngineSource(_EngineStats(self._engine_stats),
+                                              spec_summary=self._engine_spec)
             self.hub.add_source(self.engine_source)
             if self._engine_finished is not None:
                 self._engine_finished.add(self.engine_source.add_finished)
+            if self._engine_canaries is not None:
+                self._engine_canaries.add(self._on_engine_canary)
         self._rebuild_rules()
         self.recording.start()
         self.db_opening = True
@@ -186,6 +193,8 @@ class MonitorService:
             self._stopped = True
         if self._engine_finished is not None and self.engine_source is not None:
             self._engine_finished.remove(self.engine_source.add_finished)
+        if self._engine_canaries is not None:
+            self._engine_canaries.remove(self._on_engine_canary)
         if not self.recording.stop():
             log.warning("unsaved samples at shutdown: %s", self.writer.last_error)
         self.recording.close()
@@ -215,6 +224,24 @@ class MonitorService:
             self.hub.remove_source(canary_source_name(name))
         self._save_server(None, forget=name)
         self._rebuild_rules()
+
+    def _on_engine_canary(self, scores: list) -> None:
+        """The Engine pane's canary scores (on the engine thread) go to the engine source."""
+        if self.engine_source is not None:
+            for model, score in scores:
+                self.engine_source.add_canary(model, score)
+
+    def score_canary_now(self, name: str) -> str | None:
+        """Score ``name``'s quality canary now rather than at its next slot; a sentence saying
+        why it cannot be (no canary set, the monitor not running), else None."""
+        entry = self.servers.get(name)
+        if entry is None or entry.canary_every_s is None:
+            return (f"{name} has no quality canary: set one in Edit server (Quality canary "
+                    "every … minutes), then score it.")
+        if self.hub is None or not self.hub.scrape_now(canary_source_name(name)):
+            why = self.server_errors.get(name, "the monitor is not started")
+            return f"{name}'s canary is not running: {why.rstrip('.')}."
+        return None
 
     def _attach(self, entry: ServerEntry) -> None:
         from monitor.cost import CostSource
@@ -257,20 +284,15 @@ class MonitorService:
         server (as `<name>/<drift>_baseline[<category>]` series), or none: learn them again."""
         import sqlalchemy as sa
 
-        from monitor.drift import stored_baselines
-        from storage.queries import first_values, list_series
+        from monitor.drift import load_baselines
 
         if self.db is None:
             return {}
-        prefix = f"{entry.name}/"
         try:
-            keys = [k for k in list_series(self.db, entry.name)
-                    if k.startswith(prefix) and "_baseline[" in k]
-            stored = [(k[len(prefix):], v) for k in keys for v in first_values(self.db, k, 1)]
+            return load_baselines(self.db, entry.name)
         except sa.exc.SQLAlchemyError as exc:
             self._db_failed(exc)
             return {}
-        return stored_baselines(stored)
 
     def statuses(self) -> dict[str, SourceStatus]:
         """Every source's status; a server whose token cannot be resolved is down with why."""
@@ -290,16 +312,17 @@ class MonitorService:
             with db.engine.connect() as conn:
                 rows = conn.execute(sa.select(Source.name, Source.url, Source.token_ref,
                                               Source.dollars_per_hour, Source.kind,
-                                              Source.canary_every_s)
+                                              Source.canary_every_s,
+                                              Source.canary_decode_from)
                                     .where(Source.url.is_not(None))).all()
         except sa.exc.SQLAlchemyError as exc:
             db.close()
             raise StorageError(describe_error(exc, db.engine.url)) from exc
         entries = []
-        for name, url, token_ref, price, kind, canary_every_s in rows:
+        for name, url, token_ref, price, kind, canary_every_s, decode_from in rows:
             try:
                 entries.append(ServerEntry.from_stored(name, url, token_ref, price, kind,
-                                                       canary_every_s))
+                                                       canary_every_s, decode_from))
             except ValueError as exc:
                 self._error(f"The saved server {name!r} is invalid and was skipped: {exc}")
         return entries
@@ -316,14 +339,16 @@ class MonitorService:
                 if forget is not None:
                     conn.execute(sa.update(Source.__table__).where(Source.name == forget)
                                  .values(url=None, token_ref=None, dollars_per_hour=None,
-                                         kind="unknown", canary_every_s=None))
+                                         kind="unknown", canary_every_s=None,
+                                         canary_decode_from=None))
                 if entry is not None:
                     ensure_sources(conn, [entry.name])
                     conn.execute(sa.update(Source.__table__).where(Source.name == entry.name)
                                  .values(url=entry.url, token_ref=entry.token_ref or None,
                                          dollars_per_hour=entry.dollars_per_hour,
                                          kind=entry.stored_kind,
-                                         canary_every_s=entry.canary_every_s))
+                                         canary_every_s=entry.canary_every_s,
+                                         canary_decode_from=entry.canary_decode_from))
         except sa.exc.SQLAlchemyError as exc:
             self._db_failed(exc)
 
@@ -366,7 +391,7 @@ def canary_source(entry: ServerEntry, config: Any, stored: list[float] = ()) -> 
     from monitor.canary import CanaryBaseline, CanarySource
 
     return CanarySource(entry.canary_name, entry.url, api_key=config.token,
-                        interval_s=entry.canary_every_s,
+                        interval_s=entry.canary_every_s, decode_from=entry.canary_decode_from,
                         baseline=CanaryBaseline(seen=list(stored)))
 
 

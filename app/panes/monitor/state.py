@@ -47,6 +47,10 @@ CHARTS: tuple[ChartSpec, ...] = (
     # Servers without a TPOT histogram (ours, llama.cpp) export inter-token latency instead.
     ChartSpec("tpot", "TPOT (or ITL) p50 / p95 / p99", "ms",
               (r"tpot_s_p(50|95|99)", r"itl_s_p(50|95|99)"), 1000.0, "tpot"),
+    ChartSpec("itl", "Inter-token latency p50 / p95 / p99", "ms", (r"itl_s_p(50|95|99)",),
+              1000.0),
+    ChartSpec("e2e", "End-to-end latency p50 / p95 / p99", "ms", (r"e2e_s_p(50|95|99)",),
+              1000.0),
     ChartSpec("tokens", "Tokens/s", "tok/s",
               (r"generation_tokens_per_s", r"prompt_tokens_per_s", r"decode_tokens_per_s")),
     ChartSpec("queue", "Running / waiting requests", "requests",
@@ -56,8 +60,17 @@ CHARTS: tuple[ChartSpec, ...] = (
     # What vLLM says of itself beyond the latencies (monitor.normalize's derived series).
     ChartSpec("cache", "Prefix-cache hit rate / spec acceptance", "%",
               (r"(prefix_cache_hit_rate|spec_acceptance_rate)",), 100.0),
-    ChartSpec("phases", "Queue / prefill / decode time p99", "ms",
-              (r"(queue|prefill|decode)_s_p99",), 1000.0),
+    ChartSpec("phases", "Queue / prefill / decode / inference time p99", "ms",
+              (r"(queue|prefill|decode|inference)_s_p99",), 1000.0),
+    # Speculative decoding as vLLM defines it (monitor.normalize.RATIOS): acceptance at each
+    # draft position, and tokens gained per verification step (the bonus token counts).
+    ChartSpec("spec_pos", "Spec acceptance by draft position", "%",
+              (r"spec_acceptance_rate_at\[.*\]",), 100.0),
+    ChartSpec("spec_len", "Spec mean accepted length (tokens per step)", "tokens",
+              (r"spec_mean_accepted_len",)),
+    # The batch and the requests' sizes: tokens per engine step, prompt and output per request.
+    ChartSpec("sizes", "Tokens per step / prompt / output p50", "tokens",
+              (r"(iteration_tokens|request_prompt_tokens|request_generation_tokens)_p50",)),
     ChartSpec("events", "Preemptions / finished requests by reason / steps recomputed", "/s",
               (r"(preemptions_per_s|requests_finished_reason_per_s\[.*\]"
                r"|isolated_requests_per_s)",)),
@@ -207,7 +220,8 @@ class ServerEntry:
     """A remote server the user added: the token is only a reference (env:NAME), never its value.
     ``api`` says how it is read; ``job`` narrows a Prometheus server's queries to one job;
     ``canary_every_s``, where set, scores the bundled held-out text on it that often (the
-    quality canary, monitor/canary.py)."""
+    quality canary, monitor/canary.py), by decoding from token ``canary_decode_from`` on
+    where that is set (so the score shows what KV eviction or quantization costs)."""
 
     name: str
     url: str
@@ -216,6 +230,7 @@ class ServerEntry:
     api: str = API_METRICS
     job: str = ""
     canary_every_s: float | None = None
+    canary_decode_from: int | None = None
 
     def __post_init__(self) -> None:
         from monitor.promapi import default_queries
@@ -235,12 +250,17 @@ class ServerEntry:
         default_queries(self.job)  # validates the job name
         if self.canary_every_s is not None:
             self._check_canary()
+        elif self.canary_decode_from is not None:
+            raise ValueError("scoring by decoding is a way of running the quality canary: "
+                             "set the canary's interval too")
 
     def _check_canary(self) -> None:
         from monitor.ssh import is_ssh_url
 
         if not self.canary_every_s > 0:
             raise ValueError("the quality canary's interval must be positive (or off)")
+        if self.canary_decode_from is not None and self.canary_decode_from < 1:
+            raise ValueError("the canary decodes from a token index of at least 1 (or off)")
         if self.api == API_PROMETHEUS:
             raise ValueError("a quality canary scores text on the inference server itself: "
                              "add that server's own URL, not a Prometheus server's")
@@ -261,13 +281,15 @@ class ServerEntry:
 
     @classmethod
     def from_stored(cls, name: str, url: str, token_ref: str | None, price: float | None,
-                    kind: str | None, canary_every_s: float | None = None) -> ServerEntry:
+                    kind: str | None, canary_every_s: float | None = None,
+                    canary_decode_from: int | None = None) -> ServerEntry:
         """The entry a sources row describes (rows saved before ``api`` existed read /metrics)."""
         kind = kind or ""
+        canary = {"canary_every_s": canary_every_s, "canary_decode_from": canary_decode_from}
         if not kind.startswith(PROMETHEUS_API_KIND):
-            return cls(name, url, token_ref or "", price, canary_every_s=canary_every_s)
+            return cls(name, url, token_ref or "", price, **canary)
         job = kind.removeprefix(PROMETHEUS_API_KIND).strip().removeprefix("job=")
-        return cls(name, url, token_ref or "", price, API_PROMETHEUS, job, canary_every_s)
+        return cls(name, url, token_ref or "", price, API_PROMETHEUS, job, **canary)
 
 
 def fmt(value: object, digits: int = 4) -> str:
