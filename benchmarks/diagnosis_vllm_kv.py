@@ -106,7 +106,13 @@ def record(args: argparse.Namespace) -> dict:
     from monitor.diagnosis import subject_of, wanted_metrics
 
     series, wanted = {}, wanted_metrics()
-    for key in [k for k in hub.series_keys() if subject_of(k)[2] in wanted]:
+
+    def kept(metric: str) -> bool:
+        # The series the rules read, and the bucket ends stored with their quantiles (a
+        # verdict says which bucket its p99 lies in).
+        return metric in wanted or metric.removesuffix("_lo").removesuffix("_hi") in wanted
+
+    for key in [k for k in hub.series_keys() if kept(subject_of(k)[2])]:
         ts, values = hub.series(key)
         series[key] = [[round(float(t) - t0, 3), float(f"{v:.6g}")]
                        for t, v in zip(ts, values, strict=True)]

@@ -36,7 +36,7 @@ BUDGETS = (0.1, 0.2, 0.4, 0.8)
 def sweep(model: str, ids: list[int], prompt_len: int) -> dict:
     configs = [(p, b) for p in POLICIES for b in BUDGETS]
     # Room for StreamingLLM at 80%: budget + a block + a 512-token chunk stays inside the context.
-    llm = LLM(model, device="cpu", max_model_len=len(ids) + 512 + 64,
+    llm = LLM(model, device="cpu", dtype="float32", max_model_len=len(ids) + 512 + 64,
               max_num_seqs=len(configs) + 1, max_num_batched_tokens=512,
               kv_cache_tokens=len(ids) * 8)
     per_token = llm.config.kv_bytes_per_token(llm.runner.kv.element_size())
@@ -62,7 +62,8 @@ def sweep(model: str, ids: list[int], prompt_len: int) -> dict:
 
 def streaming_past_context(model: str, ids: list[int], context: int) -> dict:
     budget, prompt_len, window = context // 2, context // 4, context // 2
-    llm = LLM(model, device="cpu", max_model_len=context, max_num_batched_tokens=context // 4,
+    llm = LLM(model, device="cpu", dtype="float32", max_model_len=context,
+              max_num_batched_tokens=context // 4,
               kv_cache_tokens=context * 4)
     start = time.perf_counter()
     stream = evaluate_policies(llm, ids[: context - 1], prompt_len, [("streaming", budget)])
@@ -97,7 +98,7 @@ def main() -> int:
     args = parser.parse_args()
     model = str(fetch_demo_model(progress=lambda m, f: None))
     text_len = 768 if args.quick else 3072
-    llm = LLM(model, device="cpu", kv_cache_tokens=256)
+    llm = LLM(model, device="cpu", dtype="float32", kv_cache_tokens=256)
     ids = llm.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:text_len]
     del llm
     result = {"benchmark": "kv_eviction", "model": "SmolLM2-135M-Instruct Q4_1 (float32)",

@@ -45,6 +45,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine.cpu_features import cpu_default_dtype  # noqa: E402 - torch-free
 from tests.vllm import server as vs  # noqa: E402 - free_port, stop: the tests' vLLM helpers
 
 INPUT_WORDS = 64
@@ -71,7 +72,9 @@ class Running:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}: "
                                    f"{self.log.read_text(errors='replace')[-2000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                # llama-cpp-python's server has no /health: its model list answering is ready.
+                if any(httpx.get(self.url + path, timeout=2.0).status_code == 200
+                       for path in ("/health", "/v1/models")):
                     return time.monotonic() - self.began
             except httpx.HTTPError:
                 pass
@@ -335,7 +338,8 @@ def main() -> None:
         "load": {"input_words": INPUT_WORDS, "output_tokens": args.output_len,
                  "requests": {str(c): requests_at(c, args.quick) for c in args.concurrency},
                  "client": "monitor.loadgen (servescope loadtest), streaming, greedy, ignore_eos"},
-        "settings": {"servescope": args.servescope_args or "(defaults)",
+        "settings": {"servescope": args.servescope_args
+                     or f"(defaults: dtype auto = {cpu_default_dtype()} on this CPU)",
                      "servescope-best": args.best_args, "servescope-bf16": "--dtype bfloat16",
                      "vllm_eager": args.vllm_eager},
         "started_s": {k: statistics.median(v) for k, v in started.items()},

@@ -67,8 +67,8 @@ def run_concurrent(llm: LLM) -> tuple[float, int, list[list[int]]]:
 
 def main() -> int:
     model = str(fetch_demo_model(progress=lambda m, f: None))
-    plain = LLM(model, device="cpu", kv_cache_tokens=65536, max_num_seqs=16)
-    cached = LLM(model, device="cpu", kv_cache_tokens=65536, max_num_seqs=16,
+    plain = LLM(model, device="cpu", dtype="float32", kv_cache_tokens=65536, max_num_seqs=16)
+    cached = LLM(model, device="cpu", dtype="float32", kv_cache_tokens=65536, max_num_seqs=16,
                  prefix_caching=True)
     for llm in (plain, cached):  # warm-up on an unrelated prompt
         llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2))

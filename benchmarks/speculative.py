@@ -119,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     specs = args.spec or ["ngram", "demo-draft", "demo-draft:lookup=0"]
     model = args.model or str(fetch_demo_model(progress=lambda m, f: None))
-    plain = LLM(model, device="cpu")
+    plain = LLM(model, device="cpu", dtype="float32")
     runs = {}
     for name in specs:
-        spec = LLM(model, device="cpu", speculative=name)
+        spec = LLM(model, device="cpu", dtype="float32", speculative=name)
         print(f"{name}: copy-heavy workload", file=sys.stderr)
         copy = compare(plain, spec, COPY_HEAVY, args.max_tokens)
         print(f"{name}: open chat workload", file=sys.stderr)

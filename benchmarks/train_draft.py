@@ -74,7 +74,7 @@ def generate(model: str, prompts: list[str], path: Path) -> list[dict]:
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     if len(done) >= len(prompts):
         return done[: len(prompts)]
-    llm = LLM(model, device="cpu", max_num_seqs=GEN_BATCH)
+    llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=GEN_BATCH)
     ids = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     path.parent.mkdir(parents=True, exist_ok=True)
