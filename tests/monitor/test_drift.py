@@ -27,14 +27,22 @@ from monitor.loadgen import LoadSpec, run_load
 from monitor.promtext import parse_metrics
 from monitor.remote import PrometheusSource, ServerConfig
 from tests.monitor.conftest import monitor_session
-from tests.monitor.sshd import shared_engine_server
 
 BASE = {"a": 40, "b": 30, "c": 15, "d": 10, "e": 5}
 
 
 @pytest.fixture(scope="module")
 def server(demo_gguf):
-    return shared_engine_server(demo_gguf)
+    """A server of this module's own: the drift test counts every request the server finishes,
+    and a canary score another module's recording left in flight on the shared server once
+    landed in its baseline (25 requests where 24 were sent)."""
+    from engine import LLM
+    from engine.server import serve
+
+    srv = serve(LLM(str(demo_gguf), device="cpu", kv_cache_tokens=1024, dtype="float32"),
+                "127.0.0.1", 0)
+    yield srv
+    srv.close()
 
 
 # ---- the statistic
