@@ -8,8 +8,17 @@ The planner's catalog holds peak figures and multiplies them by its achieved fra
 is achieved, so the entry stores achieved / fraction: an uncalibrated plan then predicts the
 measured rates, and a calibration from runs made here corrects the rest.
 
+Each engine that serves plans here has step costs of its own (vLLM's CPU build runs one thread
+beside a reserved core and falls back to torch's linear where oneDNN has no bfloat16 kernel;
+servescope runs two), so the entry also holds, per engine, what that engine's own prefill and
+decode steps at batch 1 and 4 say: the matmul rate it reaches, a fixed cost per step and a cost
+per sequence in the step (sampling, per-sequence attention and bookkeeping), fitted by
+inverting the planner's step model (`fit_engine`). servescope's are measured here; another
+engine's timings come in a JSON file (`--engine-timings vllm=FILE`, made by
+app/vllm_local.py's `--steps` in vLLM's own Python).
+
 `servescope plan machine` runs it: `python -m engine.device_profile [--write CONFIG_DIR]
-[--quick]` prints one JSON object.
+[--quick] [--engine-timings NAME=FILE]` prints one JSON object.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import time
 from datetime import date
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import kernels
@@ -71,18 +81,24 @@ def matmul_tflops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
     return 2.0 * n**3 / seconds / 1e12
 
 
-def step_overhead_ms(bandwidth_gbs: float, tflops: float, tokens: int = 32) -> dict:
+def demo_llm():
+    """The demo model in bfloat16 (as plans run here), fetched on first use."""
+    from engine import LLM
+    from engine.models import DEMO_MODEL, fetch_demo_model
+
+    fetch_demo_model(progress=lambda message, fraction: None)
+    return LLM(DEMO_MODEL, device="cpu", dtype="bfloat16")
+
+
+def step_overhead_ms(llm, bandwidth_gbs: float, tflops: float, tokens: int = 32) -> dict:
     """The demo engine's batch-1 decode step (bfloat16) against what the planner's roofline
     gives it: the longer of reading its weights at the measured bandwidth and multiplying by
     them at the measured matmul rate. The rest (Python, scheduling, small kernels) is a fixed
     cost per step to the planner, which then predicts this step at batch 1 and adds FLOPs and KV
     reads above it. (On a CPU without bfloat16 instructions the multiply is the longer one: a
     profile that subtracted only the read predicted 52.7 ms for a measured 39.6 ms step.)"""
-    from engine import LLM, SamplingParams
-    from engine.models import DEMO_MODEL, fetch_demo_model
+    from engine import SamplingParams
 
-    fetch_demo_model(progress=lambda message, fraction: None)
-    llm = LLM(DEMO_MODEL, device="cpu", dtype="bfloat16")
     llm.add_request("The planner measures this machine:", SamplingParams(
         temperature=0.0, max_tokens=tokens, ignore_eos=True))
     steps = []
@@ -93,11 +109,7 @@ def step_overhead_ms(bandwidth_gbs: float, tflops: float, tokens: int = 32) -> d
     # The least disturbed decode step, as for the other figures (the first step is the
     # prefill): on a shared machine the median swung 5x between runs.
     step_ms = min(steps[1:]) * 1e3
-    model = llm.model
-    # What a decode step reads: every weight but the embedding, of which it looks up one row
-    # (a tied head prepared apart from it is a matrix of its own, read in full).
-    embedding = model.embed.numel() * model.embed.element_size()
-    read = llm.weight_bytes - (embedding if model.lm_head is not model.embed else 0)
+    read = demo_shape(llm)["read_bytes"]
     weights_ms = read / (bandwidth_gbs * 1e9) * 1e3
     # One multiply-add per weight read (bfloat16: 2 bytes a weight) for the one token.
     flops_ms = 2.0 * (read / 2) / (tflops * 1e12) * 1e3
@@ -106,22 +118,113 @@ def step_overhead_ms(bandwidth_gbs: float, tflops: float, tokens: int = 32) -> d
             "overhead_ms": round(max(0.0, step_ms - max(weights_ms, flops_ms)), 3)}
 
 
+# The batches whose decode steps an engine's timings hold: two sizes separate a step's fixed
+# cost from its cost per sequence.
+STEP_BATCHES = (1, 4)
+PROFILE_PROMPT_TOKENS = 52
+
+
+def servescope_timings(llm, tokens: int = 16,
+                       prompt_tokens: int = PROFILE_PROMPT_TOKENS) -> dict:
+    """servescope's own engine timed as `fit_engine` reads any engine: one prompt of
+    `prompt_tokens` tokens prefilled alone, and decode steps at each of STEP_BATCHES (the least
+    disturbed of `tokens` steps each), bfloat16 as plans run."""
+    from engine import SamplingParams
+
+    def prompt(n: int) -> list[int]:  # distinct token ids: no prefix-cache hit between them
+        return [1000 + 97 * n + t for t in range(prompt_tokens)]
+
+    prefill_ms, decode_ms = [], {}
+    for n in range(3):
+        llm.add_request(prompt(n), SamplingParams(temperature=0.0, max_tokens=1,
+                                                  ignore_eos=True))
+        start = time.perf_counter()
+        while llm.has_unfinished():
+            llm.step()
+        prefill_ms.append((time.perf_counter() - start) * 1e3)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for batch in STEP_BATCHES:
+        for i in range(batch):
+            llm.add_request(prompt(10 + 10 * batch + i), params)
+        steps = []
+        while llm.has_unfinished():
+            start = time.perf_counter()
+            _, stats = llm.step()
+            if not stats.num_prefill_tokens and stats.num_decode_tokens == batch:
+                steps.append((time.perf_counter() - start) * 1e3)
+        decode_ms[str(batch)] = round(min(steps), 3)
+    return {"engine": "servescope", "dtype": "bfloat16", "prompt_tokens": prompt_tokens,
+            "prefill_ms": round(min(prefill_ms), 3), "decode_ms": decode_ms}
+
+
+def demo_shape(llm) -> dict:
+    """What the fits need of the demo model, from its own weights: the bytes a decode step reads
+    (every weight but the embedding table, of which it looks up one row; a tied head prepared
+    apart from it is a matrix of its own, read in full) and the LM head's share of them (a
+    prompt's tokens skip the head, but its last)."""
+    model = llm.model
+    embedding = model.embed.numel() * model.embed.element_size()
+    head = model.lm_head.numel() * model.lm_head.element_size()
+    read = llm.weight_bytes - (embedding if model.lm_head is not model.embed else 0)
+    return {"read_bytes": read, "head_bytes": head}
+
+
+def fit_engine(timings: dict, shape: dict, bandwidth_gbs: float) -> dict:
+    """An engine's matmul rate, step cost and per-sequence cost, such that the planner's step
+    model (planner/timing.py: fixed cost + per-sequence cost x sequences + the longer of reading
+    and multiplying by the weights) gives back the timed prefill and decode steps.
+
+    Two decode batches give the per-sequence cost once the rate is known, and the prefill (many
+    tokens, one sequence) gives the rate once the fixed costs are: the rate that makes all three
+    agree is found on a log grid (the model is not linear in it: the roofline's max)."""
+    read, head = shape["read_bytes"], shape["head_bytes"]
+    decode_flops = read  # 2 FLOPs per 2-byte bfloat16 weight, per token
+    prompt = timings["prompt_tokens"]
+    prefill_flops = prompt * (read - head) + head
+    weights_s = read / (bandwidth_gbs * 1e9)
+    low, high = (int(b) for b in (STEP_BATCHES[0], STEP_BATCHES[-1]))
+    t_low, t_high = (timings["decode_ms"][str(b)] * 1e-3 for b in (low, high))
+    t_prefill = timings["prefill_ms"] * 1e-3
+
+    def costs(rate: float) -> tuple[float, float, float]:
+        """(fixed, per sequence, prefill error) at a matmul rate of `rate` FLOP/s."""
+        linear_low = max(low * decode_flops / rate, weights_s)
+        linear_high = max(high * decode_flops / rate, weights_s)
+        per_seq = max(0.0, (t_high - t_low - (linear_high - linear_low)) / (high - low))
+        fixed = max(0.0, t_low - low * per_seq - linear_low)
+        prefill = fixed + per_seq + max(prefill_flops / rate, weights_s)
+        return fixed, per_seq, abs(prefill - t_prefill) / t_prefill
+
+    rates = np.geomspace(1e8, 1e15, 4000)
+    best = min(rates, key=lambda rate: costs(rate)[2])
+    fixed, per_seq, error = costs(best)
+    return {"engine": timings["engine"], "dtype": timings.get("dtype", "bfloat16"),
+            "tflops_bf16": round(best / 1e12, 5), "overhead_ms": round(fixed * 1e3, 3),
+            "per_seq_ms": round(per_seq * 1e3, 3), "prefill_fit_error_pct":
+            round(error * 100, 1), "timings": timings}
+
+
 def memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
 
-def measure(quick: bool = False) -> dict:
-    """Every figure the planner's device entry needs, measured now."""
+def measure(quick: bool = False, engine_timings: list[dict] = ()) -> dict:
+    """Every figure the planner's device entry needs, measured now; `engine_timings` are other
+    engines' step timings (from their own environments) to fit beside servescope's."""
     from engine.bench import machine as machine_info
 
     repeats = 3 if quick else 7
     bandwidth = read_bandwidth_gbs(256 if quick else 512, repeats)
     tflops = {name: matmul_tflops(dtype, 1024, repeats)
               for name, dtype in MATMUL_DTYPES.items()}
+    llm = demo_llm()
+    shape = demo_shape(llm)
+    step = step_overhead_ms(llm, bandwidth, tflops["bf16"], 16 if quick else 32)
+    timings = [servescope_timings(llm, 8 if quick else 16), *engine_timings]
     return {"machine": machine_info(), "read_bandwidth_gbs": round(bandwidth, 2),
             "matmul_tflops": {k: round(v, 4) for k, v in tflops.items()},
-            "memory_gb": round(memory_gb(), 1),
-            "step": step_overhead_ms(bandwidth, tflops["bf16"], 16 if quick else 32)}
+            "memory_gb": round(memory_gb(), 1), "step": step, "shape": shape,
+            "engines": {t["engine"]: fit_engine(t, shape, bandwidth) for t in timings}}
 
 
 def device_name(profile: dict) -> str:
@@ -145,25 +248,38 @@ def catalog_entry(profile: dict) -> dict:
         "link_latency_us": 1.0,
         "power_w": 0,  # not measured: a CPU's package power is rarely readable without root
         "step_overhead_ms": profile["step"]["overhead_ms"],
+        # Per engine, its rate over the same fraction as the device's.
+        "engines": {name: {"tflops_bf16": round(e["tflops_bf16"] / PLANNER_FLOPS_FRACTION, 6),
+                           "overhead_ms": e["overhead_ms"], "per_seq_ms": e["per_seq_ms"]}
+                    for name, e in profile.get("engines", {}).items()},
         "source": (f"measured here by `python -m engine.device_profile`: read "
                    f"{bandwidth} GB/s, bf16 matmul {profile['matmul_tflops']['bf16']} TFLOP/s, "
                    f"stored over the planner's default fractions "
                    f"({PLANNER_MEMORY_FRACTION}, {PLANNER_FLOPS_FRACTION}); engine step "
-                   f"overhead {profile['step']['overhead_ms']} ms"),
+                   f"overhead {profile['step']['overhead_ms']} ms; per engine, fitted to its "
+                   f"own prefill and batch-{STEP_BATCHES[0]}/{STEP_BATCHES[-1]} decode steps: "
+                   + ", ".join(f"{n} {e['tflops_bf16']} TFLOP/s, {e['overhead_ms']} ms a "
+                               f"step, {e['per_seq_ms']} ms a sequence"
+                               for n, e in profile.get("engines", {}).items())),
         "date": date.today().isoformat(),
     }
 
 
 def toml_entry(name: str, entry: dict) -> str:
-    """One `[gpu."name"]` table as TOML (JSON's string and number syntax is TOML's too)."""
-    lines = [f"[gpu.{json.dumps(name)}]"]
+    """One `[gpu."name"]` table as TOML (JSON's string and number syntax is TOML's too); a
+    table of tables (the engines) as sub-tables after it."""
+    lines, after = [f"[gpu.{json.dumps(name)}]"], []
     for key, value in entry.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
+            for sub, table in value.items():
+                after.append(f"\n[gpu.{json.dumps(name)}.{key}.{json.dumps(sub)}]")
+                after += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+        elif isinstance(value, dict):
             inner = ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items())
             lines.append(f"{key} = {{ {inner} }}")
         else:
             lines.append(f"{key} = {json.dumps(value)}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + after) + "\n"
 
 
 def write_entry(profile: dict, config_dir: Path) -> Path:
@@ -185,8 +301,11 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"write the planner's entry to CONFIG_DIR/catalogs/{ENTRY_FILE} "
                              "(`servescope plan machine` passes the app's config folder)")
     parser.add_argument("--quick", action="store_true", help="smaller, fewer measurements")
+    parser.add_argument("--engine-timings", metavar="FILE", type=Path, action="append",
+                        default=[], help="another engine's step timings, as JSON (app/"
+                                         "vllm_local.py --steps writes vLLM's); repeatable")
     args = parser.parse_args(argv)
-    profile = measure(args.quick)
+    profile = measure(args.quick, [json.loads(p.read_text()) for p in args.engine_timings])
     profile["entry"] = {"name": device_name(profile), **catalog_entry(profile)}
     if args.write is not None:
         profile["written"] = str(write_entry(profile, args.write))

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.catalog import Catalog, CatalogError
+from planner.catalog import Catalog, CatalogError, engine_key
 from planner.timing import Deployment, Efficiency, StepCost
 
 
@@ -77,7 +77,8 @@ def predict(d: Deployment, m: Measurement, eff: Efficiency) -> dict[str, float]:
 
 def deployment_for(m: Measurement, catalog: Catalog) -> Deployment:
     return Deployment(catalog.model(m.model), catalog.gpu(m.gpu), m.weights, m.kv, m.tp, m.pp,
-                      max_seqs=m.batch, max_batched_tokens=max(2048, m.input_len))
+                      max_seqs=m.batch, max_batched_tokens=max(2048, m.input_len),
+                      engine=engine_key(m.engine))
 
 
 def ape(predicted: float, measured: float) -> float:
@@ -131,8 +132,10 @@ OVERHEAD_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.3, 1.6, 2.0)
 
 def _overheads(deployments: list[Deployment]) -> tuple[float | None, ...]:
     """The step overheads to try: None (the device's own or the default) for catalog GPUs;
-    fractions of the measured one for a device measured here (Gpu.step_overhead_ms)."""
-    measured = {d.gpu.step_overhead_ms for d in deployments}
+    fractions of the measured one for a device measured here (the engine's own where the
+    device has it, else Gpu.step_overhead_ms)."""
+    measured = {d.gpu.engines[d.engine]["overhead_ms"] if d.engine in d.gpu.engines
+                else d.gpu.step_overhead_ms for d in deployments}
     if len(measured) != 1 or not next(iter(measured)):
         return (None,)
     base = next(iter(measured))

@@ -47,8 +47,14 @@ class Gpu:
     # The engine's own per-step host overhead measured on this device (engine/device_profile.py
     # writes it for the machine the app runs on); the step-time model never goes below it.
     step_overhead_ms: float = 0.0
+    # Per engine measured here ("servescope", "vllm"): the bfloat16 matmul rate it reaches
+    # (`tflops_bf16`, over the planner's FLOPs fraction as `tflops`), its fixed cost per step
+    # (`overhead_ms`) and its cost per sequence in a step (`per_seq_ms`), fitted to its own
+    # steps; a Deployment naming that engine is timed with them.
+    engines: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _check_engines(self.engines)
         for name in ("memory_gb", "bandwidth_gbs", "link_gbs"):
             _positive(getattr(self, name), name)
         if self.power_w != 0:  # 0: not known (a CPU measured here)
@@ -72,6 +78,32 @@ class Gpu:
     @property
     def nvlink(self) -> bool:
         return self.interconnect.lower().startswith(("nvlink", "infinity"))
+
+
+ENGINE_STEP_FIELDS = ("tflops_bf16", "overhead_ms", "per_seq_ms")
+
+
+def engine_key(label: str) -> str:
+    """The Gpu.engines key of an engine as runs store it ("vLLM 0.32.0" -> "vllm")."""
+    words = label.strip().lower().split()
+    return words[0] if words else ""
+
+
+def _check_engines(engines: Any) -> None:
+    """Every engine table has exactly ENGINE_STEP_FIELDS, as numbers: positive for the rate,
+    non-negative for the costs."""
+    if not isinstance(engines, dict):
+        raise ValueError(f"engines must be a table of engine tables, got {engines!r}")
+    for name, table in engines.items():
+        if not isinstance(table, dict) or set(table) != set(ENGINE_STEP_FIELDS):
+            raise ValueError(f"engines.{name} must have exactly the fields "
+                             f"{', '.join(ENGINE_STEP_FIELDS)}")
+        for key, value in table.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (
+                    key == "tflops_bf16" and value == 0):
+                raise ValueError(f"engines.{name}.{key} must be a "
+                                 f"{'positive' if key == 'tflops_bf16' else 'non-negative'} "
+                                 f"number, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,8 @@ def add_plan_parser(subparsers: Any, more: Any = None) -> argparse.ArgumentParse
                                         "and add it to the catalog as 'this machine'")
     ma.add_argument("--quick", action="store_true", help="fewer, smaller measurements")
     ma.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ma.add_argument("--engine-timings", metavar="FILE", action="append", default=[],
+                    help="another engine's step timings (JSON) to fit beside servescope's")
     ma.set_defaults(func=run_machine)
     if more is not None:
         more(sub, common_arguments, layout_arguments)
@@ -86,8 +88,10 @@ def run_machine(args: argparse.Namespace) -> int:
     from planner.catalog import config_dir
 
     command = [sys.executable, "-m", "engine.device_profile", "--write", str(config_dir())]
-    done = subprocess.run(command + (["--quick"] if args.quick else []), capture_output=True,
-                          text=True, check=False)
+    command += ["--quick"] if args.quick else []
+    for path in args.engine_timings:
+        command += ["--engine-timings", str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         print(f"servescope: measuring this machine failed ({last}): check that the engine "
@@ -102,6 +106,10 @@ def run_machine(args: argparse.Namespace) -> int:
           f"{profile['matmul_tflops']['bf16']} TFLOP/s, engine step overhead "
           f"{entry['step_overhead_ms']} ms; written to {profile['written']} "
           f"(plan on it with --gpu 'this machine')")
+    for name, fitted in profile["engines"].items():
+        print(f"  {name}: bf16 matmul {fitted['tflops_bf16']} TFLOP/s, {fitted['overhead_ms']} "
+              f"ms a step, {fitted['per_seq_ms']} ms a sequence (prefill fitted within "
+              f"{fitted['prefill_fit_error_pct']}%)")
     return 0
 
 

@@ -103,6 +103,10 @@ class Deployment:
     spec: SpecDecode | None = None
     prefix_hit: float = 0.0
     dcp: int = 1  # decode context parallel: ranks of the TP group striping each KV cache
+    # The engine that serves it, where the device has that engine's own step costs measured
+    # (Gpu.engines: this machine after `servescope plan machine`); "" or an engine the device
+    # has none for: the device's figures.
+    engine: str = ""
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.tp > MAX_TP:
@@ -156,7 +160,7 @@ class StepCost:
                  "expert_bytes", "kv_read", "flops_rate", "attn_rate", "bw", "comm_per_token",
                  "comm_fixed", "stage_layers", "spec_tokens", "draft_fraction", "pp",
                  "handoff_fixed", "handoff_per_token", "overhead", "draft_seconds", "moe",
-                 "dcp_fixed", "dcp_per_token")
+                 "dcp_fixed", "dcp_per_token", "per_seq")
 
     def __init__(self, d: Deployment, eff: Efficiency | None = None) -> None:
         m, g, self.d = d.model, d.gpu, d
@@ -170,10 +174,16 @@ class StepCost:
         self.dense_bytes = (m.params_b * 1e9 - routed) * bpp / d.gpus
         self.expert_bytes = m.moe_layers * m.expert_params * bpp / d.gpus
         self.kv_read = kv_bytes_per_token_per_gpu(m, d.kv, d.tp, d.pp, d.dcp)
-        self.flops_rate = g.compute_tflops(d.weights) * 1e12 * self.eff.flops * d.gpus
+        engine = g.engines.get(d.engine) if d.engine else None
+        # An engine measured on this device brings its own 16-bit matmul rate (the precisions
+        # the device has no figure of run as bf16 math there too).
+        tflops = (engine["tflops_bf16"] if engine and d.weights in ("bf16", "fp16", "int4")
+                  else g.compute_tflops(d.weights))
+        attn_tflops = engine["tflops_bf16"] if engine else g.compute_tflops("bf16")
+        self.flops_rate = tflops * 1e12 * self.eff.flops * d.gpus
         # Attention (QK^T and PV over the cache) runs in 16-bit FMHA kernels whatever the weight
         # precision: FP8/INT8 weights speed up the linear layers only.
-        self.attn_rate = g.compute_tflops("bf16") * 1e12 * self.eff.flops * d.gpus
+        self.attn_rate = attn_tflops * 1e12 * self.eff.flops * d.gpus
         self.bw = g.bandwidth_gbs * 1e9 * self.eff.memory
         self.stage_layers = m.layers / d.pp
         # Two all-reduces per layer (after attention and after the MLP) of bf16 activations,
@@ -200,10 +210,15 @@ class StepCost:
         self.handoff_fixed = (d.pp - 1) * send_seconds(g, 0.0, self.eff.link)
         self.handoff_per_token = (d.pp - 1) * (send_seconds(g, 2.0 * m.hidden, self.eff.link)
                                                - send_seconds(g, 0.0, self.eff.link))
+        # The fixed cost per step: a fitted one, else the engine's, the device's, the default;
+        # a fit scales the engine's per-sequence cost by the same factor as its fixed one.
+        measured_ms = engine["overhead_ms"] if engine else g.step_overhead_ms
         overhead_ms = self.eff.overhead_ms
         if overhead_ms is None:
-            overhead_ms = g.step_overhead_ms or DEFAULT_OVERHEAD_MS
+            overhead_ms = measured_ms or DEFAULT_OVERHEAD_MS
+        scale = overhead_ms / measured_ms if measured_ms else 1.0
         self.overhead = overhead_ms * 1e-3
+        self.per_seq = (engine["per_seq_ms"] * 1e-3 * scale) if engine else 0.0
         self.draft_seconds = self.draft_fraction * self.dense_bytes / self.bw * d.pp
 
     def _experts_touched(self, tokens: float) -> float:
@@ -241,7 +256,7 @@ class StepCost:
         stage = linear + attention + comm
         handoff = self.handoff_fixed + self.handoff_per_token * tokens / micro
         draft = self.draft_seconds if decode_seqs else 0.0
-        return self.overhead + pp * stage + handoff + draft
+        return self.overhead + self.per_seq * sampled + pp * stage + handoff + draft
 
     def prefill_seconds(self, input_len: int) -> float:
         """One prompt alone, in chunks of max_batched_tokens: its TTFT on an idle replica."""

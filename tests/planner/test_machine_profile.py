@@ -3,6 +3,7 @@ demo model can be planned here (issue #19 item 1); the user's own catalogs stay 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -73,6 +74,61 @@ def test_the_measured_figures_are_real_and_written_beside_the_users_catalog(meas
     assert here.step_overhead_ms == step["overhead_ms"]
 
 
+def test_servescope_s_own_steps_are_fitted_and_the_planner_gives_them_back(measured):
+    """The engine's fitted rate and costs, timed through the planner's step model, reproduce
+    the prefill and the batch-1 and batch-4 decode steps they were fitted to: the fit inverts
+    the model the planner times plans with."""
+    config, profile = measured
+    fitted = profile["engines"]["servescope"]
+    timings = fitted["timings"]
+    assert timings["decode_ms"]["4"] > timings["decode_ms"]["1"] > 0
+    assert timings["prefill_ms"] > timings["decode_ms"]["1"]
+    catalog = load_catalog(config)
+    here = catalog.gpu("this machine")
+    assert here.engines["servescope"]["overhead_ms"] == fitted["overhead_ms"]
+    assert here.engines["servescope"]["tflops_bf16"] * 0.5 == pytest.approx(
+        fitted["tflops_bf16"], rel=0.01)
+    d = Deployment(catalog.model("SmolLM2-135M-Instruct"), here, "bf16", "bf16", max_seqs=4,
+                   engine="servescope")
+    cost = StepCost(d)
+    prompt = timings["prompt_tokens"]
+    assert cost.prefill_seconds(prompt) * 1e3 == pytest.approx(timings["prefill_ms"], rel=0.1)
+    for batch in (1, 4):
+        # At the profile's short contexts: the KV read and attention add little.
+        assert cost.decode_seconds(batch, prompt + 4) * 1e3 == pytest.approx(
+            timings["decode_ms"][str(batch)], rel=0.1)
+    # Another engine, or none named, is timed with the device's own figures.
+    plain = StepCost(Deployment(d.model, here, "bf16", "bf16", max_seqs=4))
+    assert plain.overhead * 1e3 == pytest.approx(here.step_overhead_ms or 0.3)
+    assert plain.per_seq == 0.0
+
+
+@pytest.mark.parametrize("tflops, overhead_ms, per_seq_ms", [
+    (0.0095, 24.0, 4.5),   # vLLM's CPU build here: one thread, torch's bf16 linear
+    (0.35, 30.0, 1.0),     # a CPU with bfloat16 instructions: reading the weights is longer
+    (0.02, 5.0, 0.0),
+])
+def test_the_fit_recovers_the_costs_the_planner_was_given(measured, tflops, overhead_ms,
+                                                           per_seq_ms):
+    """Steps timed by the planner for known engine costs, fitted back: the same costs."""
+    from engine.device_profile import fit_engine
+
+    config, profile = measured
+    here = load_catalog(config).gpu("this machine")
+    engine = {"tflops_bf16": tflops / 0.5, "overhead_ms": overhead_ms, "per_seq_ms": per_seq_ms}
+    here = dataclasses.replace(here, engines={"x": engine})
+    d = Deployment(load_catalog(config).model("SmolLM2-135M-Instruct"), here, "bf16", "bf16",
+                   max_seqs=4, engine="x")
+    cost = StepCost(d)
+    timings = {"engine": "x", "prompt_tokens": 52,
+               "prefill_ms": cost.prefill_seconds(52) * 1e3,
+               "decode_ms": {str(b): cost.decode_seconds(b, 0) * 1e3 for b in (1, 4)}}
+    fitted = fit_engine(timings, profile["shape"], profile["read_bandwidth_gbs"])
+    assert fitted["tflops_bf16"] == pytest.approx(tflops, rel=0.05)
+    assert fitted["overhead_ms"] == pytest.approx(overhead_ms, abs=0.5)
+    assert fitted["per_seq_ms"] == pytest.approx(per_seq_ms, abs=0.3)
+
+
 def test_the_demo_model_is_planned_here_and_its_batch_1_step_is_the_one_measured(measured):
     config, profile = measured
     catalog = load_catalog(config)
@@ -102,6 +158,20 @@ def test_a_search_here_gives_plans_with_commands(measured):
                                 spec=(None,)))
     assert result.candidates
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in vllm_command(result.candidates[0])
+
+
+@pytest.mark.parametrize("table, field", [
+    ("tflops_bf16 = 0.01\noverhead_ms = 20", "engines.vllm"),
+    ("tflops_bf16 = 0\noverhead_ms = 20\nper_seq_ms = 1", "engines.vllm.tflops_bf16"),
+    ("tflops_bf16 = 0.01\noverhead_ms = -2\nper_seq_ms = 1", "engines.vllm.overhead_ms"),
+    ('tflops_bf16 = 0.01\noverhead_ms = 2\nper_seq_ms = "fast"', "engines.vllm.per_seq_ms"),
+])
+def test_a_wrong_engine_table_is_one_error_naming_the_file_and_field(tmp_path, table, field):
+    (tmp_path / "catalogs").mkdir()
+    (tmp_path / "catalogs" / "machine.toml").write_text(
+        USER_GPUS.replace("My GPU", "Here") + f'\n[gpu."Here".engines.vllm]\n{table}\n')
+    with pytest.raises(CatalogError, match=f"machine.toml.*{field}"):
+        load_catalog(tmp_path)
 
 
 def test_a_corrupt_machine_file_is_one_error_naming_it(tmp_path):
