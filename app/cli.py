@@ -6,7 +6,9 @@ import argparse
 import json
 import shlex
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from engine.config import ModelError
 
@@ -51,9 +53,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# ---- plan run-here ----
+# ---- plan run-here, and vLLM in plan machine ----
 def _run_here_parser(plan_sub, common_arguments, layout_arguments) -> None:
     from app.plan_run import ENGINES
+
+    machine = plan_sub.choices["machine"]
+    machine.add_argument("--vllm", action="store_true",
+                         help="also time real vLLM's own steps here (its Python as for "
+                              "run-here; a few minutes), so plans served by vLLM are timed "
+                              "with them")
+    machine.set_defaults(func=_machine)
 
     p = plan_sub.add_parser(
         "run-here", help="run one layout on this machine: predict it, start its server, drive "
@@ -84,10 +93,42 @@ def _run_here_parser(plan_sub, common_arguments, layout_arguments) -> None:
     p.set_defaults(func=_run_here)
 
 
+def _machine(args) -> int:
+    """`plan machine`, with vLLM's step timings first where --vllm asks for them."""
+    from planner.cli import run_machine
+
+    if args.vllm:
+        from app import vllm_local
+
+        python = vllm_local.vllm_python()
+        try:
+            if python is None:
+                raise vllm_local.VllmUnavailable(
+                    "No vLLM is installed here: set SERVESCOPE_VLLM_PYTHON to the Python of an "
+                    "environment with vLLM, or leave out --vllm.")
+            folder, _ = vllm_local.demo_folder(python)
+            if not args.json:
+                print(f"timing vLLM's steps with {python} (a few minutes)", file=sys.stderr)
+            timings = vllm_local.measure_steps(python, folder)
+        except vllm_local.VllmUnavailable as exc:
+            return _fail(args, exc)
+        path = Path(tempfile.mkstemp(prefix="servescope-vllm-steps-", suffix=".json")[1])
+        path.write_text(json.dumps(timings))
+        args.engine_timings = [*args.engine_timings, str(path)]
+    return run_machine(args)
+
+
 def _run_here(args) -> int:
     from types import SimpleNamespace
 
-    from app.plan_run import PlanRun, PlanRunError, demo_model_path, predicted_figures, run_here
+    from app.plan_run import (
+        PlanRun,
+        PlanRunError,
+        demo_model_path,
+        for_engine,
+        predicted_figures,
+        run_here,
+    )
     from planner.catalog import load_catalog
     from planner.cli import deployment_from
     from planner.evaluate import evaluate
@@ -95,7 +136,7 @@ def _run_here(args) -> int:
     from storage.db import StorageError, display_url, open_database
 
     catalog = load_catalog()
-    d = deployment_from(args, catalog)
+    d = for_engine(deployment_from(args, catalog), args.engine)
     w = Workload(args.input_len, args.output_len, rate=args.rate, concurrency=args.concurrency,
                  num_requests=args.num_requests)
     ev = evaluate(d, w, args.replicas)

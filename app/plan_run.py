@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -66,6 +66,21 @@ class ServerCommand:
     typed: list[str]  # the command as a user types it (`vllm serve ...`, `servescope serve ...`)
     engine: str  # "servescope" or "vLLM <version>", stored with the run
     env: dict[str, str]
+
+
+def likely_engine(engine: str) -> str:
+    """The engine a run with `engine` ("auto" too) will be served by: vLLM wherever it is
+    installed under "auto" (server_command may still fall back to servescope for a plan vLLM
+    cannot run here)."""
+    if engine != "auto":
+        return engine
+    return "vllm" if vllm_local.vllm_python() else "servescope"
+
+
+def for_engine(deployment, engine: str):
+    """The deployment timed as that engine runs it (the planner uses the engine's own step
+    costs where `servescope plan machine` measured them: Gpu.engines)."""
+    return replace(deployment, engine=likely_engine(engine))
 
 
 def predicted_figures(ev) -> dict:

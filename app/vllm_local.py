@@ -19,6 +19,7 @@ that is saved in bfloat16 with its tokenizer. The folder is cached under the use
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -162,5 +163,67 @@ def convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+# ---- vLLM's own step costs, for the planner's profile of this machine ----
+STEP_BATCHES = (1, 4)  # engine/device_profile.STEP_BATCHES: what its fit reads
+PROMPT_TOKENS = 52
+STEPS_TIMEOUT_S = 1200.0
+
+
+def measure_steps(python: str, folder: Path, timeout_s: float = STEPS_TIMEOUT_S) -> dict:
+    """vLLM's prefill and decode step times on this machine, in the form
+    engine/device_profile.fit_engine reads (this file's `--steps`, run by vLLM's Python, with
+    the environment a plan's server gets). VllmUnavailable says why not."""
+    env = {**os.environ, **SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    try:
+        done = subprocess.run([python, __file__, "--steps", str(folder)], capture_output=True,
+                              text=True, timeout=timeout_s, env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise VllmUnavailable(f"Timing vLLM's steps with {python} did not finish ({exc}).") \
+            from None
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise VllmUnavailable(f"Timing vLLM's steps with {python} failed ({last}).")
+    return json.loads(lines[-1])
+
+
+def time_steps(folder: str, repeats: int = 2, tokens: int = 16) -> dict:
+    """Run by vLLM's Python: its offline engine (the engine core a server runs) on the demo
+    folder, prefix caching off so every prefill is computed. A decode step at batch b is the
+    difference between generating 1 + `tokens` tokens and 1 token for b distinct prompts, over
+    `tokens`; the prefill is 1 token for one prompt. Each the fastest of `repeats`."""
+    import time
+
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(folder, max_model_len=512, max_num_seqs=max(STEP_BATCHES),
+              enable_prefix_caching=False)
+    calls = iter(range(10**6))
+
+    def fastest(batch: int, max_tokens: int) -> float:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        best = float("inf")
+        for _ in range(repeats):
+            prompts = [TokensPrompt(prompt_token_ids=[1000 + 97 * next(calls) + t
+                                                      for t in range(PROMPT_TOKENS)])
+                       for _ in range(batch)]
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    prefill = fastest(1, 1)
+    decode = {str(b): round((fastest(b, 1 + tokens) - fastest(b, 1)) / tokens * 1e3, 3)
+              for b in STEP_BATCHES}
+    return {"engine": "vllm", "version": vllm.__version__,
+            "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
+            "prompt_tokens": PROMPT_TOKENS, "prefill_ms": round(prefill * 1e3, 3),
+            "decode_ms": decode}
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--convert"]:
     convert(Path(sys.argv[2]), Path(sys.argv[3]))
+elif __name__ == "__main__" and sys.argv[1:2] == ["--steps"]:
+    print(json.dumps(time_steps(sys.argv[2])), flush=True)

@@ -1,7 +1,9 @@
 """The planner's predictions against runs made on this machine (issue #19 item 1).
 
-This machine is measured (engine/device_profile.py: read bandwidth, bf16 matmul, the engine's
-step overhead) into a throwaway catalog; the demo model is planned on it at several
+This machine is measured (engine/device_profile.py: read bandwidth, bf16 matmul, and the serving
+engine's own steps: its matmul rate, step and per-sequence costs, fitted to its prefill and
+batch-1/4 decode steps; vLLM's timed by its offline engine in its own environment) into a
+throwaway catalog; the demo model is planned on it at several
 concurrencies and Poisson rates; each plan is run here (app/plan_run.py: `servescope serve`, or
 real vLLM with --engine vllm, with the plan's settings, driven by the load generator) and its
 throughput and p50/p99 TTFT and TPOT are compared with the prediction. Then the planner is
@@ -50,12 +52,27 @@ def median_apes(points: list[dict], which: str) -> dict:
             for k in FIGURES}
 
 
-def deployment_and_workload(model, here, weights: str, load: dict):
+def deployment_and_workload(model, here, weights: str, load: dict, engine: str):
     from planner.timing import Deployment
     from planner.workload import Workload
 
-    return (Deployment(model, here, weights, "bf16", max_seqs=8),
+    return (Deployment(model, here, weights, "bf16", max_seqs=8, engine=engine),
             Workload(INPUT_TOKENS, OUTPUT_TOKENS, num_requests=200, **load))
+
+
+def engine_timings(engine: str) -> list[dict]:
+    """Real vLLM's own step timings (its offline engine, in its environment) for --engine vllm;
+    servescope's are timed in-process by the profile itself."""
+    if engine != "vllm":
+        return []
+    from app import vllm_local
+
+    python = vllm_local.vllm_python()
+    if python is None:
+        raise SystemExit("no vLLM here: set SERVESCOPE_VLLM_PYTHON")
+    folder, _ = vllm_local.demo_folder(python)
+    print("timing vLLM's own steps (a few minutes)", file=sys.stderr, flush=True)
+    return [vllm_local.measure_steps(python, folder)]
 
 
 def measure_points(args, catalog, db) -> list[dict]:
@@ -67,7 +84,7 @@ def measure_points(args, catalog, db) -> list[dict]:
     requests = 6 if args.quick else 16
     points = []
     for load in (QUICK_POINTS if args.quick else POINTS):
-        d, w = deployment_and_workload(model, here, args.weights, load)
+        d, w = deployment_and_workload(model, here, args.weights, load, args.engine)
         ev = evaluate(d, w)
         run = PlanRun(SimpleNamespace(deployment=d, memory=ev.memory), w,
                       demo_model_path(model), requests, predicted_figures(ev), args.engine)
@@ -77,7 +94,7 @@ def measure_points(args, catalog, db) -> list[dict]:
     return points
 
 
-def predict_points(points: list[dict], catalog, db, weights: str):
+def predict_points(points: list[dict], catalog, db, weights: str, engine: str):
     """Every point predicted by this checkout's planner, uncalibrated and calibrated from ONE
     run (the first point's); the errors of both."""
     from app.plan_run import predicted_figures
@@ -89,7 +106,7 @@ def predict_points(points: list[dict], catalog, db, weights: str):
     first = [r for r in list_runs(db) if r["id"] == points[0]["run_id"]]
     report = calibrate_measured([], first, catalog, "one run here")
     for p in points:
-        d, w = deployment_and_workload(model, here, weights, p["load"])
+        d, w = deployment_and_workload(model, here, weights, p["load"], engine)
         p["uncalibrated"] = predicted_figures(evaluate(d, w))
         p["calibrated"] = predicted_figures(evaluate(d, w, 1, report.calibration))
         p["error_before_pct"] = apes(p["uncalibrated"], p["measured"])
@@ -123,8 +140,17 @@ def main() -> None:
     if args.replay:
         kept = json.loads(saved.read_text())
         profile, points, args.weights = kept["profile"], kept["points"], kept["weights"]
+        args.engine = kept.get("engine", "servescope")
+        # The kept timings fitted by this checkout's profile code (the runs stay the same).
+        if "engines" in profile:
+            from engine.device_profile import fit_engine
+
+            profile["engines"] = {name: fit_engine(e["timings"], profile["shape"],
+                                                   profile["read_bandwidth_gbs"])
+                                  for name, e in profile["engines"].items()}
+        write_entry(profile, config_dir)
     else:
-        profile = measure(quick=args.quick)
+        profile = measure(quick=args.quick, engine_timings=engine_timings(args.engine))
         write_entry(profile, config_dir)
     catalog = load_catalog(config_dir)
     db = open_database(f"sqlite:///{config_dir / 'runs.db'}")
@@ -132,14 +158,16 @@ def main() -> None:
         if not args.replay:
             points = measure_points(args, catalog, db)
             saved.write_text(json.dumps({"profile": profile, "points": points,
-                                         "weights": args.weights, "machine": machine()}))
-        report = predict_points(points, catalog, db, args.weights)
+                                         "weights": args.weights, "engine": args.engine,
+                                         "machine": machine()}))
+        report = predict_points(points, catalog, db, args.weights, args.engine)
     finally:
         db.close()
     result = {
         "benchmark": "planner_vs_real", "machine": machine(),
         "replayed_from": str(args.replay) if args.replay else None,
-        "profile": {k: profile[k] for k in ("read_bandwidth_gbs", "matmul_tflops", "step")},
+        "profile": {k: profile.get(k) for k in ("read_bandwidth_gbs", "matmul_tflops", "step",
+                                                "engines")},
         "model": "SmolLM2-135M", "weights": args.weights, "engine": points[0]["engine"],
         "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS,
         "requests": points[0]["requests"],

@@ -150,12 +150,19 @@ def run_here_task(plan: Plan, workload: Workload, db_url: str | None,
     the monitor records, store the run; the result is run_here's figures."""
 
     def task(_cancel: threading.Event) -> Generator[Progress, None, dict | Failure]:
-        from app.plan_run import PlanRun, PlanRunError, demo_model_path, predicted_figures, run_here
+        from app.plan_run import (
+            PlanRun,
+            PlanRunError,
+            demo_model_path,
+            for_engine,
+            predicted_figures,
+            run_here,
+        )
         from storage.db import StorageError, open_database
 
         yield Progress(None, "predicting the plan")
         try:
-            ev = evaluate(plan.deployment, workload, 1, calibration)
+            ev = evaluate(for_engine(plan.deployment, engine), workload, 1, calibration)
             run = PlanRun(plan, workload, demo_model_path(plan.deployment.model), requests,
                           predicted_figures(ev), engine)
             db = open_database(db_url)
