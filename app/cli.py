@@ -62,6 +62,9 @@ def _run_here_parser(plan_sub, common_arguments, layout_arguments) -> None:
                          help="also time real vLLM's own steps here (its Python as for "
                               "run-here; a few minutes), so plans served by vLLM are timed "
                               "with them")
+    machine.add_argument("--vllm-eager", action="store_true",
+                         help="with --vllm: time vLLM as `--enforce-eager` serves (no "
+                              "torch.compile warm-up), for runs made with that flag")
     machine.set_defaults(func=_machine)
 
     p = plan_sub.add_parser(
@@ -109,12 +112,16 @@ def _machine(args) -> int:
             folder, _ = vllm_local.demo_folder(python)
             if not args.json:
                 print(f"timing vLLM's steps with {python} (a few minutes)", file=sys.stderr)
-            timings = vllm_local.measure_steps(python, folder)
+            timings = vllm_local.measure_steps(python, folder, eager=args.vllm_eager)
         except vllm_local.VllmUnavailable as exc:
             return _fail(args, exc)
         path = Path(tempfile.mkstemp(prefix="servescope-vllm-steps-", suffix=".json")[1])
-        path.write_text(json.dumps(timings))
-        args.engine_timings = [*args.engine_timings, str(path)]
+        try:
+            path.write_text(json.dumps(timings))
+            args.engine_timings = [*args.engine_timings, str(path)]
+            return run_machine(args)
+        finally:
+            path.unlink(missing_ok=True)
     return run_machine(args)
 
 
@@ -128,6 +135,7 @@ def _run_here(args) -> int:
         for_engine,
         predicted_figures,
         run_here,
+        run_workload,
     )
     from planner.catalog import load_catalog
     from planner.cli import deployment_from
@@ -137,8 +145,8 @@ def _run_here(args) -> int:
 
     catalog = load_catalog()
     d = for_engine(deployment_from(args, catalog), args.engine)
-    w = Workload(args.input_len, args.output_len, rate=args.rate, concurrency=args.concurrency,
-                 num_requests=args.num_requests)
+    w = run_workload(Workload(args.input_len, args.output_len, rate=args.rate,
+                              concurrency=args.concurrency), args.requests)
     ev = evaluate(d, w, args.replicas)
     predicted = predicted_figures(ev)
     try:

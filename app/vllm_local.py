@@ -169,14 +169,17 @@ PROMPT_TOKENS = 52
 STEPS_TIMEOUT_S = 1200.0
 
 
-def measure_steps(python: str, folder: Path, timeout_s: float = STEPS_TIMEOUT_S) -> dict:
+def measure_steps(python: str, folder: Path, eager: bool = False,
+                  timeout_s: float = STEPS_TIMEOUT_S) -> dict:
     """vLLM's prefill and decode step times on this machine, in the form
     engine/device_profile.fit_engine reads (this file's `--steps`, run by vLLM's Python, with
-    the environment a plan's server gets). VllmUnavailable says why not."""
+    the environment a plan's server gets); `eager` times it as `--enforce-eager` serves.
+    VllmUnavailable says why not."""
     env = {**os.environ, **SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    command = [python, __file__, "--steps", str(folder), *(["--eager"] if eager else [])]
     try:
-        done = subprocess.run([python, __file__, "--steps", str(folder)], capture_output=True,
-                              text=True, timeout=timeout_s, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                              env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise VllmUnavailable(f"Timing vLLM's steps with {python} did not finish ({exc}).") \
             from None
@@ -187,7 +190,13 @@ def measure_steps(python: str, folder: Path, timeout_s: float = STEPS_TIMEOUT_S)
     return json.loads(lines[-1])
 
 
-def time_steps(folder: str, repeats: int = 2, tokens: int = 16) -> dict:
+def distinct_prompt(index: int, vocab: int = 49152) -> list[int]:
+    """PROMPT_TOKENS ordinary token ids (from id 1000, under the demo model's vocabulary), a
+    different sequence for every index."""
+    return [1000 + (index * PROMPT_TOKENS + t) * 7 % (vocab - 1000) for t in range(PROMPT_TOKENS)]
+
+
+def time_steps(folder: str, eager: bool = False, repeats: int = 2, tokens: int = 16) -> dict:
     """Run by vLLM's Python: its offline engine (the engine core a server runs) on the demo
     folder, prefix caching off so every prefill is computed. A decode step at batch b is the
     difference between generating 1 + `tokens` tokens and 1 token for b distinct prompts, over
@@ -199,15 +208,14 @@ def time_steps(folder: str, repeats: int = 2, tokens: int = 16) -> dict:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(folder, max_model_len=512, max_num_seqs=max(STEP_BATCHES),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, enforce_eager=eager)
     calls = iter(range(10**6))
 
     def fastest(batch: int, max_tokens: int) -> float:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         best = float("inf")
         for _ in range(repeats):
-            prompts = [TokensPrompt(prompt_token_ids=[1000 + 97 * next(calls) + t
-                                                      for t in range(PROMPT_TOKENS)])
+            prompts = [TokensPrompt(prompt_token_ids=distinct_prompt(next(calls)))
                        for _ in range(batch)]
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
@@ -219,11 +227,12 @@ def time_steps(folder: str, repeats: int = 2, tokens: int = 16) -> dict:
               for b in STEP_BATCHES}
     return {"engine": "vllm", "version": vllm.__version__,
             "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
-            "prompt_tokens": PROMPT_TOKENS, "prefill_ms": round(prefill * 1e3, 3),
+            "eager": eager, "prompt_tokens": PROMPT_TOKENS,
+            "prefill_ms": round(prefill * 1e3, 3),
             "decode_ms": decode}
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--convert"]:
     convert(Path(sys.argv[2]), Path(sys.argv[3]))
 elif __name__ == "__main__" and sys.argv[1:2] == ["--steps"]:
-    print(json.dumps(time_steps(sys.argv[2])), flush=True)
+    print(json.dumps(time_steps(sys.argv[2], eager="--eager" in sys.argv[3:])), flush=True)

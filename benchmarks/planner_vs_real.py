@@ -52,12 +52,13 @@ def median_apes(points: list[dict], which: str) -> dict:
             for k in FIGURES}
 
 
-def deployment_and_workload(model, here, weights: str, load: dict, engine: str):
+def deployment_and_workload(model, here, weights: str, load: dict, engine: str, requests: int):
+    """The point's plan, for exactly the requests its run sends (app.plan_run.run_workload)."""
     from planner.timing import Deployment
     from planner.workload import Workload
 
     return (Deployment(model, here, weights, "bf16", max_seqs=8, engine=engine),
-            Workload(INPUT_TOKENS, OUTPUT_TOKENS, num_requests=200, **load))
+            Workload(INPUT_TOKENS, OUTPUT_TOKENS, num_requests=requests, **load))
 
 
 def engine_timings(engine: str) -> list[dict]:
@@ -84,7 +85,7 @@ def measure_points(args, catalog, db) -> list[dict]:
     requests = 6 if args.quick else 16
     points = []
     for load in (QUICK_POINTS if args.quick else POINTS):
-        d, w = deployment_and_workload(model, here, args.weights, load, args.engine)
+        d, w = deployment_and_workload(model, here, args.weights, load, args.engine, requests)
         ev = evaluate(d, w)
         run = PlanRun(SimpleNamespace(deployment=d, memory=ev.memory), w,
                       demo_model_path(model), requests, predicted_figures(ev), args.engine)
@@ -106,7 +107,7 @@ def predict_points(points: list[dict], catalog, db, weights: str, engine: str):
     first = [r for r in list_runs(db) if r["id"] == points[0]["run_id"]]
     report = calibrate_measured([], first, catalog, "one run here")
     for p in points:
-        d, w = deployment_and_workload(model, here, weights, p["load"], engine)
+        d, w = deployment_and_workload(model, here, weights, p["load"], engine, p["requests"])
         p["uncalibrated"] = predicted_figures(evaluate(d, w))
         p["calibrated"] = predicted_figures(evaluate(d, w, 1, report.calibration))
         p["error_before_pct"] = apes(p["uncalibrated"], p["measured"])

@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import sqlalchemy as sa
 
+from planner.catalog import load_catalog
 from storage.db import open_database
 from storage.queries import list_runs
 from tests.planner.test_machine_profile import servescope as cli
@@ -31,18 +32,21 @@ def servescope(config, python: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def ran(vllm_python, tmp_path_factory, demo_gguf):
     config = tmp_path_factory.mktemp("config")
-    done = servescope(config, vllm_python, "plan", "machine", "--quick", "--json")
+    # vLLM's own steps timed as the run below serves them (eager), beside servescope's.
+    done = servescope(config, vllm_python, "plan", "machine", "--quick", "--json", "--vllm",
+                      "--vllm-eager")
     assert done.returncode == 0, done.stderr
+    profile = json.loads(done.stdout)
     db = f"sqlite:///{tmp_path_factory.mktemp('db') / 'runs.db'}"
     done = servescope(config, vllm_python, "plan", "run-here", "--model", "smollm2",
                       "--concurrency", "2", "--max-seqs", "4", "--engine", "vllm", *LOAD,
                       "--db", db, "--json")
     assert done.returncode == 0, done.stderr
-    return config, db, json.loads(done.stdout), vllm_version(vllm_python)
+    return config, db, json.loads(done.stdout), vllm_version(vllm_python), profile
 
 
 def test_the_plan_runs_on_vllm_with_its_exported_flags(ran):
-    _config, db_url, out, version = ran
+    _config, db_url, out, version, _profile = ran
     assert out["engine"] == f"vLLM {version}"
     command = out["command"]
     assert command[:2] == ["vllm", "serve"]
@@ -72,8 +76,29 @@ def test_the_plan_runs_on_vllm_with_its_exported_flags(ran):
 
 
 def test_the_vllm_run_calibrates_the_planner_on_this_machine(ran):
-    config, db_url, out, version = ran
+    config, db_url, out, version, _profile = ran
     [point], skipped, catalog = calibration_points(db_url, config)
     assert skipped == []
     assert point.gpu == catalog.gpu("this machine").name and point.engine == f"vLLM {version}"
     assert point.throughput_tok_s == pytest.approx(out["measured"]["throughput_tok_s"])
+
+
+def test_vllm_s_own_steps_are_fitted_and_time_its_plans(ran):
+    """`plan machine --vllm` times vLLM's offline engine and fits its costs beside servescope's;
+    a run-here served by vLLM is predicted with vLLM's costs: its TPOT at concurrency 2 is no
+    shorter than vLLM's own batch-1 step, whatever servescope's step is."""
+    config, _db, out, version, profile = ran
+    fitted = profile["engines"]["vllm"]
+    timings = fitted["timings"]
+    assert timings["engine"] == "vllm" and timings["version"] == version and timings["eager"]
+    decode = {int(b): ms for b, ms in timings["decode_ms"].items()}
+    assert 0 < decode[1] < decode[4] and timings["prefill_ms"] > 0
+    assert fitted["tflops_bf16"] > 0 and fitted["overhead_ms"] >= 0
+    assert fitted["prefill_fit_error_pct"] < 10
+    # Stored in the machine's catalog entry, where every later plan reads it.
+    here = load_catalog(config).gpu("this machine")
+    assert set(here.engines) == {"servescope", "vllm"}
+    assert here.engines["vllm"]["overhead_ms"] == pytest.approx(fitted["overhead_ms"])
+    assert here.engines["vllm"]["per_seq_ms"] == pytest.approx(fitted["per_seq_ms"])
+    tpot = out["predicted"]["tpot_p50_ms"]
+    assert tpot >= decode[1] * 0.9, (tpot, decode, profile["step"])

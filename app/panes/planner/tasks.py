@@ -157,13 +157,15 @@ def run_here_task(plan: Plan, workload: Workload, db_url: str | None,
             for_engine,
             predicted_figures,
             run_here,
+            run_workload,
         )
         from storage.db import StorageError, open_database
 
         yield Progress(None, "predicting the plan")
         try:
-            ev = evaluate(for_engine(plan.deployment, engine), workload, 1, calibration)
-            run = PlanRun(plan, workload, demo_model_path(plan.deployment.model), requests,
+            sent = run_workload(workload, requests)
+            ev = evaluate(for_engine(plan.deployment, engine), sent, 1, calibration)
+            run = PlanRun(plan, sent, demo_model_path(plan.deployment.model), requests,
                           predicted_figures(ev), engine)
             db = open_database(db_url)
         except (PlanRunError, StorageError, *USER_ERRORS) as exc:
