@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -97,7 +98,8 @@ def measure_points(args, catalog, db) -> list[dict]:
 
 def predict_points(points: list[dict], catalog, db, weights: str, engine: str):
     """Every point predicted by this checkout's planner, uncalibrated and calibrated from ONE
-    run (the first point's); the errors of both."""
+    run (the first point's); the errors of both, and the baseline's: the machine's device
+    figures alone (servescope's step, whichever engine serves), uncalibrated."""
     from app.plan_run import predicted_figures
     from planner.evaluate import evaluate
     from planner.measured import calibrate_measured
@@ -109,6 +111,8 @@ def predict_points(points: list[dict], catalog, db, weights: str, engine: str):
     for p in points:
         d, w = deployment_and_workload(model, here, weights, p["load"], engine, p["requests"])
         p["uncalibrated"] = predicted_figures(evaluate(d, w))
+        p["device_only"] = predicted_figures(evaluate(replace(d, engine=""), w))
+        p["error_device_only_pct"] = apes(p["device_only"], p["measured"])
         p["calibrated"] = predicted_figures(evaluate(d, w, 1, report.calibration))
         p["error_before_pct"] = apes(p["uncalibrated"], p["measured"])
         p["error_after_pct"] = apes(p["calibrated"], p["measured"])
@@ -177,6 +181,7 @@ def main() -> None:
                                     report.calibration.factors.items()}},
         "points": points,
         "median_error_before_pct": median_apes(points, "error_before_pct"),
+        "median_error_device_only_pct": median_apes(points, "error_device_only_pct"),
         "median_error_after_pct": median_apes(points, "error_after_pct"),
     }
     print(json.dumps(result))
