@@ -14,11 +14,11 @@ servescope runs two), so the entry also holds, per engine, what that engine's ow
 decode steps at batch 1 and 4 say: the matmul rate it reaches, a fixed cost per step and a cost
 per sequence in the step (sampling, per-sequence attention and bookkeeping), fitted by
 inverting the planner's step model (`fit_engine`). servescope's are measured here; another
-engine's timings come in a JSON file (`--engine-timings vllm=FILE`, made by
+engine's timings come in a JSON file naming the engine (`--engine-timings FILE`, made by
 app/vllm_local.py's `--steps` in vLLM's own Python).
 
 `servescope plan machine` runs it: `python -m engine.device_profile [--write CONFIG_DIR]
-[--quick] [--engine-timings NAME=FILE]` prints one JSON object.
+[--quick] [--engine-timings FILE ...]` prints one JSON object.
 """
 
 from __future__ import annotations

@@ -134,8 +134,7 @@ def _overheads(deployments: list[Deployment]) -> tuple[float | None, ...]:
     """The step overheads to try: None (the device's own or the default) for catalog GPUs;
     fractions of the measured one for a device measured here (the engine's own where the
     device has it, else Gpu.step_overhead_ms)."""
-    measured = {d.gpu.engines[d.engine]["overhead_ms"] if d.engine in d.gpu.engines
-                else d.gpu.step_overhead_ms for d in deployments}
+    measured = {d.measured_overhead_ms for d in deployments}
     if len(measured) != 1 or not next(iter(measured)):
         return (None,)
     base = next(iter(measured))

@@ -108,6 +108,18 @@ class Deployment:
     # has none for: the device's figures.
     engine: str = ""
 
+    @property
+    def engine_costs(self) -> dict[str, float] | None:
+        """The serving engine's own step costs measured on this device, or None."""
+        return self.gpu.engines.get(self.engine) if self.engine else None
+
+    @property
+    def measured_overhead_ms(self) -> float:
+        """The fixed cost per step measured on this device: the engine's own where it has
+        one, else the device's (0: none measured)."""
+        engine = self.engine_costs
+        return engine["overhead_ms"] if engine else self.gpu.step_overhead_ms
+
     def __post_init__(self) -> None:
         if self.tp < 1 or self.tp > MAX_TP:
             raise ValueError(f"tp must be between 1 and {MAX_TP}, got {self.tp}")
@@ -174,7 +186,7 @@ class StepCost:
         self.dense_bytes = (m.params_b * 1e9 - routed) * bpp / d.gpus
         self.expert_bytes = m.moe_layers * m.expert_params * bpp / d.gpus
         self.kv_read = kv_bytes_per_token_per_gpu(m, d.kv, d.tp, d.pp, d.dcp)
-        engine = g.engines.get(d.engine) if d.engine else None
+        engine = d.engine_costs
         # An engine measured on this device brings its own 16-bit matmul rate (the precisions
         # the device has no figure of run as bf16 math there too).
         tflops = (engine["tflops_bf16"] if engine and d.weights in ("bf16", "fp16", "int4")
@@ -212,7 +224,7 @@ class StepCost:
                                                - send_seconds(g, 0.0, self.eff.link))
         # The fixed cost per step: a fitted one, else the engine's, the device's, the default;
         # a fit scales the engine's per-sequence cost by the same factor as its fixed one.
-        measured_ms = engine["overhead_ms"] if engine else g.step_overhead_ms
+        measured_ms = d.measured_overhead_ms
         overhead_ms = self.eff.overhead_ms
         if overhead_ms is None:
             overhead_ms = measured_ms or DEFAULT_OVERHEAD_MS
