@@ -57,7 +57,7 @@ def main() -> int:
     cases = {
         "DeepSeek-V3 128K documents, H200": run(
             catalog.model("DeepSeek-V3"),
-            Workload(131072, 1024, rate=0.5, slo=Slo(20000, 100), num_requests=400),
+            Workload(131072, 1024, rate=0.4, slo=Slo(20000, 100), num_requests=400),
             SearchSpace(gpus=("H200",), weights=("fp8",), kv=("fp8", "bf16"), tp=(4, 8),
                         pp=(1, 2), spec=(None,), max_seqs=(16, 64), prefix_hit=0.95), catalog),
         "Llama-3.1-70B 128K, H100/H200": run(

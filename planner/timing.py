@@ -24,8 +24,21 @@ class Efficiency:
     memory: float = 0.8
     link: float = 0.7
     # A step's fixed cost; None: the device's own, measured (Gpu.step_overhead_ms, this machine
-    # after `servescope plan machine`), else DEFAULT_OVERHEAD_MS. Calibration may fit it.
+    # after `servescope plan machine`), else DEFAULT_OVERHEAD_MS plus kernel_floor_us a layer.
+    # Calibration may fit it.
     overhead_ms: float | None = None
+    # Two costs of GPU kernels that a roofline of peaks leaves out, used for devices whose step
+    # costs were not measured (a measured step holds them already):
+    # - kernel_floor_us: a layer's kernels (norms, QKV, RoPE, attention, output, MLP, and the
+    #   all-reduces) each take a few microseconds however little work they get, about 50 us a
+    #   layer in all: what decode at small batch spends beyond reading the weights.
+    # - ridge_blend: near the ridge point a GEMM reaches neither peak, so its time is the longer
+    #   of its compute and memory times plus this share of the shorter (0: the plain roofline).
+    # Both defaults are the best grid point over the published latency points; planner_validation
+    # reports them held out by source (each source predicted with the values fitted on the
+    # others).
+    kernel_floor_us: float = 50.0
+    ridge_blend: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("flops", "memory", "link"):
@@ -34,6 +47,8 @@ class Efficiency:
                 raise ValueError(f"efficiency {name} must be in (0, 1], got {value}")
         if self.overhead_ms is not None and self.overhead_ms < 0:
             raise ValueError("overhead_ms must be non-negative")
+        if self.kernel_floor_us < 0 or not 0.0 <= self.ridge_blend <= 1.0:
+            raise ValueError("kernel_floor_us must be non-negative and ridge_blend in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -172,7 +187,7 @@ class StepCost:
                  "expert_bytes", "kv_read", "flops_rate", "attn_rate", "bw", "comm_per_token",
                  "comm_fixed", "stage_layers", "spec_tokens", "draft_fraction", "pp",
                  "handoff_fixed", "handoff_per_token", "overhead", "draft_seconds", "moe",
-                 "dcp_fixed", "dcp_per_token", "per_seq")
+                 "dcp_fixed", "dcp_per_token", "per_seq", "blend")
 
     def __init__(self, d: Deployment, eff: Efficiency | None = None) -> None:
         m, g, self.d = d.model, d.gpu, d
@@ -227,7 +242,10 @@ class StepCost:
         measured_ms = d.measured_overhead_ms
         overhead_ms = self.eff.overhead_ms
         if overhead_ms is None:
-            overhead_ms = measured_ms or DEFAULT_OVERHEAD_MS
+            overhead_ms = measured_ms or (DEFAULT_OVERHEAD_MS
+                                          + self.eff.kernel_floor_us * 1e-3 * m.layers)
+        # A measured device's costs were fitted to the plain roofline (engine.device_profile).
+        self.blend = 0.0 if measured_ms else self.eff.ridge_blend
         scale = overhead_ms / measured_ms if measured_ms else 1.0
         self.overhead = overhead_ms * 1e-3
         self.per_seq = (engine["per_seq_ms"] * 1e-3 * scale) if engine else 0.0
@@ -260,7 +278,8 @@ class StepCost:
         # reading the weights) and attention (bound by its FLOPs or by reading the KV cache) are
         # separate kernels that run one after the other, so their times add. One max() over the
         # summed work would let a KV-bound attention hide behind compute-bound GEMMs.
-        linear = max(gemm_flops / self.flops_rate, weights / self.bw * micro) / micro
+        compute, read = gemm_flops / self.flops_rate, weights / self.bw * micro
+        linear = (max(compute, read) + self.blend * min(compute, read)) / micro
         attention = max(attn_flops / self.attn_rate, kv / self.bw) / micro
         comm = self.comm_fixed + self.comm_per_token * tokens / micro
         if self.dcp_fixed:  # every token's attention reads a striped cache, prompts' too

@@ -8,10 +8,17 @@ import json
 import pytest
 
 from planner.calibrate import deployment_for, load_measurements, predict
-from planner.catalog import load_catalog
+from planner.catalog import CatalogError, load_catalog
 from planner.evaluate import evaluate, evaluation_dict
 from planner.timing import Deployment, Efficiency
-from planner.validation import DATA, basis, error_bands
+from planner.validation import (
+    DATA,
+    LatencyPoint,
+    basis,
+    error_bands,
+    load_latency_points,
+    predict_latency,
+)
 from planner.workload import Workload
 
 
@@ -48,8 +55,10 @@ def test_shipped_bands_count_every_point_of_the_shipped_set():
     data = json.loads(DATA.read_text())
     bands = error_bands()
     assert bands["throughput"].points == len(load_measurements(DATA))
-    assert bands["tpot"].points == len(data["latency"])
-    assert bands["ttft"].points == len(data["latency_ttft"])
+    for metric in ("tpot", "ttft"):
+        published = [row for row in data["latency_points"] if row.get(f"{metric}_ms")]
+        assert bands[metric].points == len(published)
+        assert all(row["source"] and row["engine"] for row in published)
     # Leave-one-out calibration is judged on runs it did not see: no better than in-sample 0.
     assert bands["throughput_calibrated"].median_pct > 0
 
@@ -71,3 +80,46 @@ def test_a_calibrated_plan_names_its_calibration_and_takes_the_leave_one_out_ban
     assert "'fitted on 3 local runs'" in b["throughput_tok_s"]["rests_on"]
     loo = error_bands()["throughput_calibrated"].median_pct
     assert b["throughput_tok_s"]["error_band"]["median_abs_error_pct"] == round(loo, 1)
+
+
+LATENCY_ROW = {"model": "Llama-3.1-70B", "gpu": "H100 SXM", "weights": "fp8", "kv": "fp8",
+               "tp": 2, "pp": 1, "concurrency": 1, "input_len": 5000, "output_len": 500,
+               "mode": "continuous", "statistic": "mean", "engine": "test engine",
+               "source": "test", "tpot_ms": 20.0, "ttft_ms": 400.0}
+
+
+def test_a_wrong_latency_point_is_one_error_naming_the_file_and_row(tmp_path):
+    path = tmp_path / "published.json"
+    path.write_text(json.dumps({"measurements": [], "latency_points": [
+        LATENCY_ROW, {**LATENCY_ROW, "statistic": "p90"}]}))
+    with pytest.raises(CatalogError, match=r"published.json: latency_points\[1\]: statistic"):
+        load_latency_points(path)
+    path.write_text(json.dumps({"latency_points": [{**LATENCY_ROW, "tpot_ms": None,
+                                                     "ttft_ms": None}]}))
+    with pytest.raises(CatalogError, match=r"latency_points\[0\]: .*needs tpot_ms or ttft_ms"):
+        load_latency_points(path)
+
+
+def test_a_closed_loop_past_the_kv_cache_queues_as_the_published_table_does():
+    """Above the requests the KV cache holds, more concurrency adds waiting, not batch: TPOT
+    levels off while TTFT grows with the queue (NIM's 70B table: TPOT 93 ms from 100 to 250
+    concurrent, TTFT 8 s to 89 s)."""
+    catalog = load_catalog()
+    at = {n: predict_latency(LatencyPoint(**{**LATENCY_ROW, "concurrency": n}), catalog)
+          for n in (1, 25, 150, 250)}
+    assert at[25]["tpot_ms"] > 1.5 * at[1]["tpot_ms"]  # a bigger batch below the limit
+    assert at[250]["tpot_ms"] == pytest.approx(at[150]["tpot_ms"], rel=0.05)
+    assert at[250]["ttft_ms"] > 1.5 * at[150]["ttft_ms"] > 10 * at[25]["ttft_ms"]
+
+
+def test_a_runs_time_over_its_tokens_is_predicted_as_such():
+    """TensorRT-LLM's peak-throughput and vLLM's latency tables give a run's whole time over its
+    output tokens: the prediction is the static batch's prefill plus decodes over the same."""
+    catalog = load_catalog()
+    row = {**LATENCY_ROW, "mode": "static", "concurrency": 8, "input_len": 32,
+           "output_len": 128, "ttft_ms": None}
+    decode = predict_latency(LatencyPoint(**row), catalog)
+    whole = predict_latency(LatencyPoint(**{**row, "tpot_is": "e2e_per_token"}), catalog)
+    assert whole["tpot_ms"] == pytest.approx(
+        (decode["ttft_ms"] + 127 * decode["tpot_ms"]) / 128)
+    assert whole["tpot_ms"] > decode["tpot_ms"]

@@ -166,9 +166,9 @@ def test_a_quantized_benchmark_calibrates_its_own_precision(catalog):
 
 
 def test_a_run_at_batch_1_with_its_ttft_pins_the_flops_factor(catalog):
-    """Decode at batch 1 never touches the compute roof, so its throughput fits any FLOPs
-    factor; its TTFT (a prefill, which does) pins it. One stored run at concurrency 1, with the
-    p50 TPOT and TTFT of a known efficiency, recovers that efficiency's FLOPs factor."""
+    """Decode at batch 1 hardly touches the compute roof, so its throughput barely constrains
+    the FLOPs factor; its TTFT (a prefill, which does) pins it. One stored run at concurrency 1,
+    with the p50 TPOT and TTFT of a known efficiency, recovers that efficiency's FLOPs factor."""
     truth = Efficiency(flops=0.4, memory=0.6)
     m = Measurement("Llama-3.1-8B", "L4", "bf16", "bf16", 1, 1, 1, 2048, 64, 1.0,
                     mode="continuous")
@@ -184,8 +184,8 @@ def test_a_run_at_batch_1_with_its_ttft_pins_the_flops_factor(catalog):
     cal = calibrate_measured([], [run], catalog).calibration
     assert cal.efficiency("L4", "bf16").flops == pytest.approx(0.4, abs=0.051)
     assert cal.efficiency("L4", "bf16").memory == pytest.approx(0.6, abs=0.051)
-    # Without the TTFT the same run leaves the FLOPs factor to the tie-break.
+    # Without the TTFT the same run still pins the memory factor; the FLOPs factor then rests
+    # only on the ridge blend's share of batch-1 GEMM compute, a weak hold.
     del run["summary"]["ttft_ms"]
     loose = calibrate_measured([], [run], catalog).calibration.efficiency("L4", "bf16")
     assert loose.memory == pytest.approx(0.6, abs=0.051)
-    assert loose.flops != pytest.approx(0.4, abs=0.051)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -86,7 +87,7 @@ def test_allreduce_and_spec_formulas(catalog):
 
 def test_decode_is_bandwidth_bound_and_prefill_compute_bound(catalog):
     d = Deployment(catalog.model("Llama-3.1-8B"), catalog.gpu("H100 SXM"))
-    eff = Efficiency(flops=0.5, memory=0.8, overhead_ms=0.0)
+    eff = Efficiency(flops=0.5, memory=0.8, overhead_ms=0.0, ridge_blend=0.0)
     cost = StepCost(d, eff)
     # decode of one sequence at 1000 cached tokens reads weights + KV:
     expected = (8.03e9 * 2 + 1001 * 131072) / (3350e9 * 0.8)
@@ -97,11 +98,28 @@ def test_decode_is_bandwidth_bound_and_prefill_compute_bound(catalog):
     assert cost.time(2048, 2048 * 1024, 0, 0, 1) == pytest.approx(flops / (989e12 * 0.5), rel=1e-6)
 
 
+def test_a_catalog_gpus_step_adds_its_kernels_floor_and_the_ridge_blend(catalog):
+    """Defaults: 0.3 ms of host time plus 50 us a layer, and the GEMMs' time is the longer of
+    compute and reading plus half the shorter. A device measured here keeps its measured step
+    and the plain roofline its figures were fitted to."""
+    d = Deployment(catalog.model("Llama-3.1-8B"), catalog.gpu("H100 SXM"))
+    plain = StepCost(d, Efficiency(overhead_ms=0.0, ridge_blend=0.0))
+    cost = StepCost(d, Efficiency())
+    read = 8.03e9 * 2 / (3350e9 * 0.8)
+    gemm = (2 * (8.03e9 - 2 * 128256 * 4096) + 2 * 128256 * 4096) / (989e12 * 0.5)
+    assert cost.decode_seconds(1, 0) - plain.decode_seconds(1, 0) == pytest.approx(
+        0.3e-3 + 32 * 50e-6 + 0.5 * gemm, rel=1e-6)
+    assert plain.decode_seconds(1, 0) == pytest.approx(read + 131072 / (3350e9 * 0.8), rel=1e-6)
+    here = dataclasses.replace(catalog.gpu("H100 SXM"), step_overhead_ms=2.0)
+    measured = StepCost(Deployment(d.model, here), Efficiency())
+    assert measured.decode_seconds(1, 0) - plain.decode_seconds(1, 0) == pytest.approx(2e-3)
+
+
 def test_linear_and_attention_rooflines_add(catalog):
     """70B fp8 on 4 x H100 at batch 256: the GEMMs are compute bound, attention is KV bound, and
     the two kernels' times add, plus 160 all-reduces of 256 tokens."""
     d = Deployment(catalog.model("Llama-2-70B"), catalog.gpu("H100 SXM"), "fp8", "fp8", tp=4)
-    eff = Efficiency(flops=0.5, memory=0.8, link=0.7, overhead_ms=0.0)
+    eff = Efficiency(flops=0.5, memory=0.8, link=0.7, overhead_ms=0.0, ridge_blend=0.0)
     cost = StepCost(d, eff)
     active = 68.98e9 - 2 * 32000 * 8192
     gemm = (256 * 2 * active + 256 * 2 * 32000 * 8192) / (4 * 1979e12 * 0.5)
