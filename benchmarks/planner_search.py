@@ -15,7 +15,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 from planner.calibrate import Calibration  # noqa: E402
 from planner.catalog import load_catalog  # noqa: E402
-from planner.evaluate import memory_for, replica_for  # noqa: E402
+from planner.replica import memory_for, replica_for  # noqa: E402
 from planner.search import SearchSpace, enumerate_deployments, search  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
 from planner.workload import Slo, Workload  # noqa: E402

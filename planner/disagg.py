@@ -21,8 +21,8 @@ import numpy as np
 from planner.calibrate import Calibration
 from planner.catalog import Catalog, Model
 from planner.cost import CostOptions, cost_per_hour, cost_per_million, split_per_million
-from planner.evaluate import max_context, replica_for
 from planner.memory import MemoryPlan, kv_bytes_per_token, plan_memory
+from planner.replica import max_context, replica_for
 from planner.search import Plan, SearchSpace, enumerate_deployments, search, servable_only
 from planner.simulate import SimResult, run_replica
 from planner.timing import Deployment, StepCost

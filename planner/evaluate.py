@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from planner.calibrate import Calibration
 from planner.cost import CostOptions, cost_per_hour, cost_per_million, split_per_million
-from planner.memory import MemoryPlan, plan_memory
+from planner.memory import MemoryPlan
+from planner.replica import memory_for, replica_for
 from planner.screen import estimate, input_time_share
-from planner.simulate import Replica, SimResult, simulate
+from planner.simulate import SimResult, simulate
 from planner.timing import Deployment, StepCost
 from planner.workload import Workload
 
@@ -33,12 +34,6 @@ class Evaluation:
     cost_per_1m_output: float = float("nan")
 
 
-def max_context(w: Workload) -> int:
-    """Longest request the KV cache must hold (uniform lengths reach 1.5x the mean)."""
-    scale = {"fixed": 1.0, "uniform": 1.5, "lognormal": 3.0}
-    return int(w.input_len * scale[w.input_dist] + w.output_len * scale[w.output_dist])
-
-
 def check_context(model, w: Workload) -> None:
     """Refuse a workload whose requests (mean prompt plus reply) outrun the model's context: no
     server would accept them."""
@@ -47,18 +42,6 @@ def check_context(model, w: Workload) -> None:
         raise ValueError(f"{model.name} has a {model.max_context}-token context; the workload's "
                          f"requests need {need} tokens (input plus output): shorten the prompts "
                          f"or the replies")
-
-
-def memory_for(d: Deployment, w: Workload) -> MemoryPlan:
-    return plan_memory(d.model, d.gpu, d.weights, d.kv, d.tp, d.pp, max_context(w),
-                       d.max_batched_tokens, d.dcp)
-
-
-def replica_for(d: Deployment, memory: MemoryPlan, calibration: Calibration) -> Replica:
-    cost = StepCost(d, calibration.efficiency(d.gpu.name, d.weights))
-    tokens = d.spec.tokens_per_step if d.spec else 1.0
-    return Replica(cost.time, d.max_seqs, d.max_batched_tokens, memory.kv_tokens, tokens,
-                   d.prefix_hit)
 
 
 def evaluate(d: Deployment, w: Workload, replicas: int = 1,

@@ -18,8 +18,9 @@ from planner.cost import (
     cost_per_million,
     hourly_replicas,
 )
-from planner.evaluate import check_context, memory_for, replica_for, token_prices
+from planner.evaluate import check_context, token_prices
 from planner.memory import MemoryPlan
+from planner.replica import memory_for, replica_for
 from planner.screen import capacity, estimate
 from planner.simulate import simulate
 from planner.timing import Deployment, SpecDecode, StepCost, dcp_problem

@@ -43,6 +43,10 @@ class SimResult:
     throughput_tok_s: float
     preemptions: int
     rejected: int
+    # Output tokens over the first arrival to the last finish, every request counted: what a
+    # load generator measures of a finite run (vLLM bench serve, servescope loadtest), where
+    # throughput_tok_s is the steady state's.
+    run_throughput_tok_s: float = math.nan
 
     def summary(self, metric: str) -> dict[str, float]:
         """mean / p50 / p95 / p99 of one metric in milliseconds."""
@@ -238,4 +242,6 @@ def simulate(r: Replica, w: Workload, replicas: int = 1) -> SimResult:
         # Steady state: tokens over the arrival span; overloaded: over the finish span.
         span = max(float(np.ptp(s.arrival)), float(np.ptp(s.finish)))
     throughput = float(original_out[take].sum()) / span * replicas if span > 0 else math.inf
-    return SimResult(first - arrival, tpot, finish - arrival, throughput, preemptions, 0)
+    run_span = float(s.finish.max() - s.arrival.min())
+    run = float(original_out[take].sum()) / run_span * replicas if run_span > 0 else math.inf
+    return SimResult(first - arrival, tpot, finish - arrival, throughput, preemptions, 0, run)

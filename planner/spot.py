@@ -21,8 +21,9 @@ import numpy as np
 
 from planner.calibrate import Calibration
 from planner.catalog import ASSETS, build, config_dir, read_toml
-from planner.evaluate import memory_for, replica_for, token_prices
+from planner.evaluate import token_prices
 from planner.memory import GB, weight_bytes
+from planner.replica import memory_for, replica_for
 from planner.simulate import Replica, run_replica
 from planner.timing import Deployment
 from planner.workload import Workload, requests

@@ -33,7 +33,7 @@ from planner.calibrate import (
     predict,
 )
 from planner.catalog import ASSETS, Catalog, CatalogError, load_catalog
-from planner.evaluate import memory_for, replica_for
+from planner.replica import memory_for, replica_for
 from planner.simulate import simulate
 from planner.timing import Deployment, Efficiency
 from planner.workload import Workload

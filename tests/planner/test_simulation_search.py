@@ -35,6 +35,17 @@ def test_md1_mean_wait_within_5_percent(rho):
     assert np.mean(waits) == pytest.approx(theory, rel=0.05)
 
 
+def test_a_finite_runs_throughput_spans_first_arrival_to_last_finish():
+    """Three 4-token requests arriving within a millisecond on a one-sequence replica with a
+    0.1 s step: each takes four steps in turn, so the run ends 1.2 s after the first arrives and
+    a load generator measures 12 tokens / 1.2 s. The steady-state figure divides by the finish
+    span only (0.8 s), which leaves the first request's service out."""
+    replica = Replica(lambda *a: 0.1, max_seqs=1, max_batched_tokens=8, kv_tokens=64)
+    result = simulate(replica, Workload(2, 4, rate=1e4, num_requests=3))
+    assert result.run_throughput_tok_s == pytest.approx(12 / 1.2, rel=0.01)
+    assert result.throughput_tok_s == pytest.approx(12 / 0.8, rel=0.01)
+
+
 def test_closed_loop_decode_matches_step_time():
     """C sequences decoding together at a constant 10 ms step: TPOT is the step."""
     replica = Replica(lambda *a: 0.01, max_seqs=8, max_batched_tokens=4096, kv_tokens=100000)

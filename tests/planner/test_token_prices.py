@@ -7,7 +7,8 @@ import pytest
 
 from planner.calibrate import Calibration
 from planner.catalog import load_catalog
-from planner.evaluate import evaluate, evaluation_dict, memory_for, token_prices
+from planner.evaluate import evaluate, evaluation_dict, token_prices
+from planner.replica import memory_for
 from planner.screen import input_time_share
 from planner.search import SearchSpace, search
 from planner.timing import Deployment, StepCost
