@@ -164,7 +164,7 @@ def convert(gguf: Path, out: Path) -> None:
 
 
 # ---- vLLM's own step costs, for the planner's profile of this machine ----
-STEP_BATCHES = (1, 4)  # engine/device_profile.STEP_BATCHES: what its fit reads
+STEP_BATCHES = (1, 4, 8)  # engine/device_profile.STEP_BATCHES: what its fit reads
 PROMPT_TOKENS = 52
 STEPS_TIMEOUT_S = 1200.0
 
@@ -196,7 +196,7 @@ def distinct_prompt(index: int, vocab: int = 49152) -> list[int]:
     return [1000 + (index * PROMPT_TOKENS + t) * 7 % (vocab - 1000) for t in range(PROMPT_TOKENS)]
 
 
-def time_steps(folder: str, eager: bool = False, repeats: int = 2, tokens: int = 16) -> dict:
+def time_steps(folder: str, eager: bool = False, repeats: int = 3, tokens: int = 16) -> dict:
     """Run by vLLM's Python: its offline engine (the engine core a server runs) on the demo
     folder, prefix caching off so every prefill is computed. A decode step at batch b is the
     difference between generating 1 + `tokens` tokens and 1 token for b distinct prompts, over

@@ -2,7 +2,7 @@
 
 This machine is measured (engine/device_profile.py: read bandwidth, bf16 matmul, and the serving
 engine's own steps: its matmul rate, step and per-sequence costs, fitted to its prefill and
-batch-1/4 decode steps; vLLM's timed by its offline engine in its own environment) into a
+batch-1/4/8 decode steps; vLLM's timed by its offline engine in its own environment) into a
 throwaway catalog; the demo model is planned on it at several
 concurrencies and Poisson rates; each plan is run here (app/plan_run.py: `servescope serve`, or
 real vLLM with --engine vllm, with the plan's settings, driven by the load generator) and its

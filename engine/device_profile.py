@@ -119,8 +119,10 @@ def step_overhead_ms(llm, bandwidth_gbs: float, tflops: float, tokens: int = 32)
 
 
 # The batches whose decode steps an engine's timings hold: two sizes separate a step's fixed
-# cost from its cost per sequence.
-STEP_BATCHES = (1, 4)
+# cost from its cost per sequence; a third, as large as the batches plans run here, keeps one
+# noisy timing from setting the cost per sequence alone (vLLM timed at 1 and 4 once fitted no
+# cost per sequence and timed batch 4 27% long; at 1, 4 and 8 its steps are 41, 130, 269 ms).
+STEP_BATCHES = (1, 4, 8)
 PROFILE_PROMPT_TOKENS = 52
 
 
@@ -174,30 +176,37 @@ def fit_engine(timings: dict, shape: dict, bandwidth_gbs: float) -> dict:
     model (planner/timing.py: fixed cost + per-sequence cost x sequences + the longer of reading
     and multiplying by the weights) gives back the timed prefill and decode steps.
 
-    Two decode batches give the per-sequence cost once the rate is known, and the prefill (many
-    tokens, one sequence) gives the rate once the fixed costs are: the rate that makes all three
-    agree is found on a log grid (the model is not linear in it: the roofline's max)."""
+    The decode batches give the fixed and per-sequence costs once the rate is known (a least-
+    squares line through what each step takes beyond the roofline), and the prefill (many
+    tokens, one sequence) gives the rate once those are: the rate that makes them all agree is
+    found on a log grid (the model is not linear in it: the roofline's max)."""
     read, head = shape["read_bytes"], shape["head_bytes"]
     decode_flops = read  # 2 FLOPs per 2-byte bfloat16 weight, per token
     prompt = timings["prompt_tokens"]
     prefill_flops = prompt * (read - head) + head
     weights_s = read / (bandwidth_gbs * 1e9)
-    low, high = (int(b) for b in (STEP_BATCHES[0], STEP_BATCHES[-1]))
-    t_low, t_high = (timings["decode_ms"][str(b)] * 1e-3 for b in (low, high))
+    # Every batch timed (older timings hold 1 and 4 only).
+    batches = np.array(sorted(int(b) for b in timings["decode_ms"]), dtype=float)
+    steps = np.array([timings["decode_ms"][str(int(b))] * 1e-3 for b in batches])
     t_prefill = timings["prefill_ms"] * 1e-3
 
-    def costs(rate: float) -> tuple[float, float, float]:
-        """(fixed, per sequence, prefill error) at a matmul rate of `rate` FLOP/s."""
-        linear_low = max(low * decode_flops / rate, weights_s)
-        linear_high = max(high * decode_flops / rate, weights_s)
-        per_seq = max(0.0, (t_high - t_low - (linear_high - linear_low)) / (high - low))
-        fixed = max(0.0, t_low - low * per_seq - linear_low)
+    def costs(rate: float) -> tuple[float, float, float, float]:
+        """(fixed, per sequence, prefill error, squared relative error of every timing) at a
+        matmul rate of `rate` FLOP/s: what the decode steps take beyond the roofline, fitted by
+        least squares as fixed + per sequence x batch (neither negative)."""
+        linear = np.maximum(batches * decode_flops / rate, weights_s)
+        rest = steps - linear
+        per_seq = max(0.0, float(np.polyfit(batches, rest, 1)[0]))
+        fixed = max(0.0, float(np.mean(rest - per_seq * batches)))
         prefill = fixed + per_seq + max(prefill_flops / rate, weights_s)
-        return fixed, per_seq, abs(prefill - t_prefill) / t_prefill
+        decode_errors = (fixed + per_seq * batches + linear - steps) / steps
+        prefill_error = (prefill - t_prefill) / t_prefill
+        return fixed, per_seq, abs(prefill_error), prefill_error ** 2 + float(
+            np.sum(decode_errors ** 2))
 
     rates = np.geomspace(1e8, 1e15, 4000)
-    best = min(rates, key=lambda rate: costs(rate)[2])
-    fixed, per_seq, error = costs(best)
+    best = min(rates, key=lambda rate: costs(rate)[3])
+    fixed, per_seq, error, _ = costs(best)
     return {"engine": timings["engine"], "dtype": timings.get("dtype", "bfloat16"),
             "tflops_bf16": round(best / 1e12, 5), "overhead_ms": round(fixed * 1e3, 3),
             "per_seq_ms": round(per_seq * 1e3, 3), "prefill_fit_error_pct":
@@ -257,7 +266,7 @@ def catalog_entry(profile: dict) -> dict:
                    f"stored over the planner's default fractions "
                    f"({PLANNER_MEMORY_FRACTION}, {PLANNER_FLOPS_FRACTION}); engine step "
                    f"overhead {profile['step']['overhead_ms']} ms; per engine, fitted to its "
-                   f"own prefill and batch-{STEP_BATCHES[0]}/{STEP_BATCHES[-1]} decode steps: "
+                   f"own prefill and batch-{'/'.join(map(str, STEP_BATCHES))} decode steps: "
                    + ", ".join(f"{n} {e['tflops_bf16']} TFLOP/s, {e['overhead_ms']} ms a "
                                f"step, {e['per_seq_ms']} ms a sequence"
                                for n, e in profile.get("engines", {}).items())),

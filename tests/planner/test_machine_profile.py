@@ -76,8 +76,8 @@ def test_the_measured_figures_are_real_and_written_beside_the_users_catalog(meas
 
 def test_servescope_s_own_steps_are_fitted_and_the_planner_gives_them_back(measured):
     """The engine's fitted rate and costs, timed through the planner's step model, reproduce
-    the prefill and the batch-1 and batch-4 decode steps they were fitted to: the fit inverts
-    the model the planner times plans with."""
+    the prefill and the decode steps at each batch they were fitted to: the fit inverts the
+    model the planner times plans with."""
     config, profile = measured
     fitted = profile["engines"]["servescope"]
     timings = fitted["timings"]
@@ -93,7 +93,7 @@ def test_servescope_s_own_steps_are_fitted_and_the_planner_gives_them_back(measu
     cost = StepCost(d)
     prompt = timings["prompt_tokens"]
     assert cost.prefill_seconds(prompt) * 1e3 == pytest.approx(timings["prefill_ms"], rel=0.1)
-    for batch in (1, 4):
+    for batch in map(int, timings["decode_ms"]):
         # At the profile's short contexts: the KV read and attention add little.
         assert cost.decode_seconds(batch, prompt + 4) * 1e3 == pytest.approx(
             timings["decode_ms"][str(batch)], rel=0.1)
@@ -111,7 +111,7 @@ def test_servescope_s_own_steps_are_fitted_and_the_planner_gives_them_back(measu
 def test_the_fit_recovers_the_costs_the_planner_was_given(measured, tflops, overhead_ms,
                                                            per_seq_ms):
     """Steps timed by the planner for known engine costs, fitted back: the same costs."""
-    from engine.device_profile import fit_engine
+    from engine.device_profile import STEP_BATCHES, fit_engine
 
     config, profile = measured
     here = load_catalog(config).gpu("this machine")
@@ -122,7 +122,7 @@ def test_the_fit_recovers_the_costs_the_planner_was_given(measured, tflops, over
     cost = StepCost(d)
     timings = {"engine": "x", "prompt_tokens": 52,
                "prefill_ms": cost.prefill_seconds(52) * 1e3,
-               "decode_ms": {str(b): cost.decode_seconds(b, 0) * 1e3 for b in (1, 4)}}
+               "decode_ms": {str(b): cost.decode_seconds(b, 0) * 1e3 for b in STEP_BATCHES}}
     fitted = fit_engine(timings, profile["shape"], profile["read_bandwidth_gbs"])
     assert fitted["tflops_bf16"] == pytest.approx(tflops, rel=0.05)
     assert fitted["overhead_ms"] == pytest.approx(overhead_ms, abs=0.5)
