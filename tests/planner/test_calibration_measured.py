@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from planner.measured import (
     match_gpu,
     match_model,
 )
-from planner.timing import Efficiency
+from planner.timing import Deployment, Efficiency
 
 TRUTH = Efficiency(flops=0.5, memory=0.7)
 LEVELS = (1, 16, 64)
@@ -189,3 +190,28 @@ def test_a_run_at_batch_1_with_its_ttft_pins_the_flops_factor(catalog):
     del run["summary"]["ttft_ms"]
     loose = calibrate_measured([], [run], catalog).calibration.efficiency("L4", "bf16")
     assert loose.memory == pytest.approx(0.6, abs=0.051)
+
+
+def test_an_engine_timed_here_is_calibrated_as_a_whole(catalog):
+    """An engine whose steps were timed on the device is slowed or sped by one factor on its
+    rate, reads and step costs together: runs of an engine 1.5x slower than timed, at batch 1
+    and 4, give back 1.5x, where the free grid could trade the three off."""
+    from planner.calibrate import _grid_fit
+
+    engine = {"tflops_bf16": 0.02, "overhead_ms": 10.0, "per_seq_ms": 2.0}
+    gpu = dataclasses.replace(catalog.gpu("L4"), engines={"x": engine}, step_overhead_ms=5.0)
+    model = catalog.model("Llama-3.1-8B")
+    truth = Efficiency(flops=0.5 / 1.5, memory=0.8 / 1.5, overhead_ms=15.0)
+    runs, deployments = [], []
+    for batch in (1, 4):
+        m = Measurement("Llama-3.1-8B", "L4", "bf16", "bf16", 1, 1, batch, 256, 64, 1.0,
+                        mode="continuous", engine="x")
+        d = Deployment(model, gpu, max_seqs=batch, engine="x")
+        figures = predict(d, m, truth)
+        runs.append(dataclasses.replace(m, throughput_tok_s=figures["throughput_tok_s"],
+                                        tpot_ms=figures["tpot_ms"], ttft_ms=figures["ttft_ms"]))
+        deployments.append(d)
+    error, eff, _ = _grid_fit(runs, deployments)
+    assert error < 3.0  # the grid steps 3.5% between factors
+    assert eff.overhead_ms == pytest.approx(15.0, rel=0.04)
+    assert eff.flops == pytest.approx(0.5 / 1.5, rel=0.04)
