@@ -120,17 +120,26 @@ def _candidates(deployments: list[Deployment]):
     costs alike: its batch scaling was measured, and a run or two at one batch cannot tell the
     three apart (a batch-1 run served 20% slower than the timed step was once fitted by memory
     0.2 and 5% of the step cost, which then mispriced every batch). Otherwise the full grid."""
-    base = {d.measured_overhead_ms for d in deployments}
-    if all(d.engine_costs for d in deployments) and len(base) == 1:
-        overhead = next(iter(base))
+    base = _measured_overhead(deployments)
+    if base is not None and all(d.engine_costs for d in deployments):
         for k in ENGINE_SCALES:
             yield Efficiency(flops=DEFAULT.flops / k, memory=min(1.0, DEFAULT.memory / k),
-                             overhead_ms=round(overhead * k, 3))
+                             overhead_ms=round(base * k, 3))
         return
+    # The step overheads to try: None (the device's own or the default) for catalog GPUs;
+    # fractions of the measured one for a device measured here.
+    overheads = tuple(round(base * f, 3) for f in OVERHEAD_FRACTIONS) if base else (None,)
     for flops in FLOPS_GRID:
         for memory in MEMORY_GRID:
-            for overhead in _overheads(deployments):
+            for overhead in overheads:
                 yield Efficiency(flops=float(flops), memory=float(memory), overhead_ms=overhead)
+
+
+def _measured_overhead(deployments: list[Deployment]) -> float | None:
+    """The step overhead the deployments share as measured on their device (the engine's own
+    where the device has it, else Gpu.step_overhead_ms; 0: none), or None if they differ."""
+    measured = {d.measured_overhead_ms for d in deployments}
+    return next(iter(measured)) if len(measured) == 1 else None
 
 
 DEFAULT = Efficiency()
@@ -148,17 +157,6 @@ MEMORY_GRID = np.arange(0.20, 0.951, 0.05)
 # Fractions of a measured step overhead the fit tries: the micro-benchmark's single batch-1 step
 # time is the figure most disturbed by other work on the machine, so runs may correct it.
 OVERHEAD_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.3, 1.6, 2.0)
-
-
-def _overheads(deployments: list[Deployment]) -> tuple[float | None, ...]:
-    """The step overheads to try: None (the device's own or the default) for catalog GPUs;
-    fractions of the measured one for a device measured here (the engine's own where the
-    device has it, else Gpu.step_overhead_ms)."""
-    measured = {d.measured_overhead_ms for d in deployments}
-    if len(measured) != 1 or not next(iter(measured)):
-        return (None,)
-    base = next(iter(measured))
-    return tuple(round(base * f, 3) for f in OVERHEAD_FRACTIONS)
 
 
 def fit(measurements: list[Measurement], catalog: Catalog, name: str = "fitted") -> Calibration:

@@ -241,7 +241,8 @@ def simulate(r: Replica, w: Workload, replicas: int = 1) -> SimResult:
     if w.rate is not None:
         # Steady state: tokens over the arrival span; overloaded: over the finish span.
         span = max(float(np.ptp(s.arrival)), float(np.ptp(s.finish)))
-    throughput = float(original_out[take].sum()) / span * replicas if span > 0 else math.inf
+    tokens = float(original_out[take].sum())
+    throughput = tokens / span * replicas if span > 0 else math.inf
     run_span = float(s.finish.max() - s.arrival.min())
-    run = float(original_out[take].sum()) / run_span * replicas if run_span > 0 else math.inf
+    run = tokens / run_span * replicas if run_span > 0 else math.inf
     return SimResult(first - arrival, tpot, finish - arrival, throughput, preemptions, 0, run)

@@ -35,7 +35,7 @@ from planner.calibrate import (
 from planner.catalog import ASSETS, Catalog, CatalogError, load_catalog
 from planner.replica import memory_for, replica_for
 from planner.simulate import simulate
-from planner.timing import Deployment, Efficiency
+from planner.timing import Efficiency
 from planner.workload import Workload
 
 DATA = ASSETS.parent / "validation" / "published.json"
@@ -73,21 +73,18 @@ class LatencyPoint:
     note: str = ""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("static", "continuous"):
-            raise ValueError("mode must be 'static' or 'continuous'")
+        if min(self.concurrency, self.input_len, self.output_len) < 1:
+            raise ValueError("concurrency, input_len and output_len must be at least 1")
+        self.as_measurement()  # the mode, checked as a measurement's is
         if self.statistic not in ("mean", "median"):
             raise ValueError("statistic must be 'mean' or 'median'")
         if self.tpot_is not in ("decode", "e2e_per_token"):
             raise ValueError("tpot_is must be 'decode' or 'e2e_per_token'")
         if self.tpot_ms is None and self.ttft_ms is None:
             raise ValueError("a latency point needs tpot_ms or ttft_ms")
-        if min(self.concurrency, self.input_len, self.output_len) < 1:
-            raise ValueError("concurrency, input_len and output_len must be at least 1")
 
-    def deployment(self, catalog: Catalog) -> Deployment:
-        return deployment_for(self._as_measurement(), catalog)
-
-    def _as_measurement(self) -> Measurement:
+    def as_measurement(self) -> Measurement:
+        """The point as the step model's predict() takes it (its throughput unused)."""
         return Measurement(self.model, self.gpu, self.weights, self.kv, self.tp, self.pp,
                            self.concurrency, self.input_len, self.output_len, 1.0, self.mode,
                            engine=self.engine)
@@ -117,8 +114,8 @@ def predict_latency(point: LatencyPoint, catalog: Catalog,
                     calibration: Calibration | None = None) -> dict[str, float]:
     """The point's TTFT and TPOT (ms) as its benchmark measured them."""
     calibration = calibration or Calibration()
-    d = point.deployment(catalog)
-    m = point._as_measurement()
+    m = point.as_measurement()
+    d = deployment_for(m, catalog)
     if point.mode == "static":
         pred = predict(d, m, calibration.efficiency(d.gpu.name, d.weights))
         if point.tpot_is == "e2e_per_token":
@@ -133,9 +130,9 @@ def predict_latency(point: LatencyPoint, catalog: Catalog,
         raise ValueError(f"{point.model} on {d.gpus}x {point.gpu}: {memory.reason}")
     result = simulate(replica_for(d, memory, calibration), w)
     steady = slice(n, None)
-    pick = {"mean": lambda v: float(v.mean()), "median": lambda v: float(np.median(v))}[
-        point.statistic]
-    return {"ttft_ms": pick(result.ttft[steady]) * 1e3, "tpot_ms": pick(result.tpot[steady]) * 1e3}
+    pick = np.mean if point.statistic == "mean" else np.median
+    return {"ttft_ms": float(pick(result.ttft[steady])) * 1e3,
+            "tpot_ms": float(pick(result.tpot[steady])) * 1e3}
 
 
 @dataclass(frozen=True)
