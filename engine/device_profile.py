@@ -223,14 +223,15 @@ def measure(quick: bool = False, engine_timings: list[dict] = ()) -> dict:
     from engine.bench import machine as machine_info
 
     repeats = 3 if quick else 7
-    bandwidth = read_bandwidth_gbs(256 if quick else 512, repeats)
+    # Rounded before the fits use it: the stored profile then reproduces its own fits.
+    bandwidth = round(read_bandwidth_gbs(256 if quick else 512, repeats), 2)
     tflops = {name: matmul_tflops(dtype, 1024, repeats)
               for name, dtype in MATMUL_DTYPES.items()}
     llm = demo_llm()
     shape = demo_shape(llm)
     step = step_overhead_ms(llm, bandwidth, tflops["bf16"], 16 if quick else 32)
     timings = [servescope_timings(llm, 8 if quick else 16), *engine_timings]
-    return {"machine": machine_info(), "read_bandwidth_gbs": round(bandwidth, 2),
+    return {"machine": machine_info(), "read_bandwidth_gbs": bandwidth,
             "matmul_tflops": {k: round(v, 4) for k, v in tflops.items()},
             "memory_gb": round(memory_gb(), 1), "step": step, "shape": shape,
             "engines": {t["engine"]: fit_engine(t, shape, bandwidth) for t in timings}}
