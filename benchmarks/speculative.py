@@ -96,6 +96,7 @@ def compare(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int,
     after = spec.spec.summary()
     drafts = after["drafts"] - before["drafts"]
     draft_tokens = after["draft_tokens"] - before["draft_tokens"]
+    nodes = after["draft_nodes"] - before["draft_nodes"]
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
     return {
         "prompts": len(prompts), "max_tokens": max_tokens,
@@ -105,6 +106,8 @@ def compare(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int,
         "speedup": fast["tokens_per_s"] / base["tokens_per_s"],
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+        # Tree nodes verified per draft position (1: chains only).
+        "nodes_per_level": nodes / draft_tokens if draft_tokens else None,
         "generated_tokens": fast["tokens"],
     }
 
@@ -114,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="default: the demo model")
     parser.add_argument("--spec", action="append",
                         help="a proposer to measure (repeatable); default: ngram, demo-draft "
-                             "(after prompt lookup) and demo-draft:lookup=0 (the draft alone)")
+                             "(after prompt lookup), demo-draft:lookup=0 (the draft alone) and "
+                             "demo-medusa:lookup=0 (the Medusa heads alone)")
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    specs = args.spec or ["ngram", "demo-draft", "demo-draft:lookup=0"]
+    specs = args.spec or ["ngram", "demo-draft", "demo-draft:lookup=0", "demo-medusa:lookup=0"]
     model = args.model or str(fetch_demo_model(progress=lambda m, f: None))
     plain = LLM(model, device="cpu", dtype="float32")
     runs = {}
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             r[f"concurrent_{CONCURRENT}"]["speedup"] >= 0.97
     if "ngram" in runs:
         targets["ngram_copy_heavy_speedup_ge_2"] = runs["ngram"]["copy_heavy"]["speedup"] >= 2.0
-    for name in (n for n in runs if n.startswith("demo-draft")):
+    for name in (n for n in runs if n.startswith("demo-")):
         targets[f"{name}_open_chat_speedup_ge_1_3"] = runs[name]["open_chat"]["speedup"] >= 1.3
     result = {
         "benchmark": "speculative_decoding", "model": plain.model_name,

@@ -182,6 +182,26 @@ def reproduces_reply(tensors: dict, record: dict, states: torch.Tensor) -> bool:
     return best.tolist() == record["ids"][record["prompt_len"]:]
 
 
+def draft_vocab(records: list[dict], train_idx: list[int], size: int, vocab_size: int,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's vocabulary: the `size` tokens the target wrote most in its training replies
+    (sorted ids; a draft's head is the target's tied head restricted to them), and the map from
+    a token id to its row there (-100, ignored by the loss, for a token left out)."""
+    counts = Counter(t for i in train_idx for t in records[i]["ids"][records[i]["prompt_len"]:])
+    vocab_ids = torch.tensor(sorted(t for t, _ in counts.most_common(size)))
+    token_to_row = torch.full((vocab_size,), -100)
+    token_to_row[vocab_ids] = torch.arange(len(vocab_ids))
+    return vocab_ids, token_to_row
+
+
+def held_out_coverage(records: list[dict], held_idx: list[int], vocab_ids: torch.Tensor
+                      ) -> float:
+    """Share of the held-out replies' tokens inside the draft's vocabulary."""
+    kept = set(vocab_ids.tolist())
+    held = [t for i in held_idx for t in records[i]["ids"][records[i]["prompt_len"]:]]
+    return sum(t in kept for t in held) / len(held)
+
+
 def examples(records: list[dict], states: list[torch.Tensor], which: list[int],
              token_to_row: torch.Tensor) -> dict[str, torch.Tensor]:
     """Two chained draft steps per reply position q: from (h[q-1], x[q]) the draft predicts
@@ -285,12 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     states = target_states(tensors, cfg, records, work)
     state_s = time.perf_counter() - t0
-    # The draft's vocabulary: the tokens the target wrote in its training replies, most
-    # frequent first; its head is the target's tied head restricted to them.
-    counts = Counter(t for i in train_idx for t in records[i]["ids"][records[i]["prompt_len"]:])
-    vocab_ids = torch.tensor(sorted(t for t, _ in counts.most_common(args.vocab)))
-    token_to_row = torch.full((cfg.vocab_size,), -100)
-    token_to_row[vocab_ids] = torch.arange(len(vocab_ids))
+    vocab_ids, token_to_row = draft_vocab(records, train_idx, args.vocab, cfg.vocab_size)
     embed = tensors["model.embed_tokens.weight"]
     head = embed[vocab_ids]
     data = examples(records, states, train_idx, token_to_row)
@@ -301,14 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     history = train(w, data, held, embed, head, cfg.rms_norm_eps, args.epochs, args.lr)
     train_s = time.perf_counter() - t0
     save(w, vocab_ids, args, ckpt)
-    held_tokens = [t for i in held_idx for t in records[i]["ids"][records[i]["prompt_len"]:]]
-    kept = set(vocab_ids.tolist())
     result = {
         "benchmark": "train_draft", "target": ckpt.name, "out": args.out,
         "draft_vocab": len(vocab_ids), "width": args.width,
         "prompts": {"train": len(train_idx), "held_out": len(held_idx)},
         "reply_tokens": {"train": len(data["x1"]), "held_out": len(held["x1"])},
-        "held_out_vocab_coverage": sum(t in kept for t in held_tokens) / len(held_tokens),
+        "held_out_vocab_coverage": held_out_coverage(records, held_idx, vocab_ids),
         "target_forward_reproduces_engine": reproduces_reply(tensors, records[held_idx[0]],
                                                              states[held_idx[0]]),
         "held_out_top1_before_training": before,

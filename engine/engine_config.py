@@ -76,9 +76,10 @@ class EngineConfig:
     block_size: int = _option(16, "tokens per KV block")
     speculative: str | None = _option(
         None, "speculative decoding: ngram[:k=5] (prompt lookup), draft:PATH[,k=4] (a smaller "
-              "model with the same tokenizer, or a draft file from benchmarks/train_draft.py) or "
-              "demo-draft[:k=2] (the demo model's own draft); lookup=1 tries prompt lookup "
-              "before a draft; default off", flag="--spec")
+              "model with the same tokenizer, or a draft file from benchmarks/train_draft.py or "
+              "train_medusa.py), demo-draft[:k=2] (the demo model's own draft) or "
+              "demo-medusa[:k=3] (its Medusa heads); lookup=1 tries prompt lookup before a "
+              "draft; branches=N verifies draft trees; default off", flag="--spec")
     prefix_caching: bool = _option(False, "share the KV blocks of common prompt prefixes "
                                           "between requests")
     kv_policy: str = _option("none", "KV-cache eviction: none, streaming, h2o, scissorhands or "

@@ -1,4 +1,5 @@
-"""The demo model's shipped hidden-state draft: it loads, it is lossless, bad drafts are refused."""
+"""The demo model's shipped hidden-state draft and Medusa heads: they load, they are lossless,
+bad drafts are refused."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.config import ModelError
-from engine.spec import parse_spec
-from engine.spec.config import DEMO_DRAFT_PATH
+from engine.spec import medusa, parse_spec
+from engine.spec.config import DEMO_DRAFT_PATH, DEMO_MEDUSA_PATH, MEDUSA_DRAFT_TOKENS
 from engine.spec.draft import make_draft
 from engine.spec.hidden_draft import FORMAT, vocab_fingerprint
 
@@ -81,11 +82,12 @@ def test_spec_names_for_the_demo_draft():
         parse_spec("ngram:lookup=1")
 
 
-def _altered_draft(folder: Path, meta_changes: dict, tensor_changes: dict) -> Path:
-    with safe_open(str(DEMO_DRAFT_PATH), framework="pt") as f:
+def _altered_draft(folder: Path, meta_changes: dict, tensor_changes: dict,
+                   source: Path = DEMO_DRAFT_PATH) -> Path:
+    with safe_open(str(source), framework="pt") as f:
         meta = dict(f.metadata())
     meta.update(meta_changes)
-    tensors = load_file(str(DEMO_DRAFT_PATH))
+    tensors = load_file(str(source))
     tensors.update(tensor_changes)
     for name in [k for k, v in tensors.items() if v is None]:
         del tensors[name]
@@ -110,8 +112,70 @@ def test_bad_drafts_are_refused_with_a_reason(demo_gguf, plain, tmp_path):
         load(_altered_draft(tmp_path, {}, {"fc1.bias": None}))
     other = tmp_path / "plain.safetensors"
     save_file({"x": torch.zeros(2)}, str(other))
-    with pytest.raises(ModelError, match="not a servescope hidden-state draft"):
+    with pytest.raises(ModelError, match="is not a servescope draft"):
         load(other)
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelError, match="not a readable safetensors file"):
         load(tmp_path / "junk.safetensors")
+
+
+def test_the_shipped_medusa_heads_are_small_and_name_their_target(plain):
+    assert DEMO_MEDUSA_PATH.stat().st_size <= 20 * 1024 * 1024
+    with safe_open(str(DEMO_MEDUSA_PATH), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == medusa.FORMAT and meta["tokenizer_sha256"] == vocab_fingerprint(
+        plain.tokenizer)
+    provenance = json.loads(DEMO_MEDUSA_PATH.with_suffix(".json").read_text())
+    assert provenance["file"] == DEMO_MEDUSA_PATH.name
+    assert provenance["heads"] >= MEDUSA_DRAFT_TOKENS
+    # Trained: each head is right far more often than before training (where every head
+    # repeats the target's own guess for the token it already chose).
+    after, before = provenance["held_out_top1"], provenance["held_out_top1_before_training"]
+    assert all(a > 2 * b for a, b in zip(after["per_head"], before["per_head"], strict=True))
+    assert after["per_head"][0] > 10 * before["per_head"][0]
+
+
+def test_greedy_output_is_identical_with_the_demo_medusa_heads(demo_gguf, plain):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _chat(plain)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    for spec_name in ("demo-medusa:lookup=0", "demo-medusa:lookup=0,branches=3", "demo-medusa"):
+        spec = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=2048,
+                   speculative=spec_name)
+        assert isinstance(spec.spec.draft, medusa.MedusaHeads)
+        alone = [spec.generate([p], params)[0].token_ids for p in prompts]
+        together = [o.token_ids for o in spec.generate(prompts, params)]
+        assert alone == expected and together == expected, spec_name
+        assert spec.block_manager.num_used_blocks == 0
+        c = spec.spec.counters
+        # The heads' drafts are accepted far above chance on the demo model's own chat.
+        assert c.draft_tokens > 0 and c.acceptance_rate > 0.2, (spec_name, c)
+    sampled = SamplingParams(temperature=0.8, max_tokens=16, seed=5, ignore_eos=True)
+    a, b = (spec.generate([prompts[0]], sampled)[0].token_ids for _ in range(2))
+    assert a == b and len(a) == 16
+
+
+def test_bad_medusa_heads_are_refused_with_a_reason(plain, tmp_path):
+    def load(path) -> None:
+        make_draft(str(path), plain.tokenizer, plain.config.vocab_size, plain.device,
+                   plain.model.dtype, plain.block_manager, plain.max_model_len, plain.model)
+
+    with pytest.raises(ModelError, match="does not fit this model"):
+        load(_altered_draft(tmp_path, {}, {"heads.0.weight": torch.zeros(960, 960)},
+                            DEMO_MEDUSA_PATH))
+    with pytest.raises(ModelError, match="has no tensor 'heads.0.bias'.*train_medusa.py"):
+        load(_altered_draft(tmp_path, {}, {"heads.0.bias": None}, DEMO_MEDUSA_PATH))
+    with pytest.raises(ModelError, match="different tokenizer"):
+        load(_altered_draft(tmp_path, {"tokenizer_sha256": "0" * 64}, {}, DEMO_MEDUSA_PATH))
+
+
+def test_medusa_trees_are_the_most_probable_paths_through_the_heads():
+    probs, tokens = [[0.6, 0.3, 0.1], [0.9, 0.05, 0.05]], [[1, 2, 3], [4, 5, 6]]
+    paths, path_probs = medusa.best_paths(probs, tokens, 2)
+    assert paths == [[1, 4], [2, 4]]
+    assert [p for path in path_probs for p in path] == pytest.approx([0.6, 0.54, 0.3, 0.27])
+    assert medusa.best_paths(probs, tokens, 3)[0] == [[1, 4], [2, 4], [3, 4]]
+    assert medusa.best_paths(probs, tokens, 1)[0] == [[1, 4]]
+    # A confident first head drafts one first token: its runner-up is below the branch ratio.
+    assert medusa.best_paths([[0.95, 0.04], [0.5, 0.4]], [[1, 2], [4, 5]], 2)[0] == [
+        [1, 4], [1, 5]]

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.spec.break_even import PROBE_EVERY, StepCosts, draft_lengths, expected_accepted
+from engine.spec.break_even import (
+    PROBE_EVERY,
+    DraftCalibration,
+    StepCosts,
+    branch_threshold,
+    draft_lengths,
+    expected_accepted,
+)
 
 # Step costs measured on this project's 2-core CPU (ms by query tokens, float32 demo model at
 # batch 1): a verify step of 1 + k tokens costs 1.5-1.9 plain steps.
@@ -158,3 +165,49 @@ def test_the_old_rule_runs_only_where_break_even_does_not_decide():
     decoder.costs = StepCosts()  # costs unknown: the acceptance rule decides for both
     decoder.draft_lengths([plain, seeded])
     assert spec_state(plain).cooldown == 4 and spec_state(seeded).cooldown == 3
+
+
+# A GPU-like step: extra query tokens nearly free at small batches.
+FLAT_MS = {1: 10.0, 8: 10.2, 16: 10.5, 64: 14.0}
+
+
+def test_a_branch_must_buy_more_than_its_query_token_costs():
+    cpu, gpu = branch_threshold(costs(CPU_MS), 1), branch_threshold(costs(FLAT_MS), 1)
+    # On this CPU a node must be accepted about one time in ten or more to pay; on a GPU at
+    # batch 1 almost any node pays; a large batch asks more of each node.
+    assert 0.05 < cpu < 0.5 and gpu < 0.01
+    assert branch_threshold(costs(FLAT_MS), 32) > 5 * gpu
+    assert branch_threshold(costs(CPU_MS, draft_ms=5.0), 1) > cpu  # proposing costs too
+    assert branch_threshold(StepCosts(), 1) is None
+
+
+def test_the_drafts_confidence_is_calibrated_by_what_is_accepted():
+    cal = DraftCalibration()
+    assert cal.scale == 1.0
+    for _ in range(40):  # nodes the draft gives 0.5 each, accepted one time in four
+        cal.observe([0.5, 0.5], 1 if _ % 2 else 0)
+    assert cal.scale == pytest.approx(0.5, abs=0.1)
+
+
+@pytest.mark.parametrize("spec", ["demo-draft:lookup=0,branches=4",
+                                  "demo-medusa:lookup=0,branches=4"])
+def test_trees_keep_only_the_branches_that_pay(demo_gguf, monkeypatch, spec):
+    """With this CPU's step costs, a tree's unlikely branches are dropped; where a query token
+    is nearly free (a GPU's costs), the same proposer keeps them; the output is the plain
+    engine's either way."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    width = {}  # tree nodes per level drafted
+    for name, ms in (("cpu", CPU_MS), ("gpu", FLAT_MS)):
+        llm = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024,
+                  speculative=spec)
+        for n, t in ms.items():
+            llm.spec.costs.observe_step(n, t / 1e3)
+        llm.spec.costs.draft_token_s = 0.0
+        monkeypatch.setattr(llm.spec.costs, "observe_step", lambda tokens, seconds: None)
+        monkeypatch.setattr(llm.spec.costs, "observe_drafting", lambda tokens, seconds: None)
+        assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == expected
+        c = llm.spec.counters
+        width[name] = c.draft_nodes / c.draft_tokens
+    assert width["cpu"] < 0.8 * width["gpu"], width

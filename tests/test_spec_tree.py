@@ -368,7 +368,8 @@ def greedy_expected(demo):
     ("ngram:k=4,min=1,branches=3,adaptive=0", {}),
     ("ngram:k=4,min=1,branches=3,adaptive=0", {"prefix_caching": True}),
     ("demo-draft:branches=2,adaptive=0,lookup=0", {}),
-], ids=["lookup-branches", "lookup-branches-prefix-cache", "demo-draft-top2"])
+    ("demo-medusa:branches=3,adaptive=0,lookup=0", {}),
+], ids=["lookup-branches", "lookup-branches-prefix-cache", "demo-draft-top2", "medusa-top3"])
 def test_tree_speculation_keeps_greedy_output(demo_gguf, greedy_expected, spec, options,
                                               caplog):
     from engine import LLM, SamplingParams

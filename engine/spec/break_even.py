@@ -13,7 +13,10 @@ most promising sequences first, and nowhere else: below break-even a request dec
 A tree of depth k is priced by its nodes, not its depth: a sequence whose trees have held w
 nodes per level (its measured width) puts about w * k query tokens into the step, and the
 proposer drafts each of them. Its p is then the tree's acceptance per level, which the tree's
-extra branches raise: that is what they are paid for.
+extra branches raise: that is what they are paid for. Which branches a tree keeps is priced
+node by node: a node off the first path stays only where its probability of being accepted (the
+proposer's own, scaled by how often its nodes have been accepted against it) buys more tokens
+than its query token's time would decoding plainly (branch_threshold).
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ COST_DECAY = 0.8  # weight of the old estimate in each moving average
 # A sequence left without drafts tries one draft token every PROBE_EVERY steps, so a reply that
 # becomes predictable (a quote, a list) is noticed; a probe costs at most one verify step in 32.
 PROBE_EVERY = 32
+# The draft's calibration (accepted nodes against its own probabilities) is a moving sum over
+# about 1 / (1 - CALIBRATION_DECAY) drafts; below CALIBRATION_MIN expected nodes it is 1.
+CALIBRATION_DECAY = 0.95
+CALIBRATION_MIN = 2.0
 
 
 def expected_accepted(p: float, k: int) -> float:
@@ -56,17 +63,55 @@ class StepCosts:
         seen = self.by_tokens.get(tokens)
         if seen is not None:
             return seen
+        slope = self.slope()
+        if slope is None:
+            return None
+        xs, ys = list(self.by_tokens), list(self.by_tokens.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        return max(1e-9, my + slope * (tokens - mx))
+
+    def slope(self) -> float | None:
+        """Seconds one more query token adds to a step: the least-squares line through the
+        measured sizes (never negative), or None while fewer than two have been seen."""
         if len(self.by_tokens) < 2:
             return None
         xs, ys = list(self.by_tokens), list(self.by_tokens.values())
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         spread = sum((x - mx) ** 2 for x in xs)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread)
-        return max(1e-9, my + slope * (tokens - mx))
+        return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread)
 
     @property
     def known(self) -> bool:
         return len(self.by_tokens) >= 2
+
+
+@dataclass
+class DraftCalibration:
+    """How often drafted nodes are accepted against the proposer's own probability for them:
+    accepted nodes over the sum of their probabilities, as moving sums over the drafts
+    verified. A draft that is over-confident gets a scale below 1."""
+
+    accepted: float = 0.0
+    expected: float = 0.0
+
+    def observe(self, node_probs: list[float], accepted: int) -> None:
+        self.accepted = CALIBRATION_DECAY * self.accepted + accepted
+        self.expected = CALIBRATION_DECAY * self.expected + sum(node_probs)
+
+    @property
+    def scale(self) -> float:
+        return self.accepted / self.expected if self.expected > CALIBRATION_MIN else 1.0
+
+
+def branch_threshold(costs: StepCosts, batch: int) -> float | None:
+    """The acceptance probability a tree node off its first path must have to pay for itself:
+    it adds a query token to the step (the measured slope) and a token to propose, and must
+    bring at least the tokens that time buys decoding plainly at this batch. None while the
+    costs are unknown."""
+    step, slope = costs.step_s(batch), costs.slope()
+    if step is None or slope is None:
+        return None
+    return batch / step * (slope + (costs.draft_token_s or 0.0))
 
 
 def tree_nodes(width: float, depth: int) -> int:

@@ -12,6 +12,10 @@ METHODS = ("ngram", "draft")
 DEMO_DRAFT = "demo-draft"
 DEMO_DRAFT_PATH = (Path(__file__).resolve().parents[2] / "assets" / "drafts"
                    / "smollm2-135m-hidden.safetensors")
+# "demo-medusa" names the demo model's Medusa heads (benchmarks/train_medusa.py), likewise.
+DEMO_MEDUSA = "demo-medusa"
+DEMO_MEDUSA_PATH = DEMO_DRAFT_PATH.with_name("smollm2-135m-medusa.safetensors")
+MEDUSA_DRAFT_TOKENS = 3  # its heads' default depth (held-out chain acceptance: its .json)
 MAX_BRANCHES = 8
 
 
@@ -37,7 +41,7 @@ class SpecConfig:
             raise ValueError("A draft model goes with method 'draft' only: use draft:PATH.")
         if self.method not in METHODS:
             raise ValueError(f"Unknown speculative method '{self.method}': use one of "
-                             f"{', '.join(METHODS)} or {DEMO_DRAFT}.")
+                             f"{', '.join(METHODS)}, {DEMO_DRAFT} or {DEMO_MEDUSA}.")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be 1..16, got {self.num_draft_tokens}.")
         if self.lookup and self.method != "draft":
@@ -51,7 +55,8 @@ class SpecConfig:
 
 def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
     """`None`/"off" -> None; "ngram", "ngram:k=6,adaptive=0", "draft:PATH[,k=4]" or
-    "demo-draft[:k=2,lookup=1]" (the demo model's shipped draft) -> SpecConfig; any of them
+    "demo-draft[:k=2,lookup=1]" / "demo-medusa[:k=3,lookup=1]" (the demo model's shipped draft
+    and Medusa heads) -> SpecConfig; any of them
     with "branches=N" verifies draft trees of up to N candidate continuations.
 
     A draft model's PATH may itself hold ',' or ':', so only trailing ",key=value" options
@@ -68,6 +73,9 @@ def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
         # is right 12% of the time) and prompt lookup first (copy-heavy replies).
         fields = {"method": "draft", "draft_model": str(DEMO_DRAFT_PATH),
                   "num_draft_tokens": 2, "lookup": True}
+    elif method == DEMO_MEDUSA:
+        fields = {"method": "draft", "draft_model": str(DEMO_MEDUSA_PATH),
+                  "num_draft_tokens": MEDUSA_DRAFT_TOKENS, "lookup": True}
     elif method == "draft":
         path, options = _split_trailing_options(options)
         if not path:

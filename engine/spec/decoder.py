@@ -18,7 +18,13 @@ import torch
 from engine.block_manager import BlockManager
 from engine.features import Step, StepFeature
 from engine.sequence import Sequence
-from engine.spec.break_even import PROBE_EVERY, StepCosts, draft_lengths
+from engine.spec.break_even import (
+    PROBE_EVERY,
+    DraftCalibration,
+    StepCosts,
+    branch_threshold,
+    draft_lengths,
+)
 from engine.spec.config import SpecConfig
 from engine.spec.ngram import propose_ngram, propose_ngram_paths
 from engine.spec.state import SpecState
@@ -43,6 +49,8 @@ class SpecCounters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # Query tokens the drafts put into verification: a tree's nodes (a chain's equal its drafts).
+    draft_nodes: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -53,9 +61,10 @@ class SpecCounters:
         """1 + accepted / drafts: tokens emitted per verification step (vLLM's definition)."""
         return None if not self.drafts else 1 + self.accepted_tokens / self.drafts
 
-    def add(self, proposed: int, accepted: int) -> None:
+    def add(self, proposed: int, accepted: int, nodes: int | None = None) -> None:
         self.drafts += 1
         self.draft_tokens += proposed
+        self.draft_nodes += proposed if nodes is None else nodes
         self.accepted_tokens += accepted
         while len(self.accepted_per_pos) < proposed:
             self.accepted_per_pos.append(0)
@@ -112,14 +121,26 @@ def branches_for(seq: Sequence, num_branches: int) -> int:
     return num_branches if seq.kv is None else 1
 
 
-def set_draft_paths(seq: Sequence, paths: list[list[int]]) -> None:
-    """The sequence's drafts from candidate continuations: one chain, or their tree."""
+def set_draft_paths(seq: Sequence, paths: list[list[int]],
+                    probs: list[list[float]] | None = None) -> None:
+    """The sequence's drafts from candidate continuations: one chain, or their tree; `probs`
+    (per path, the proposer's probability of each of its prefixes) become the tree's node
+    probabilities, which decide the branches worth their cost (SpecDecoder._prune_branches)."""
     state = spec_state(seq)
     if len(paths) <= 1:
         state.tokens, state.tree = (paths[0] if paths else []), None
         return
     state.tree = TokenTree.from_paths(paths)
     state.tokens = list(state.tree.tokens)
+    if probs is not None:
+        state.node_probs = [0.0] * len(state.tree)
+        where = {(parent, token): node for node, (token, parent)
+                 in enumerate(zip(state.tree.tokens, state.tree.parents, strict=True))}
+        for path, path_probs in zip(paths, probs, strict=True):
+            node = -1
+            for token, p in zip(path, path_probs, strict=True):
+                node = where[(node, token)]
+                state.node_probs[node] = max(state.node_probs[node], p)
 
 
 class LookupProposer(Proposer):
@@ -194,6 +215,7 @@ class SpecDecoder(StepFeature):
         self.max_model_len = max_model_len  # drafts never reach positions past the context
         self.block_manager = block_manager  # rejected drafts' slots are trimmed off
         self.costs = StepCosts()  # this machine's decode-step and drafting costs, as measured
+        self.calibration = DraftCalibration()  # the proposer's confidence against acceptance
         self._drafted_at: float | None = None  # when this step's proposals were done
 
     # ---- step hooks ----
@@ -228,8 +250,12 @@ class SpecDecoder(StepFeature):
                                  None if q is None else torch.stack(q)))
         for i, tokens in zip(indices, verify_all(items), strict=True):
             chosen[i] = tokens
-            spec_state(step.sampling[i].seq).path = list(range(len(tokens) - 1))
+            state = spec_state(step.sampling[i].seq)
+            state.path = list(range(len(tokens) - 1))
             self.record(step.sampling[i].seq, step.sampling[i].num_draft, len(tokens) - 1)
+            if state.node_probs is not None:
+                self.calibration.observe(state.node_probs[: step.sampling[i].num_draft],
+                                         len(tokens) - 1)
 
     def _verify_trees(self, step: Step, logits: torch.Tensor, rows: list[int],
                       indices: list[int], chosen: list[list[int] | None]) -> None:
@@ -243,7 +269,10 @@ class SpecDecoder(StepFeature):
             chosen[i] = verdict.tokens
             spec_state(item.seq).path = verdict.path
             # A tree counts as a draft of its depth: acceptance is per draft position.
-            self.record(item.seq, item.tree.max_depth, len(verdict.path))
+            self.record(item.seq, item.tree.max_depth, len(verdict.path), len(item.tree))
+            probs = spec_state(item.seq).node_probs
+            if probs is not None:
+                self.calibration.observe(probs[: len(item.tree)], len(verdict.path))
 
     def after_forward(self, step: Step) -> None:
         """Count accepted drafts as computed, trim the rejected ones' slots, clear drafts;
@@ -306,12 +335,43 @@ class SpecDecoder(StepFeature):
         lengths = self.draft_lengths(seqs)
         start = time.perf_counter()
         self.proposer.propose(list(zip(seqs, lengths, strict=True)))
+        self._prune_branches(seqs)
         self._fit_trees(seqs)
         for seq in seqs:
             observe_width(spec_state(seq))
         self._drafted_at = time.perf_counter()
         proposed = sum(len(spec_state(seq).tokens) for seq in seqs)
         self.costs.observe_drafting(proposed, self._drafted_at - start)
+
+    def _prune_branches(self, seqs: list[Sequence]) -> None:
+        """Keep a tree's nodes off its first path only where they pay (break_even.py's
+        branch_threshold against the node's calibrated probability); the first path's depth
+        break-even chose already. A tree left with its first path alone is drafted as a chain.
+        Not for seeded sampled requests (their drafts may not depend on measured times)."""
+        threshold = branch_threshold(self.costs, len(seqs)) if self.config.adaptive else None
+        if threshold is None:
+            return
+        scale = self.calibration.scale
+        for seq in seqs:
+            state = spec_state(seq)
+            tree, probs = state.tree, state.node_probs
+            if tree is None or probs is None or _reproducible(seq):
+                continue
+            first = tree.first_path_length()
+            kept: set[int] = set()
+            for node, parent in enumerate(tree.parents):
+                if node < first or ((parent == -1 or parent in kept)
+                                    and scale * probs[node] >= threshold):
+                    kept.add(node)
+            if len(kept) == len(tree):
+                continue
+            order = sorted(kept)
+            state.node_probs = [probs[i] for i in order]
+            if len(order) == first:
+                state.tokens, state.tree = list(tree.tokens[:first]), None
+            else:
+                state.tree = tree.subset(order)
+                state.tokens = list(state.tree.tokens)
 
     def _fit_trees(self, seqs: list[Sequence]) -> None:
         """A tree's nodes beyond its first path are drafts admission did not plan a request's
@@ -386,15 +446,16 @@ class SpecDecoder(StepFeature):
                 "adaptive": self.config.adaptive,
                 "step_ms_by_tokens": {n: t * 1e3 for n, t in sorted(
                     self.costs.by_tokens.items())},
-                "drafts": c.drafts,
+                "drafts": c.drafts, "draft_nodes": c.draft_nodes,
                 "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
                 "accepted_per_position": list(c.accepted_per_pos),
                 "acceptance_rate": c.acceptance_rate,
                 "mean_accepted_length": c.mean_accepted_length}
 
-    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+    def record(self, seq: Sequence, proposed: int, accepted: int,
+               nodes: int | None = None) -> None:
         """Count a verification and update the sequence's acceptance estimate."""
-        self.counters.add(proposed, accepted)
+        self.counters.add(proposed, accepted, nodes)
         state = spec_state(seq)
         state.rate = EMA_DECAY * state.rate + (1 - EMA_DECAY) * accepted / proposed
         # Per position: the drafts tried until the first rejection (all, if none was).

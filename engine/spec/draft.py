@@ -75,11 +75,16 @@ class DraftModel(Proposer):
 def make_draft(path: str, target_tokenizer, target_vocab: int, device: torch.device,
                dtype: torch.dtype, block_manager: BlockManager, max_positions: int,
                target_model: LlamaModel):
-    """A hidden-state draft for a draft file (.safetensors from train_draft.py), else a model."""
-    from engine.spec.hidden_draft import HiddenDraft, is_hidden_draft
+    """A hidden-state draft or Medusa heads for a draft file (.safetensors from
+    train_draft.py or train_medusa.py), else a draft model."""
+    from engine.spec import medusa
+    from engine.spec.hidden_draft import FORMAT, HiddenDraft, draft_format
 
-    if is_hidden_draft(path):
+    kind = draft_format(path)
+    if kind == FORMAT:
         return HiddenDraft(path, target_model, target_tokenizer)
+    if kind == medusa.FORMAT:
+        return medusa.MedusaHeads(path, target_model, target_tokenizer)
     return DraftModel(path, target_tokenizer, target_vocab, device, dtype, block_manager,
                       max_positions)
 

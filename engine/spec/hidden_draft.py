@@ -28,8 +28,8 @@ from engine.sequence import Sequence
 from engine.spec.decoder import Proposer, branches_for, set_draft_paths, spec_state
 
 FORMAT = "servescope-hidden-draft"
-# A first token the draft finds at least this fraction as likely as its best one gets a branch
-# of its own (with branches > 1). Not tuned yet: trees are built for correctness first.
+# With branches > 1, a path the draft finds at least this fraction as likely as its best one at
+# the same depth stays in the tree (up to the branch count).
 BRANCH_RATIO = 0.1
 TENSORS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "embed_norm.weight",
            "draft.vocab_ids")
@@ -41,19 +41,25 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
 
 
-def is_hidden_draft(path: str) -> bool:
-    """Whether `path` is a hidden-state draft file (rather than a model of its own); a
-    .safetensors file that is missing or not such a draft is a ModelError naming it."""
+def draft_format(path: str) -> str | None:
+    """The servescope draft format of `path` (FORMAT, or medusa.FORMAT for Medusa heads), or
+    None where it is not a .safetensors file (a draft model of its own); a .safetensors file
+    that is missing or not such a draft is a ModelError naming it."""
+    from engine.spec.medusa import FORMAT as MEDUSA_FORMAT
+
     p = Path(path)
     if p.suffix != ".safetensors":
-        return False
+        return None
     if not p.is_file():
         raise ModelError(f"The draft file {path} does not exist: check the path (the demo "
-                         "draft is rebuilt by benchmarks/train_draft.py).")
-    if read_metadata(p).get("format") != FORMAT:
-        raise ModelError(f"{path} is not a servescope hidden-state draft: give a draft written "
-                         "by benchmarks/train_draft.py, a GGUF file or a Hugging Face folder.")
-    return True
+                         "drafts are rebuilt by benchmarks/train_draft.py and "
+                         "benchmarks/train_medusa.py).")
+    found = read_metadata(p).get("format")
+    if found not in (FORMAT, MEDUSA_FORMAT):
+        raise ModelError(f"{path} is not a servescope draft (a hidden-state draft or Medusa "
+                         "heads): give a draft written by benchmarks/train_draft.py or "
+                         "benchmarks/train_medusa.py, a GGUF file or a Hugging Face folder.")
+    return found
 
 
 def read_metadata(path: Path) -> dict[str, str]:
@@ -79,83 +85,45 @@ def draft_step(s: torch.Tensor, token_embeddings: torch.Tensor, w: dict[str, tor
                         w["fc2.bias"])
 
 
-class HiddenDraft(Proposer):
-    """Proposes tokens from each sequence's last target hidden state (see the module doc)."""
+def load_draft_file(path: str, target: LlamaModel, target_tokenizer, required: tuple[str, ...],
+                    out_tensor: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A draft file's tensors (without its id map) and its vocabulary ids, checked against the
+    target: the same tokenizer, every `required` tensor present, `out_tensor` the target's
+    hidden size wide, ids inside the target's vocabulary; else a ModelError naming the file."""
+    from safetensors.torch import load_file
 
-    def __init__(self, path: str, target: LlamaModel, target_tokenizer) -> None:
-        from safetensors.torch import load_file
+    meta = read_metadata(Path(path))
+    if meta.get("tokenizer_sha256") != vocab_fingerprint(target_tokenizer):
+        raise ModelError(f"The draft {path} was trained for a different tokenizer than the "
+                         "target's: use it with the model it was trained from "
+                         f"({meta.get('target', 'unknown')}).")
+    c = target.config
+    tensors = load_file(path)
+    missing = [n for n in required if n not in tensors]
+    if missing:
+        raise ModelError(f"The draft {path} has no tensor '{missing[0]}': it is incomplete; "
+                         f"rebuild it with {meta.get('trained_by', 'its training script')}.")
+    if tensors[out_tensor].shape[0] != c.hidden_size:
+        raise ModelError(f"The draft {path} does not fit this model (hidden size "
+                         f"{tensors[out_tensor].shape[0]} vs {c.hidden_size}): use it "
+                         f"with {meta.get('target', 'its target')}.")
+    ids = tensors.pop("draft.vocab_ids").long()
+    if int(ids.max()) >= c.vocab_size:
+        raise ModelError(f"The draft {path} proposes token ids outside the target's "
+                         "vocabulary: use it with the model it was trained from.")
+    return tensors, ids
 
-        meta = read_metadata(Path(path))
-        if meta.get("tokenizer_sha256") != vocab_fingerprint(target_tokenizer):
-            raise ModelError(f"The draft {path} was trained for a different tokenizer than the "
-                             "target's: use it with the model it was trained from "
-                             f"({meta.get('target', 'unknown')}).")
-        c = target.config
-        tensors = load_file(path)
-        missing = [n for n in TENSORS if n not in tensors]
-        if missing:
-            raise ModelError(f"The draft {path} has no tensor '{missing[0]}': it is incomplete; "
-                             "rebuild it with benchmarks/train_draft.py.")
-        if tensors["fc2.weight"].shape[0] != c.hidden_size:
-            raise ModelError(f"The draft {path} does not fit this model (hidden size "
-                             f"{tensors['fc2.weight'].shape[0]} vs {c.hidden_size}): use it "
-                             f"with {meta.get('target', 'its target')}.")
-        ids = tensors.pop("draft.vocab_ids").long()
-        if int(ids.max()) >= c.vocab_size:
-            raise ModelError(f"The draft {path} proposes token ids outside the target's "
-                             "vocabulary: use it with the model it was trained from.")
+
+class StateProposer(Proposer):
+    """A proposer that drafts from the target's own final hidden states (kept per sequence
+    from each step), reading tokens off them through the target's tied LM head restricted to
+    the draft's vocabulary."""
+
+    def __init__(self, path: str, target: LlamaModel, vocab_ids: torch.Tensor) -> None:
         self.name = Path(path).stem
-        self.eps = c.rms_norm_eps
         self.embed = target.embed
-        self.weights = {k: v.to(target.device, torch.float32) for k, v in tensors.items()}
-        self.vocab_ids = ids.to(target.device)
+        self.vocab_ids = vocab_ids.to(target.device)
         self.head = target.embed[self.vocab_ids].float()  # the tied LM head's kept rows
-
-    def propose(self, requests: list[tuple[Sequence, int]]) -> None:
-        """Fill each sequence's draft (up to k tokens) from its remembered hidden state; with
-        branches, a tree whose first tokens are the draft's most likely ones (see
-        _first_tokens), each continued as a chain."""
-        active = [(seq, k) for seq, k in requests
-                  if k > 0 and spec_state(seq).hidden is not None]
-        if not active:
-            return
-        s = torch.stack([spec_state(seq).hidden for seq, _ in active])
-        tokens = torch.tensor([seq.all_token_ids[-1] for seq, _ in active],
-                              device=self.head.device)
-        with torch.inference_mode():
-            s = draft_step(s, self.embed[tokens].float(), self.weights, self.eps)
-            firsts = self._first_tokens(s @ self.head.T, [seq for seq, _ in active])
-            # One row per branch from here on: its sequence's state, its own first token.
-            owner = [i for i, f in enumerate(firsts) for _ in f]
-            s = s[owner]
-            tokens = self.vocab_ids[torch.tensor([t for f in firsts for t in f],
-                                                 device=self.head.device)]
-            drafts = [tokens]
-            for _ in range(max(k for _, k in active) - 1):
-                s = draft_step(s, self.embed[tokens].float(), self.weights, self.eps)
-                tokens = self.vocab_ids[(s @ self.head.T).argmax(-1)]
-                drafts.append(tokens)
-        table = torch.stack(drafts, dim=1).tolist()
-        paths: list[list[list[int]]] = [[] for _ in active]
-        for i, row in zip(owner, table, strict=True):
-            paths[i].append(row[: active[i][1]])
-        for (seq, _), seq_paths in zip(active, paths, strict=True):
-            set_draft_paths(seq, seq_paths)
-
-    def _first_tokens(self, scores: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
-        """Per sequence, the head indices of its draft's first tokens: the most likely one and,
-        with branches (EAGLE-2's expansion by the draft's confidence), the next most likely
-        ones the draft gives at least BRANCH_RATIO of the first's probability."""
-        best = scores.argmax(-1).tolist()
-        branches = [branches_for(seq, self.num_branches) for seq in seqs]
-        if max(branches) == 1:
-            return [[b] for b in best]
-        probs, order = torch.softmax(scores, dim=-1).topk(max(branches), dim=-1)
-        out = []
-        for b, n, p, o in zip(best, branches, probs.tolist(), order.tolist(), strict=True):
-            kept = [t for t, pt in zip(o[1:n], p[1:n], strict=True) if pt >= BRANCH_RATIO * p[0]]
-            out.append([b] + kept)
-        return out
 
     def remember(self, sampling: list, new_tokens: list[list[int]],
                  hidden: torch.Tensor) -> None:
@@ -166,3 +134,80 @@ class HiddenDraft(Proposer):
             # A tree's accepted rows were laid out as a chain's already (SpecDecoder._keep_path).
             spec_state(s.seq).hidden = hidden[start + len(tokens) - 1].float()
             start += 1 + s.num_draft
+
+
+class HiddenDraft(StateProposer):
+    """Proposes tokens from each sequence's last target hidden state (see the module doc)."""
+
+    def __init__(self, path: str, target: LlamaModel, target_tokenizer) -> None:
+        tensors, ids = load_draft_file(path, target, target_tokenizer, TENSORS, "fc2.weight")
+        super().__init__(path, target, ids)
+        self.eps = target.config.rms_norm_eps
+        self.weights = {k: v.to(target.device, torch.float32) for k, v in tensors.items()}
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> None:
+        """Fill each sequence's draft (up to k tokens) from its remembered hidden state: a
+        chain of the draft's best tokens, or with branches a tree grown level by level from the
+        most probable paths so far (EAGLE-2's expansion by the draft's confidence)."""
+        active = [(seq, k) for seq, k in requests
+                  if k > 0 and spec_state(seq).hidden is not None]
+        if not active:
+            return
+        branches = [branches_for(seq, self.num_branches) for seq, _ in active]
+        s = torch.stack([spec_state(seq).hidden for seq, _ in active])
+        tokens = torch.tensor([seq.all_token_ids[-1] for seq, _ in active],
+                              device=self.head.device)
+        with torch.inference_mode():
+            s = draft_step(s, self.embed[tokens].float(), self.weights, self.eps)
+            if max(branches) == 1:
+                for (seq, k), chain in zip(active, self._chains(s, max(k for _, k in active)),
+                                           strict=True):
+                    set_draft_paths(seq, [chain[:k]])
+                return
+            trees = self._tree_paths(s, [k for _, k in active], branches)
+        for (seq, _), (paths, probs) in zip(active, trees, strict=True):
+            set_draft_paths(seq, paths, probs)
+
+    def _chains(self, s: torch.Tensor, depth: int) -> list[list[int]]:
+        """Each row's chain of the draft's best tokens, `depth` long, from its first state."""
+        drafts = []
+        for level in range(depth):
+            if level:
+                s = draft_step(s, self.embed[drafts[-1]].float(), self.weights, self.eps)
+            drafts.append(self.vocab_ids[(s @ self.head.T).argmax(-1)])
+        return torch.stack(drafts, dim=1).tolist()
+
+    def _tree_paths(self, s: torch.Tensor, depths: list[int], branches: list[int]
+                    ) -> list[tuple[list[list[int]], list[list[float]]]]:
+        """Per row of `s` (a sequence's first draft state), the `branches` most probable paths
+        of its depth and each path's probability at every depth: each level scores every kept
+        path's next tokens by the draft's probability times the path's, keeps the best
+        (keep_best) and steps the draft once for each kept path."""
+        # (probability, path, its probability at each depth, row of s)
+        beams = [[(1.0, [], [], row)] for row in range(len(depths))]
+        for level in range(max(depths)):
+            probs, rows = torch.softmax(s @ self.head.T, dim=-1).topk(max(branches), dim=-1)
+            probs, tokens = probs.tolist(), self.vocab_ids[rows].tolist()
+            next_rows: list[int] = []
+            for i, beam in enumerate(beams):
+                if level >= depths[i]:
+                    continue
+                n = branches[i]
+                kept = keep_best([(p * q, path + [t], cum + [p * q], r) for p, path, cum, r in beam
+                                  for q, t in zip(probs[r][:n], tokens[r][:n], strict=True)], n)
+                beams[i] = [(p, path, cum, len(next_rows) + j)
+                            for j, (p, path, cum, _) in enumerate(kept)]
+                next_rows += [r for *_, r in kept]
+            if level + 1 < max(depths):
+                last = torch.tensor([path[-1] for beam in beams for _, path, _, _ in beam
+                                     if len(path) == level + 1], device=self.head.device)
+                s = draft_step(s[next_rows], self.embed[last].float(), self.weights, self.eps)
+        return [([path for _, path, _, _ in beam], [cum for _, _, cum, _ in beam])
+                for beam in beams]
+
+
+def keep_best(candidates: list[tuple], n: int) -> list[tuple]:
+    """One level of a draft tree: the n most probable candidates (probability first), less any
+    below BRANCH_RATIO of the best one's, so a confident draft stays a chain."""
+    ranked = sorted(candidates, key=lambda c: -c[0])[:n]
+    return [c for c in ranked if c[0] >= BRANCH_RATIO * ranked[0][0]]

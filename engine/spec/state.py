@@ -23,6 +23,9 @@ class SpecState:
     cooldown: int = 0  # steps left without drafting after acceptance collapsed
     hidden: torch.Tensor | None = None  # the target's last hidden state (a hidden-state draft)
     tree: TokenTree | None = None  # the drafts as a tree (`tokens` are its nodes); None: a chain
+    # Per tree node, the proposer's probability that its path is right (the draft's own
+    # confidence, product along the path); None where the proposer gives none (prompt lookup).
+    node_probs: list[float] | None = None
     # The drafts accepted by the last verification (node indices; a chain's are 0, 1, ...): the
     # rows whose KV and logits are kept.
     path: list[int] = field(default_factory=list)
@@ -35,3 +38,4 @@ class SpecState:
 
     def clear_drafts(self) -> None:
         self.tokens, self.probs, self.tree, self.path = [], None, None, []
+        self.node_probs = None

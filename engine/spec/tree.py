@@ -128,6 +128,21 @@ class TokenTree:
         """The nodes' positions when the root sits at position `context_len`."""
         return [context_len + d for d in self.depths]
 
+    def subset(self, keep: list[int]) -> TokenTree:
+        """The tree of the nodes `keep` (each kept node's parent kept too), renumbered in their
+        order."""
+        new = {old: i for i, old in enumerate(sorted(keep))}
+        return TokenTree(tuple(self.tokens[i] for i in new),
+                         tuple(ROOT if self.parents[i] == ROOT else new[self.parents[i]]
+                               for i in new))
+
+    def first_path_length(self) -> int:
+        """How many nodes the first path holds: nodes 0, 1, ... each under the one before."""
+        n = 0
+        while n < len(self) and self.parents[n] == n - 1:
+            n += 1
+        return n
+
     def prefix(self, n: int) -> TokenTree:
         """The first n nodes: still a tree, since parents come before their children (the
         scheduler may cut a sequence's drafts short)."""

@@ -229,12 +229,14 @@ def test_speculative_toggle_drafts_and_shows_acceptance(make_window, qtbot, demo
     assert "accepted" in pane.live_view.spec_label.text()
 
 
-def test_speculative_choices_include_the_demo_draft_and_a_draft_file(make_window, tmp_path):
+def test_speculative_choices_include_the_demo_drafts_and_a_draft_file(make_window, tmp_path):
     panel = make_window().pane("engine").load_panel
     combo = panel.spec_combo
     panel.set_model("smollm2-135m-instruct")
     combo.setCurrentIndex(combo.findData("demo-draft"))
     assert panel.current_request().speculative == "demo-draft"
+    combo.setCurrentIndex(combo.findData("demo-medusa"))
+    assert panel.current_request().speculative == "demo-medusa"
     draft = tmp_path / "draft.gguf"
     panel.set_draft_file(str(draft))
     assert panel.current_request().speculative == f"draft:{draft}"

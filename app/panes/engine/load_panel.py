@@ -157,10 +157,13 @@ class LoadPanel(QGroupBox):
         self.spec_combo.addItem("Prompt lookup (n-gram), up to 5 draft tokens", "ngram:k=5")
         self.spec_combo.addItem("Demo model's own draft, after prompt lookup, up to 2 draft "
                                 "tokens", "demo-draft")
+        self.spec_combo.addItem("Demo model's Medusa heads, after prompt lookup, up to 3 draft "
+                                "tokens", "demo-medusa")
         self.spec_combo.addItem("Draft model file…", DRAFT_FILE)
         self.spec_combo.setToolTip("Speculative decoding: lossless. Prompt lookup pays off when "
                                    "replies copy from the prompt (edits, summaries, code); the "
-                                   "demo draft speeds up the demo model's open chat too")
+                                   "demo draft and Medusa heads speed up the demo model's "
+                                   "open chat too")
         self.prefix_check.setToolTip("Prefix caching: requests that share a beginning (a system "
                                      "prompt, earlier chat turns) reuse its KV blocks")
         for i, (policy, label, tip) in enumerate(KV_POLICIES):
