@@ -7,7 +7,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.spec.break_even import (
     PROBE_EVERY,
-    DraftCalibration,
+    MovingRatio,
     StepCosts,
     branch_threshold,
     draft_lengths,
@@ -142,9 +142,37 @@ def test_a_sequence_left_without_drafts_probes_now_and_then(demo_gguf, monkeypat
     rid = spec.add_request("Hello", SamplingParams(temperature=0, max_tokens=4))
     spec.step()
     seq = spec.core.seqs[rid]
-    seq.spec.position_rate = 0.0
+    seq.spec.position_rate, seq.spec.verifications = 0.0, 1  # its own drafts: all rejected
     lengths = [spec.spec.draft_lengths([seq])[0] for _ in range(2 * PROBE_EVERY)]
     assert lengths.count(1) == 2 and set(lengths) == {0, 1}
+
+
+def test_a_new_request_starts_from_what_earlier_drafts_achieved(demo_gguf, tmp_path,
+                                                                monkeypatch):
+    """A fresh engine lets a new request draft on an optimistic guess; once its drafts have
+    been verified, a new request starts from the acceptance they had (here: a draft that is
+    always wrong, so the next request does not draft at all before a probe)."""
+    from tests.test_spec import _tiny_draft
+
+    plain = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024)
+    tiny = _tiny_draft(tmp_path / "tiny", plain.tokenizer, plain.config.vocab_size)
+    llm = measured(LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024,
+                       speculative=f"draft:{tiny},k=3"), monkeypatch)
+
+    def first_draft_length() -> int:
+        rid = llm.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4))
+        llm.step()  # its prefill
+        seq = llm.core.seqs[rid]
+        length = llm.spec.draft_lengths([seq])[0]
+        llm.abort(rid)
+        while llm.has_unfinished():
+            llm.step()
+        return length
+
+    assert first_draft_length() > 0
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    assert llm.spec.position_prior < 0.3
+    assert first_draft_length() == 0
 
 
 def test_the_old_rule_runs_only_where_break_even_does_not_decide():
@@ -182,11 +210,13 @@ def test_a_branch_must_buy_more_than_its_query_token_costs():
 
 
 def test_the_drafts_confidence_is_calibrated_by_what_is_accepted():
-    cal = DraftCalibration()
-    assert cal.scale == 1.0
-    for _ in range(40):  # nodes the draft gives 0.5 each, accepted one time in four
-        cal.observe([0.5, 0.5], 1 if _ % 2 else 0)
-    assert cal.scale == pytest.approx(0.5, abs=0.1)
+    cal = MovingRatio(0.95)
+    assert cal.value(1.0, 2.0) == 1.0
+    cal.observe(1, 1.0)
+    assert cal.value(1.0, 2.0) == 1.0  # too little seen yet
+    for i in range(40):  # nodes the draft gives 0.5 each, accepted one time in four
+        cal.observe(i % 2, 1.0)
+    assert cal.value(1.0, 2.0) == pytest.approx(0.5, abs=0.1)
 
 
 @pytest.mark.parametrize("spec", ["demo-draft:lookup=0,branches=4",

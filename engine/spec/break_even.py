@@ -15,7 +15,8 @@ nodes per level (its measured width) puts about w * k query tokens into the step
 proposer drafts each of them. Its p is then the tree's acceptance per level, which the tree's
 extra branches raise: that is what they are paid for. Which branches a tree keeps is priced
 node by node: a node off the first path stays only where its probability of being accepted (the
-proposer's own, scaled by how often its nodes have been accepted against it) buys more tokens
+proposer's own, scaled by how often its nodes have been accepted against it: a MovingRatio)
+buys more tokens
 than its query token's time would decoding plainly (branch_threshold).
 """
 
@@ -27,7 +28,7 @@ COST_DECAY = 0.8  # weight of the old estimate in each moving average
 # A sequence left without drafts tries one draft token every PROBE_EVERY steps, so a reply that
 # becomes predictable (a quote, a list) is noticed; a probe costs at most one verify step in 32.
 PROBE_EVERY = 32
-# The draft's calibration (accepted nodes against its own probabilities) is a moving sum over
+# The draft's calibration (accepted nodes against its own probabilities) is a moving ratio over
 # about 1 / (1 - CALIBRATION_DECAY) drafts; below CALIBRATION_MIN expected nodes it is 1.
 CALIBRATION_DECAY = 0.95
 CALIBRATION_MIN = 2.0
@@ -86,21 +87,23 @@ class StepCosts:
 
 
 @dataclass
-class DraftCalibration:
-    """How often drafted nodes are accepted against the proposer's own probability for them:
-    accepted nodes over the sum of their probabilities, as moving sums over the drafts
-    verified. A draft that is over-confident gets a scale below 1."""
+class MovingRatio:
+    """The ratio of two moving sums, each decayed by `decay` per observation (about the last
+    1 / (1 - decay) observations count): the calibration of a draft's confidence (accepted
+    nodes over the sum of their probabilities) and the acceptance per draft position over
+    every request (accepted over tried)."""
 
-    accepted: float = 0.0
-    expected: float = 0.0
+    decay: float
+    num: float = 0.0
+    den: float = 0.0
 
-    def observe(self, node_probs: list[float], accepted: int) -> None:
-        self.accepted = CALIBRATION_DECAY * self.accepted + accepted
-        self.expected = CALIBRATION_DECAY * self.expected + sum(node_probs)
+    def observe(self, num: float, den: float) -> None:
+        self.num = self.decay * self.num + num
+        self.den = self.decay * self.den + den
 
-    @property
-    def scale(self) -> float:
-        return self.accepted / self.expected if self.expected > CALIBRATION_MIN else 1.0
+    def value(self, default: float, min_den: float = 1e-9) -> float:
+        """num / den, or `default` while den is below `min_den` (too little seen)."""
+        return self.num / self.den if self.den >= min_den else default
 
 
 def branch_threshold(costs: StepCosts, batch: int) -> float | None:

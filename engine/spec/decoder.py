@@ -19,8 +19,10 @@ from engine.block_manager import BlockManager
 from engine.features import Step, StepFeature
 from engine.sequence import Sequence
 from engine.spec.break_even import (
+    CALIBRATION_DECAY,
+    CALIBRATION_MIN,
     PROBE_EVERY,
-    DraftCalibration,
+    MovingRatio,
     StepCosts,
     branch_threshold,
     draft_lengths,
@@ -38,6 +40,11 @@ EMA_DECAY = 0.7
 FULL_AT = 0.5
 OFF_BELOW = 0.15
 COOLDOWN = 8
+# A new request's acceptance per draft position before its own first verification: accepted
+# over tried across recent verifications of every request (a moving ratio, PRIOR_DECAY), and
+# PRIOR_RATE before any.
+PRIOR_RATE = 0.8
+PRIOR_DECAY = 0.95
 LOOKUP_TOKENS = 5  # prompt lookup's draft length in front of a draft model (lookup=1)
 
 
@@ -215,7 +222,10 @@ class SpecDecoder(StepFeature):
         self.max_model_len = max_model_len  # drafts never reach positions past the context
         self.block_manager = block_manager  # rejected drafts' slots are trimmed off
         self.costs = StepCosts()  # this machine's decode-step and drafting costs, as measured
-        self.calibration = DraftCalibration()  # the proposer's confidence against acceptance
+        # The proposer's confidence against what is accepted (accepted nodes / their
+        # probabilities), and the acceptance per draft position over every request so far.
+        self.calibration = MovingRatio(CALIBRATION_DECAY)
+        self.acceptance = MovingRatio(PRIOR_DECAY)
         self._drafted_at: float | None = None  # when this step's proposals were done
 
     # ---- step hooks ----
@@ -254,8 +264,8 @@ class SpecDecoder(StepFeature):
             state.path = list(range(len(tokens) - 1))
             self.record(step.sampling[i].seq, step.sampling[i].num_draft, len(tokens) - 1)
             if state.node_probs is not None:
-                self.calibration.observe(state.node_probs[: step.sampling[i].num_draft],
-                                         len(tokens) - 1)
+                self.calibration.observe(
+                    len(tokens) - 1, sum(state.node_probs[: step.sampling[i].num_draft]))
 
     def _verify_trees(self, step: Step, logits: torch.Tensor, rows: list[int],
                       indices: list[int], chosen: list[list[int] | None]) -> None:
@@ -272,7 +282,7 @@ class SpecDecoder(StepFeature):
             self.record(item.seq, item.tree.max_depth, len(verdict.path), len(item.tree))
             probs = spec_state(item.seq).node_probs
             if probs is not None:
-                self.calibration.observe(probs[: len(item.tree)], len(verdict.path))
+                self.calibration.observe(len(verdict.path), sum(probs[: len(item.tree)]))
 
     def after_forward(self, step: Step) -> None:
         """Count accepted drafts as computed, trim the rejected ones' slots, clear drafts;
@@ -351,7 +361,7 @@ class SpecDecoder(StepFeature):
         threshold = branch_threshold(self.costs, len(seqs)) if self.config.adaptive else None
         if threshold is None:
             return
-        scale = self.calibration.scale
+        scale = self.calibration.value(1.0, CALIBRATION_MIN)
         for seq in seqs:
             state = spec_state(seq)
             tree, probs = state.tree, state.node_probs
@@ -394,7 +404,7 @@ class SpecDecoder(StepFeature):
         # A seeded sampled request must come out the same every time, and its random draws
         # depend on where drafts fall: its lengths may not depend on measured times.
         timed = [i for i, seq in enumerate(seqs) if not _reproducible(seq)]
-        paying = draft_lengths([spec_state(seqs[i]).position_rate for i in timed],
+        paying = draft_lengths([self._position_rate(seqs[i]) for i in timed],
                                [caps[i] for i in timed], self.costs,
                                [spec_state(seqs[i]).width for i in timed])
         decided = {} if paying is None else dict(zip(timed, paying, strict=True))
@@ -460,5 +470,20 @@ class SpecDecoder(StepFeature):
         state.rate = EMA_DECAY * state.rate + (1 - EMA_DECAY) * accepted / proposed
         # Per position: the drafts tried until the first rejection (all, if none was).
         tried = min(accepted + 1, proposed)
-        state.position_rate = (EMA_DECAY * state.position_rate
+        state.position_rate = (EMA_DECAY * self._position_rate(seq)
                                + (1 - EMA_DECAY) * accepted / tried)
+        state.verifications += 1
+        self.acceptance.observe(accepted, tried)
+
+    def _position_rate(self, seq: Sequence) -> float:
+        """The sequence's acceptance per draft position: its own once a draft of it has been
+        verified, before that the prior learnt from earlier requests (a new request is not
+        assumed to be as predictable as a fixed guess: at a large batch, 16 new requests
+        drafting on an optimistic guess cost more than their drafts bring)."""
+        state = spec_state(seq)
+        return state.position_rate if state.verifications else self.position_prior
+
+    @property
+    def position_prior(self) -> float:
+        """A new request's acceptance per draft position: what drafts achieved so far."""
+        return self.acceptance.value(PRIOR_RATE)

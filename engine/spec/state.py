@@ -17,7 +17,10 @@ class SpecState:
     probs: list[torch.Tensor] | None = None  # the draft model's distributions, when sampled
     draft_computed: int = 0  # tokens whose keys a draft model has cached
     rate: float = 1.0  # running acceptance estimate, optimistic at first
-    position_rate: float = 0.8  # running acceptance probability per draft position (tree level)
+    # Running acceptance probability per draft position (tree level); until the sequence's first
+    # verification, the decoder's prior (what its drafts achieved for earlier requests).
+    position_rate: float = 0.8
+    verifications: int = 0  # drafts of this sequence verified so far
     width: float = 1.0  # running draft nodes per level: 1 for chains, more for trees
     idle_steps: int = 0  # steps without drafts since the last (break-even said no)
     cooldown: int = 0  # steps left without drafting after acceptance collapsed
