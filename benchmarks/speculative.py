@@ -6,7 +6,10 @@ Workloads: copy-heavy chat, open chat, replies the drafts cannot predict (shuffl
 speculation must not lose), and 16 open-chat requests at once (where verification competes with
 the batch for the same compute).
 Each proposer is measured right after its own baseline run (the machine's load drifts).
+With --rounds N each workload is compared N times in a row and the median round reported (the
+shared machine's load moves single rounds by 10% or more).
 Run: python benchmarks/speculative.py [--spec ngram --spec demo-draft ...] [--max-tokens 128]
+     [--rounds 3]
 """
 
 from __future__ import annotations
@@ -112,6 +115,16 @@ def compare(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int,
     }
 
 
+def compare_rounds(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int, rounds: int,
+                   run=run_workload) -> dict:
+    """compare() `rounds` times in a row (baseline, then speculation, each round): the round
+    with the median speed-up, every round's speed-up beside it, outputs identical in all."""
+    results = [compare(plain, spec, prompts, max_tokens, run) for _ in range(rounds)]
+    median = sorted(results, key=lambda r: r["speedup"])[len(results) // 2]
+    return {**median, "outputs_identical": all(r["outputs_identical"] for r in results),
+            "speedups": [round(r["speedup"], 3) for r in results]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="default: the demo model")
@@ -120,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(after prompt lookup), demo-draft:lookup=0 (the draft alone) and "
                              "demo-medusa:lookup=0 (the Medusa heads alone)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds per workload (the median speed-up is reported)")
     args = parser.parse_args(argv)
     specs = args.spec or ["ngram", "demo-draft", "demo-draft:lookup=0", "demo-medusa:lookup=0"]
     model = args.model or str(fetch_demo_model(progress=lambda m, f: None))
@@ -128,14 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in specs:
         spec = LLM(model, device="cpu", dtype="float32", speculative=name)
         print(f"{name}: copy-heavy workload", file=sys.stderr)
-        copy = compare(plain, spec, COPY_HEAVY, args.max_tokens)
+        copy = compare_rounds(plain, spec, COPY_HEAVY, args.max_tokens, args.rounds)
         print(f"{name}: open chat workload", file=sys.stderr)
-        chat = compare(plain, spec, OPEN_CHAT, args.max_tokens)
+        chat = compare_rounds(plain, spec, OPEN_CHAT, args.max_tokens, args.rounds)
         print(f"{name}: unpredictable workload", file=sys.stderr)
-        noise = compare(plain, spec, UNPREDICTABLE, args.max_tokens)
+        noise = compare_rounds(plain, spec, UNPREDICTABLE, args.max_tokens, args.rounds)
         print(f"{name}: {CONCURRENT} concurrent requests", file=sys.stderr)
-        batch = compare(plain, spec, (OPEN_CHAT * CONCURRENT)[:CONCURRENT], args.max_tokens,
-                        run_batch)
+        batch = compare_rounds(plain, spec, (OPEN_CHAT * CONCURRENT)[:CONCURRENT],
+                               args.max_tokens, args.rounds, run_batch)
         runs[name] = {"copy_heavy": copy, "open_chat": chat, "unpredictable": noise,
                       f"concurrent_{CONCURRENT}": batch,
                       "step_ms_by_tokens": spec.spec.summary()["step_ms_by_tokens"]}

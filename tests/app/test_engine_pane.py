@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
@@ -227,6 +228,13 @@ def test_speculative_toggle_drafts_and_shows_acceptance(make_window, qtbot, demo
     assert summary["method"] == "ngram" and summary["draft_tokens"] > 0
     pane.live_view.refresh()
     assert "accepted" in pane.live_view.spec_label.text()
+    # Acceptance by draft position, charted: one bar per position, vLLM's per-position share.
+    chart = pane.live_view.spec_chart
+    assert chart.isVisibleTo(pane.live_view)
+    heights = list(chart.bars.opts["height"])
+    per_pos = summary["accepted_per_position"]
+    assert len(heights) == len(per_pos) > 0 and heights[0] > 0
+    assert heights == pytest.approx([n / summary["drafts"] for n in per_pos])
 
 
 def test_speculative_choices_include_the_demo_drafts_and_a_draft_file(make_window, tmp_path):

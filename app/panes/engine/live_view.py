@@ -8,6 +8,7 @@ from PySide6.QtWidgets import QFormLayout, QGroupBox, QLabel, QProgressBar, QVBo
 
 from app.engine_host import EngineHost
 from app.panes.engine.kv_chart import KVChart
+from app.panes.engine.spec_chart import SpecChart, acceptance_by_position
 
 POLL_MS = 250
 
@@ -26,6 +27,8 @@ class LiveView(QGroupBox):
         self.spec_label.setToolTip("Share of draft tokens accepted, and tokens emitted per "
                                    "verification step (1 + accepted / drafts)")
         self.kv_chart = KVChart()
+        self.spec_chart = SpecChart()
+        self.spec_chart.setVisible(False)  # shown once speculation has drafted
         self._drawn_version = -1
         form = QFormLayout()
         form.addRow("Requests", self.requests_label)
@@ -34,6 +37,7 @@ class LiveView(QGroupBox):
         form.addRow("Speculative", self.spec_label)
         layout = QVBoxLayout(self)
         layout.addLayout(form)
+        layout.addWidget(self.spec_chart)
         layout.addWidget(self.kv_chart, 1)
         # Spyder's lesson: a hidden status widget must not keep polling.
         self._timer = QTimer(self, interval=POLL_MS)
@@ -53,7 +57,11 @@ class LiveView(QGroupBox):
             self._set_kv(stats.kv_blocks_used, stats.kv_blocks_total)
         busy = self._host.state in ("generating", "benchmarking")
         self.rate_label.setText(f"{self._host.meter.rate():,.1f}" if busy else "idle")
-        self.spec_label.setText(_spec_text(self._host.spec_summary()))
+        summary = self._host.spec_summary()
+        self.spec_label.setText(_spec_text(summary))
+        rates = acceptance_by_position(summary)
+        self.spec_chart.setVisible(bool(rates))
+        self.spec_chart.update_rates(rates)
         self._refresh_chart()
 
     def _refresh_chart(self) -> None:
