@@ -118,9 +118,10 @@ def compare(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int,
 def compare_rounds(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int, rounds: int,
                    run=run_workload) -> dict:
     """compare() `rounds` times in a row (baseline, then speculation, each round): the round
-    with the median speed-up, every round's speed-up beside it, outputs identical in all."""
+    with the median speed-up (the lower of the middle two for an even count), every round's
+    speed-up beside it, outputs identical in all."""
     results = [compare(plain, spec, prompts, max_tokens, run) for _ in range(rounds)]
-    median = sorted(results, key=lambda r: r["speedup"])[len(results) // 2]
+    median = sorted(results, key=lambda r: r["speedup"])[(len(results) - 1) // 2]
     return {**median, "outputs_identical": all(r["outputs_identical"] for r in results),
             "speedups": [round(r["speedup"], 3) for r in results]}
 
