@@ -250,29 +250,38 @@ def evaluate(w: dict, data: dict, embed: torch.Tensor, head: torch.Tensor, eps: 
 def train(w: dict, data: dict, held: dict, embed: torch.Tensor, head: torch.Tensor, eps: float,
           epochs: int, lr: float) -> list[dict]:
     """Cross-entropy on both steps' tokens plus a regression of the states (EAGLE's recipe)."""
+    ce, l1_loss = torch.nn.functional.cross_entropy, torch.nn.functional.smooth_l1_loss
+
+    def loss(batch: dict) -> torch.Tensor:
+        s1, s2, l1, l2 = two_steps(w, batch, embed, head, eps)
+        return (ce(l1, batch["y1"], ignore_index=-100) + ce(l2, batch["y2"], ignore_index=-100)
+                + STATE_WEIGHT * (l1_loss(s1, batch["h1"]) + l1_loss(s2, batch["h2"])))
+
+    return fit(w, data, loss, lambda: evaluate(w, held, embed, head, eps), epochs, lr)
+
+
+def fit(w: dict, data: dict[str, torch.Tensor], loss, held_out, epochs: int, lr: float,
+        ) -> list[dict]:
+    """AdamW with a one-cycle rate over `epochs` shuffled passes of BATCH examples (rows of
+    every tensor in `data`); `loss(batch)` per batch, `held_out()` after each epoch. One
+    history entry per epoch (train loss, held-out figures, seconds), printed as it ends."""
     opt = torch.optim.AdamW(w.values(), lr=lr, weight_decay=0.0)
-    n = len(data["x1"])
-    steps = epochs * (n // BATCH)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps,
+    n = len(next(iter(data.values())))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * (n // BATCH),
                                                 pct_start=0.1)
     gen = torch.Generator().manual_seed(SEED)
-    ce, l1_loss = torch.nn.functional.cross_entropy, torch.nn.functional.smooth_l1_loss
     history = []
     for epoch in range(epochs):
         order, total, t0 = torch.randperm(n, generator=gen), 0.0, time.perf_counter()
         for b in range(n // BATCH):
-            batch = {k: v[order[b * BATCH : (b + 1) * BATCH]] for k, v in data.items()}
-            s1, s2, l1, l2 = two_steps(w, batch, embed, head, eps)
-            loss = (ce(l1, batch["y1"], ignore_index=-100) + ce(l2, batch["y2"], ignore_index=-100)
-                    + STATE_WEIGHT * (l1_loss(s1, batch["h1"]) + l1_loss(s2, batch["h2"])))
+            value = loss({k: v[order[b * BATCH : (b + 1) * BATCH]] for k, v in data.items()})
             opt.zero_grad()
-            loss.backward()
+            value.backward()
             opt.step()
             sched.step()
-            total += float(loss.detach())
+            total += float(value.detach())
         history.append({"epoch": epoch + 1, "train_loss": total / (n // BATCH),
-                        "held_out": evaluate(w, held, embed, head, eps),
-                        "seconds": time.perf_counter() - t0})
+                        "held_out": held_out(), "seconds": time.perf_counter() - t0})
         print(json.dumps(history[-1]), file=sys.stderr)
     return history
 
@@ -315,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     history = train(w, data, held, embed, head, cfg.rms_norm_eps, args.epochs, args.lr)
     train_s = time.perf_counter() - t0
-    save(w, vocab_ids, args, ckpt)
+    save(w, vocab_ids, args.out, ckpt, {
+        "format": FORMAT, "width": str(args.width), "trained_by": "benchmarks/train_draft.py",
+        "epochs": str(args.epochs), "lr": str(args.lr)})
     result = {
         "benchmark": "train_draft", "target": ckpt.name, "out": args.out,
         "draft_vocab": len(vocab_ids), "width": args.width,
@@ -342,18 +353,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save(w: dict, vocab_ids: torch.Tensor, args, ckpt) -> None:
-    """float16 tensors and the metadata the engine checks (format, tokenizer)."""
+def save(w: dict, vocab_ids: torch.Tensor, out: str, ckpt, meta: dict[str, str]) -> None:
+    """float16 tensors, the id map and the metadata the engine checks (`meta`: the format and
+    the training settings; the target, its tokenizer's fingerprint and the seed added here)."""
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().half().contiguous() for k, v in w.items()}
     tensors["draft.vocab_ids"] = vocab_ids.int()
-    meta = {"format": FORMAT, "target": ckpt.name, "width": str(args.width),
-            "tokenizer_sha256": vocab_fingerprint(ckpt.tokenizer),
-            "trained_by": "benchmarks/train_draft.py", "seed": str(SEED),
-            "epochs": str(args.epochs), "lr": str(args.lr)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, args.out, metadata=meta)
+    meta = {"target": ckpt.name, "tokenizer_sha256": vocab_fingerprint(ckpt.tokenizer),
+            "seed": str(SEED), **meta}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out, metadata=meta)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,11 @@ from benchmarks.train_draft import (  # noqa: E402
     VOCAB,
     chat_prompts,
     draft_vocab,
+    fit,
     generate,
     held_out_coverage,
     reproduces_reply,
+    save,
     split,
     target_states,
 )
@@ -46,13 +48,11 @@ from engine.bench import machine  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
 from engine.spec.config import DEMO_MEDUSA_PATH  # noqa: E402
-from engine.spec.hidden_draft import vocab_fingerprint  # noqa: E402
 from engine.spec.medusa import FORMAT, head_names, medusa_states  # noqa: E402
 
 HEADS = 4
 EPOCHS = 8
 LR = 3e-3
-BATCH = 256
 DECAY = 0.8  # head i's loss weight is DECAY**i (Medusa-1)
 
 
@@ -98,45 +98,15 @@ def evaluate(w: dict, data: dict, head: torch.Tensor, heads: int) -> dict:
 
 def train(w: dict, data: dict, held: dict, head: torch.Tensor, heads: int, epochs: int,
           lr: float) -> list[dict]:
-    opt = torch.optim.AdamW(w.values(), lr=lr, weight_decay=0.0)
-    n = len(data["h"])
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * (n // BATCH),
-                                                pct_start=0.1)
-    gen = torch.Generator().manual_seed(SEED)
+    """Cross-entropy on every head's token, head i weighted DECAY**i (Medusa-1's recipe)."""
     weights = [DECAY ** i for i in range(heads)]
-    history = []
-    for epoch in range(epochs):
-        order, total, t0 = torch.randperm(n, generator=gen), 0.0, time.perf_counter()
-        for b in range(n // BATCH):
-            idx = order[b * BATCH : (b + 1) * BATCH]
-            out = logits(w, data["h"][idx], head, heads)
-            y = data["y"][idx]
-            loss = sum(weights[i] * torch.nn.functional.cross_entropy(
-                out[i], y[:, i], ignore_index=-100) for i in range(heads))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            total += float(loss.detach())
-        history.append({"epoch": epoch + 1, "train_loss": total / (n // BATCH),
-                        "held_out": evaluate(w, held, head, heads),
-                        "seconds": time.perf_counter() - t0})
-        print(json.dumps(history[-1]), file=sys.stderr)
-    return history
 
+    def loss(batch: dict) -> torch.Tensor:
+        out = logits(w, batch["h"], head, heads)
+        return sum(weights[i] * torch.nn.functional.cross_entropy(
+            out[i], batch["y"][:, i], ignore_index=-100) for i in range(heads))
 
-def save(w: dict, vocab_ids: torch.Tensor, args, ckpt) -> None:
-    """float16 tensors and the metadata the engine checks (format, tokenizer)."""
-    from safetensors.torch import save_file
-
-    tensors = {k: v.detach().half().contiguous() for k, v in w.items()}
-    tensors["draft.vocab_ids"] = vocab_ids.int()
-    meta = {"format": FORMAT, "target": ckpt.name, "heads": str(args.heads),
-            "tokenizer_sha256": vocab_fingerprint(ckpt.tokenizer),
-            "trained_by": "benchmarks/train_medusa.py", "seed": str(SEED),
-            "epochs": str(args.epochs), "lr": str(args.lr)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, args.out, metadata=meta)
+    return fit(w, data, loss, lambda: evaluate(w, held, head, heads), epochs, lr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     history = train(w, data, held, head, args.heads, args.epochs, args.lr)
     train_s = time.perf_counter() - t0
-    save(w, vocab_ids, args, ckpt)
+    save(w, vocab_ids, args.out, ckpt, {
+        "format": FORMAT, "heads": str(args.heads), "trained_by": "benchmarks/train_medusa.py",
+        "epochs": str(args.epochs), "lr": str(args.lr)})
     result = {
         "benchmark": "train_medusa", "target": ckpt.name, "heads": args.heads,
         "draft_vocab": len(vocab_ids),
