@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 
 from collections import Counter  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -286,6 +287,31 @@ def fit(w: dict, data: dict[str, torch.Tensor], loss, held_out, epochs: int, lr:
     return history
 
 
+@dataclass
+class Corpus:
+    """What every draft of the demo model is trained on: the replies (prompt + reply ids), the
+    held-out split, the target's checkpoint and final states, the draft vocabulary."""
+
+    records: list[dict]
+    train_idx: list[int]
+    held_idx: list[int]
+    ckpt: object
+    states: list[torch.Tensor]
+    vocab_ids: torch.Tensor
+    token_to_row: torch.Tensor
+
+    @classmethod
+    def build(cls, model: str, prompts: list[str], replies: list[dict], work: Path,
+              vocab: int) -> Corpus:
+        records = [{"ids": r["prompt"] + r["reply"], "prompt_len": len(r["prompt"])}
+                   for r in replies]
+        train_idx, held_idx = split(prompts)
+        ckpt = load_checkpoint(model, dtype=torch.float32)
+        states = target_states(ckpt.tensors, ckpt.config, records, work)
+        vocab_ids, token_to_row = draft_vocab(records, train_idx, vocab, ckpt.config.vocab_size)
+        return cls(records, train_idx, held_idx, ckpt, states, vocab_ids, token_to_row)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--work-dir", default=str(REPO / ".cache" / "draft-train"))
@@ -306,15 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.generate_only:
         print(json.dumps({"replies": len(records), "machine": machine()}))
         return 0
-    records = [{"ids": r["prompt"] + r["reply"], "prompt_len": len(r["prompt"])}
-               for r in records]
-    train_idx, held_idx = split(prompts)
-    ckpt = load_checkpoint(model, dtype=torch.float32)
-    cfg, tensors = ckpt.config, ckpt.tensors
     t0 = time.perf_counter()
-    states = target_states(tensors, cfg, records, work)
+    c = Corpus.build(model, prompts, records, work, args.vocab)
     state_s = time.perf_counter() - t0
-    vocab_ids, token_to_row = draft_vocab(records, train_idx, args.vocab, cfg.vocab_size)
+    records, train_idx, held_idx, states = c.records, c.train_idx, c.held_idx, c.states
+    ckpt, cfg, tensors = c.ckpt, c.ckpt.config, c.ckpt.tensors
+    vocab_ids, token_to_row = c.vocab_ids, c.token_to_row
     embed = tensors["model.embed_tokens.weight"]
     head = embed[vocab_ids]
     data = examples(records, states, train_idx, token_to_row)

@@ -34,18 +34,15 @@ from benchmarks.train_draft import (  # noqa: E402
     SEED,
     TOPICS,
     VOCAB,
+    Corpus,
     chat_prompts,
-    draft_vocab,
     fit,
     generate,
     held_out_coverage,
     reproduces_reply,
     save,
-    split,
-    target_states,
 )
 from engine.bench import machine  # noqa: E402
-from engine.loader import load_checkpoint  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
 from engine.spec.config import DEMO_MEDUSA_PATH  # noqa: E402
 from engine.spec.medusa import FORMAT, head_names, medusa_states  # noqa: E402
@@ -123,13 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir)
     model = str(fetch_demo_model(progress=lambda m, f: None))
     prompts = chat_prompts(args.topics)
-    records = [{"ids": r["prompt"] + r["reply"], "prompt_len": len(r["prompt"])}
-               for r in generate(model, prompts, work / "replies.jsonl")]
-    train_idx, held_idx = split(prompts)
-    ckpt = load_checkpoint(model, dtype=torch.float32)
-    cfg, tensors = ckpt.config, ckpt.tensors
-    states = target_states(tensors, cfg, records, work)
-    vocab_ids, token_to_row = draft_vocab(records, train_idx, args.vocab, cfg.vocab_size)
+    c = Corpus.build(model, prompts, generate(model, prompts, work / "replies.jsonl"), work,
+                     args.vocab)
+    records, train_idx, held_idx, states = c.records, c.train_idx, c.held_idx, c.states
+    ckpt, cfg, tensors = c.ckpt, c.ckpt.config, c.ckpt.tensors
+    vocab_ids, token_to_row = c.vocab_ids, c.token_to_row
     head = tensors["model.embed_tokens.weight"][vocab_ids]
     data = examples(records, states, train_idx, token_to_row, args.heads)
     held = examples(records, states, held_idx, token_to_row, args.heads)
