@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds per workload (the median speed-up is reported)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds needs at least 1 round")
     specs = args.spec or ["ngram", "demo-draft", "demo-draft:lookup=0", "demo-medusa:lookup=0"]
     model = args.model or str(fetch_demo_model(progress=lambda m, f: None))
     plain = LLM(model, device="cpu", dtype="float32")

@@ -16,8 +16,7 @@ proposer drafts each of them. Its p is then the tree's acceptance per level, whi
 extra branches raise: that is what they are paid for. Which branches a tree keeps is priced
 node by node: a node off the first path stays only where its probability of being accepted (the
 proposer's own, scaled by how often its nodes have been accepted against it: a MovingRatio)
-buys more tokens
-than its query token's time would decoding plainly (branch_threshold).
+buys more tokens than its query token's time would decoding plainly (branch_threshold).
 """
 
 from __future__ import annotations
@@ -107,14 +106,14 @@ class MovingRatio:
 
 
 def branch_threshold(costs: StepCosts, batch: int) -> float | None:
-    """The acceptance probability a tree node off its first path must have to pay for itself:
-    it adds a query token to the step (the measured slope) and a token to propose, and must
-    bring at least the tokens that time buys decoding plainly at this batch. None while the
-    costs are unknown."""
+    """The acceptance probability a drafted tree node off its first path must have to be worth
+    verifying: it adds a query token to the step (the measured slope) and must bring at least
+    the tokens that time buys decoding plainly at this batch (its proposing is spent already).
+    None while the costs are unknown."""
     step, slope = costs.step_s(batch), costs.slope()
     if step is None or slope is None:
         return None
-    return batch / step * (slope + (costs.draft_token_s or 0.0))
+    return batch / step * slope
 
 
 def tree_nodes(width: float, depth: int) -> int:

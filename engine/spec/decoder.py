@@ -96,6 +96,8 @@ class Proposer(ABC):
     # Candidate continuations a proposal may branch into (SpecDecoder sets it from its config;
     # a proposer that only drafts chains ignores it).
     num_branches: int = 1
+    # The deepest draft it can make (Medusa: its heads); None: as deep as it is asked.
+    max_depth: int | None = None
 
     @abstractmethod
     def propose(self, requests: list[tuple[Sequence, int]]) -> None: ...
@@ -136,6 +138,8 @@ def set_draft_paths(seq: Sequence, paths: list[list[int]],
     state = spec_state(seq)
     if len(paths) <= 1:
         state.tokens, state.tree = (paths[0] if paths else []), None
+        if probs and paths:  # a confident draft's chain: its confidence is calibrated too
+            state.node_probs = list(probs[0])
         return
     state.tree = TokenTree.from_paths(paths)
     state.tokens = list(state.tree.tokens)
@@ -225,7 +229,8 @@ class SpecDecoder(StepFeature):
         # The proposer's confidence against what is accepted (accepted nodes / their
         # probabilities), and the acceptance per draft position over every request so far.
         self.calibration = MovingRatio(CALIBRATION_DECAY)
-        self.acceptance = MovingRatio(PRIOR_DECAY)
+        # The prior starts as one verification at PRIOR_RATE, which fades as real ones come.
+        self.acceptance = MovingRatio(PRIOR_DECAY, num=PRIOR_RATE, den=1.0)
         self._drafted_at: float | None = None  # when this step's proposals were done
 
     # ---- step hooks ----
@@ -345,13 +350,15 @@ class SpecDecoder(StepFeature):
         lengths = self.draft_lengths(seqs)
         start = time.perf_counter()
         self.proposer.propose(list(zip(seqs, lengths, strict=True)))
+        # The proposer's cost per token it drafted, before pruning drops some (counting only
+        # the kept ones would make each drafted token look dearer the more are pruned).
+        proposed = sum(len(spec_state(seq).tokens) for seq in seqs)
+        self.costs.observe_drafting(proposed, time.perf_counter() - start)
         self._prune_branches(seqs)
         self._fit_trees(seqs)
         for seq in seqs:
             observe_width(spec_state(seq))
         self._drafted_at = time.perf_counter()
-        proposed = sum(len(spec_state(seq).tokens) for seq in seqs)
-        self.costs.observe_drafting(proposed, self._drafted_at - start)
 
     def _prune_branches(self, seqs: list[Sequence]) -> None:
         """Keep a tree's nodes off its first path only where they pay (break_even.py's
@@ -399,6 +406,8 @@ class SpecDecoder(StepFeature):
         the context; adaptive, where drafting pays by the measured costs (break_even.py), or,
         until they are known, scaled down as the sequence's acceptance falls."""
         caps = [min(self.config.num_draft_tokens, self._room(seq)) for seq in seqs]
+        if self.proposer.max_depth is not None:  # not behind lookup, whose drafts run longer
+            caps = [min(cap, self.proposer.max_depth) for cap in caps]
         if not self.config.adaptive:
             return caps
         # A seeded sampled request must come out the same every time, and its random draws

@@ -52,7 +52,7 @@ class MedusaHeads(StateProposer):
         while all(n in tensors for n in head_names(heads)):
             heads += 1
         super().__init__(path, target, ids)
-        self.num_heads = heads
+        self.num_heads = self.max_depth = heads
         self.weights = {k: v.to(target.device, torch.float32) for k, v in tensors.items()}
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> None:
