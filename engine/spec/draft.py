@@ -8,6 +8,8 @@ proposal first catches up on the tokens accepted since, then drafts one token pe
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from engine.block_manager import BlockManager
@@ -78,7 +80,7 @@ def make_draft(path: str, target_tokenizer, target_vocab: int, device: torch.dev
     """A hidden-state draft or Medusa heads for a draft file (.safetensors from
     train_draft.py or train_medusa.py), else a draft model."""
     from engine.spec import medusa
-    from engine.spec.hidden_draft import FORMAT, HiddenDraft, draft_format
+    from engine.spec.hidden_draft import FORMAT, HiddenDraft
 
     kind = draft_format(path)
     if kind == FORMAT:
@@ -87,6 +89,28 @@ def make_draft(path: str, target_tokenizer, target_vocab: int, device: torch.dev
         return medusa.MedusaHeads(path, target_model, target_tokenizer)
     return DraftModel(path, target_tokenizer, target_vocab, device, dtype, block_manager,
                       max_positions)
+
+
+def draft_format(path: str) -> str | None:
+    """The servescope draft format of `path` (hidden_draft.FORMAT, or medusa.FORMAT for Medusa
+    heads), or None where it is not a .safetensors file (a draft model of its own); a
+    .safetensors file that is missing or not such a draft is a ModelError naming it."""
+    from engine.spec.hidden_draft import FORMAT, read_metadata
+    from engine.spec.medusa import FORMAT as MEDUSA_FORMAT
+
+    p = Path(path)
+    if p.suffix != ".safetensors":
+        return None
+    if not p.is_file():
+        raise ModelError(f"The draft file {path} does not exist: check the path (the demo "
+                         "drafts are rebuilt by benchmarks/train_draft.py and "
+                         "benchmarks/train_medusa.py).")
+    found = read_metadata(p).get("format")
+    if found not in (FORMAT, MEDUSA_FORMAT):
+        raise ModelError(f"{path} is not a servescope draft (a hidden-state draft or Medusa "
+                         "heads): give a draft written by benchmarks/train_draft.py or "
+                         "benchmarks/train_medusa.py, a GGUF file or a Hugging Face folder.")
+    return found
 
 
 def check_same_tokenizer(draft, target, draft_vocab: int, target_vocab: int, path: str) -> None:

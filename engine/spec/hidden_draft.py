@@ -41,27 +41,6 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
 
 
-def draft_format(path: str) -> str | None:
-    """The servescope draft format of `path` (FORMAT, or medusa.FORMAT for Medusa heads), or
-    None where it is not a .safetensors file (a draft model of its own); a .safetensors file
-    that is missing or not such a draft is a ModelError naming it."""
-    from engine.spec.medusa import FORMAT as MEDUSA_FORMAT
-
-    p = Path(path)
-    if p.suffix != ".safetensors":
-        return None
-    if not p.is_file():
-        raise ModelError(f"The draft file {path} does not exist: check the path (the demo "
-                         "drafts are rebuilt by benchmarks/train_draft.py and "
-                         "benchmarks/train_medusa.py).")
-    found = read_metadata(p).get("format")
-    if found not in (FORMAT, MEDUSA_FORMAT):
-        raise ModelError(f"{path} is not a servescope draft (a hidden-state draft or Medusa "
-                         "heads): give a draft written by benchmarks/train_draft.py or "
-                         "benchmarks/train_medusa.py, a GGUF file or a Hugging Face folder.")
-    return found
-
-
 def read_metadata(path: Path) -> dict[str, str]:
     from safetensors import SafetensorError, safe_open
 
