@@ -30,7 +30,7 @@ from engine.spec.break_even import (
 from engine.spec.config import SpecConfig
 from engine.spec.ngram import propose_ngram, propose_ngram_paths
 from engine.spec.state import SpecState
-from engine.spec.tree import TokenTree, TreeDrafted, verify_tree_all
+from engine.spec.tree import ROOT, TokenTree, TreeDrafted, verify_tree_all
 from engine.spec.verify import Drafted, verify_all
 
 # Acceptance is tracked per sequence as an exponential moving average. Once the step costs are
@@ -145,12 +145,10 @@ def set_draft_paths(seq: Sequence, paths: list[list[int]],
     state.tokens = list(state.tree.tokens)
     if probs is not None:
         state.node_probs = [0.0] * len(state.tree)
-        where = {(parent, token): node for node, (token, parent)
-                 in enumerate(zip(state.tree.tokens, state.tree.parents, strict=True))}
         for path, path_probs in zip(paths, probs, strict=True):
-            node = -1
+            node = ROOT
             for token, p in zip(path, path_probs, strict=True):
-                node = where[(node, token)]
+                node = state.tree.child_with_token(node, token)
                 state.node_probs[node] = max(state.node_probs[node], p)
 
 
