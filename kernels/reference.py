@@ -82,6 +82,10 @@ def paged_attention(
     Decode-like sequences (one query token) are batched into one padded call; each prefill chunk
     runs on its own so that no query is padded to the longest chunk.
     """
+    if meta.decode_token_index is not None and not meta.prefills \
+            and meta.decode_token_index.shape[0] == q.shape[0]:
+        # A decode-only step: its rows are the decode rows, in order (no gather, no scatter).
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.decode_token_index is not None:
         out[meta.decode_token_index] = _decode_attention(q[meta.decode_token_index], k_cache,
