@@ -294,15 +294,27 @@ def toml_entry(name: str, entry: dict) -> str:
 
 def write_entry(profile: dict, config_dir: Path) -> Path:
     """Replace the machine entry file (it holds only this machine: the user's own catalogs are
-    never rewritten)."""
+    never rewritten). The file it replaces is kept beside it as PREVIOUS_SUFFIX: a plain re-run
+    would otherwise drop what an earlier run measured (vLLM's step timings from `--vllm`), and
+    the catalog reads only the named file, so the copy is inert until renamed back."""
     path = config_dir / "catalogs" / ENTRY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     text = ("# Written by `python -m engine.device_profile --write`: this machine, measured.\n"
             + toml_entry(device_name(profile), catalog_entry(profile)))
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
+    if path.is_file():
+        path.replace(previous_entry(path))
     tmp.replace(path)
     return path
+
+
+PREVIOUS_SUFFIX = ".prev"
+
+
+def previous_entry(path: Path) -> Path:
+    """Where write_entry keeps the entry file it replaced."""
+    return path.with_name(path.name + PREVIOUS_SUFFIX)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     profile = measure(args.quick, [json.loads(p.read_text()) for p in args.engine_timings])
     profile["entry"] = {"name": device_name(profile), **catalog_entry(profile)}
     if args.write is not None:
-        profile["written"] = str(write_entry(profile, args.write))
+        replacing = (args.write / "catalogs" / ENTRY_FILE).is_file()
+        written = write_entry(profile, args.write)
+        profile["written"] = str(written)
+        if replacing:
+            profile["replaced"] = str(previous_entry(written))
     print(json.dumps(profile))
     return 0
 

@@ -106,6 +106,8 @@ def run_machine(args: argparse.Namespace) -> int:
           f"{profile['matmul_tflops']['bf16']} TFLOP/s, engine step overhead "
           f"{entry['step_overhead_ms']} ms; written to {profile['written']} "
           f"(plan on it with --gpu 'this machine')")
+    if profile.get("replaced"):
+        print(f"  the profile it replaced is kept as {profile['replaced']}")
     for name, fitted in profile["engines"].items():
         print(f"  {name}: bf16 matmul {fitted['tflops_bf16']} TFLOP/s, {fitted['overhead_ms']} "
               f"ms a step, {fitted['per_seq_ms']} ms a sequence (prefill fitted within "

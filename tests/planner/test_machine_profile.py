@@ -180,3 +180,21 @@ def test_a_corrupt_machine_file_is_one_error_naming_it(tmp_path):
     bad.write_text('[gpu."x"]\nmemory_gb = = 3\n')
     with pytest.raises(CatalogError, match="machine.toml"):
         load_catalog(tmp_path)
+
+
+def test_measuring_again_keeps_the_profile_it_replaces(measured, tmp_path):
+    """A plain re-run must not silently drop an earlier profile (vLLM's step timings measured
+    by `--vllm` among them): the replaced file stays beside the new one, and the catalog reads
+    only the new one."""
+    from engine.device_profile import ENTRY_FILE, previous_entry, write_entry
+
+    _, profile = measured
+    earlier = dict(profile, engines={})  # as a run without any engine's fit
+    first = write_entry(earlier, tmp_path)
+    assert not previous_entry(first).exists()
+    earlier_text = first.read_text()
+    second = write_entry(profile, tmp_path)
+    assert second == tmp_path / "catalogs" / ENTRY_FILE
+    assert previous_entry(second).read_text() == earlier_text
+    here = load_catalog(tmp_path).gpu("this machine")
+    assert here.engines.keys() == profile["engines"].keys()
