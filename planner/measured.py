@@ -177,9 +177,23 @@ def _run_point(run: dict[str, Any], catalog: Catalog) -> Measurement | str:
                 "unknown (a fixed-concurrency run gives it)")
     return Measurement(model, gpu, weights, kv, int(config.get("tp", 1)), int(config.get("pp", 1)),
                        batch, int(config.get("input_len", 128)),
-                       int(config.get("output_len", 128)), float(tok_s), mode="continuous",
+                       int(config.get("output_len", 128)), float(tok_s), mode=run_mode(config),
                        tpot_ms=_median(summary, "tpot_ms"), ttft_ms=_median(summary, "ttft_ms"),
                        source=label, engine=str(config.get("engine", "")))
+
+
+def run_mode(config: dict[str, Any]) -> str:
+    """How a stored run is predicted when it calibrates. A closed loop of fixed lengths (a
+    concurrency, no rate, no length spread or lengths file: what `plan run-here` and
+    `planner_vs_real.py` send) starts its requests together and they finish together, so it
+    runs as repeated static batches: every prompt prefilled at once, then decoded together,
+    as the planner's simulator runs it too. Its prefill is not spread over the decode steps:
+    where a prefill costs 30 decode steps (a CPU), spreading it doubled a batch-1 run's TPOT
+    and the fit then traded the engine's speed against that error. Anything else is a
+    continuous batch at its mean size."""
+    fixed = not config.get("length_spread") and not config.get("lengths")
+    return "static" if config.get("concurrency") and not config.get("rate") and fixed \
+        else "continuous"
 
 
 def _median(summary: dict[str, Any], key: str) -> float | None:

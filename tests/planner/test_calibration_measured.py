@@ -215,3 +215,49 @@ def test_an_engine_timed_here_is_calibrated_as_a_whole(catalog):
     assert error < 3.0  # the grid steps 3.5% between factors
     assert eff.overhead_ms == pytest.approx(15.0, rel=0.04)
     assert eff.flops == pytest.approx(0.5 / 1.5, rel=0.04)
+
+
+def test_a_closed_loop_run_calibrates_as_the_simulator_runs_it(catalog):
+    """A closed loop of fixed lengths runs in lockstep: all its prompts prefilled, then decoded
+    together. On a device where one prefill costs some 30 decode steps (the demo model served
+    by vLLM's CPU build here), one run at concurrency 1 of an engine served 1.25x slower than
+    its timed steps, simulated by the planner itself, must calibrate to that slowdown, and the
+    calibrated planner must then give back that run and one at concurrency 4. Read as a
+    continuous batch, the prefill spread over the decode steps doubled the run's TPOT and the
+    fit traded the engine's speed against it."""
+    from planner.calibrate import Calibration
+    from planner.evaluate import evaluate
+    from planner.workload import Workload
+
+    engine = {"tflops_bf16": 0.019, "overhead_ms": 4.5, "per_seq_ms": 2.1}  # vLLM here
+    cpu = dataclasses.replace(catalog.gpu("L4"), bandwidth_gbs=24.0, engines={"vllm": engine},
+                              step_overhead_ms=4.5)
+    here = dataclasses.replace(catalog, gpus={**catalog.gpus, "L4": cpu})
+    model = here.model("SmolLM2-135M")
+    slow = 1.25
+    truth = Calibration("served slower", {("*", "*"): Efficiency(
+        flops=Efficiency().flops / slow, memory=min(1.0, Efficiency().memory / slow),
+        overhead_ms=4.5 * slow)})
+
+    def run(concurrency: int, calibration: Calibration) -> dict:
+        d = Deployment(model, cpu, max_seqs=concurrency, engine="vllm")
+        w = Workload(52, 32, concurrency=concurrency, num_requests=16)
+        r = evaluate(d, w, 1, calibration).result
+        return {"output_tokens_per_s": r.run_throughput_tok_s,
+                "tpot_ms": {"p50": r.summary("tpot")["p50"]},
+                "ttft_ms": {"p50": r.summary("ttft")["p50"]}}
+
+    measured = {c: run(c, truth) for c in (1, 4)}
+    stored = {"id": 1, "kind": "loadtest", "name": "plan run",
+              "config": {"model": "SmolLM2-135M", "gpu": "L4", "engine": "vLLM 0.32.0",
+                         "concurrency": 1, "input_len": 52, "output_len": 32},
+              "summary": measured[1]}
+    calibration = calibrate_measured([], [stored], here).calibration
+    assert calibration.efficiency("L4", "bf16").overhead_ms == pytest.approx(4.5 * slow,
+                                                                             rel=0.04)
+    for c, figures in measured.items():
+        again = run(c, calibration)
+        assert again["output_tokens_per_s"] == pytest.approx(figures["output_tokens_per_s"],
+                                                             rel=0.03)
+        for key in ("tpot_ms", "ttft_ms"):
+            assert again[key]["p50"] == pytest.approx(figures[key]["p50"], rel=0.03)
