@@ -133,6 +133,15 @@ def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, blo
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert float(mass.decode.sum()) == pytest.approx(heads * len(decode_masses), rel=1e-5)
 
+    # A step of the decodes alone (its rows are the decode rows: attended without a gather).
+    rows = [r for r, _ in meta_rows]
+    alone = AttentionMetadata(slot_mapping=meta.slot_mapping[rows],
+                              decode_token_index=torch.arange(len(rows)), decode_slots=padded,
+                              decode_mask=meta.decode_mask)
+    out = reference.paged_attention(q[rows], k_cache, v_cache, alone, 1 / math.sqrt(dim))
+    decode_expected = [e for (ctx, n), e in zip(seqs, expected, strict=True) if n == 1]
+    torch.testing.assert_close(out, torch.cat(decode_expected), atol=1e-5, rtol=1e-5)
+
 
 @pytest.mark.skipif(not onednn.available(), reason="this PyTorch build has no oneDNN linear ops")
 @pytest.mark.parametrize("rows", [1, 16, 17, 129, 513, 2049])
