@@ -123,8 +123,10 @@ def _candidates(deployments: list[Deployment]):
     base = _measured_overhead(deployments)
     if base is not None and all(d.engine_costs for d in deployments):
         for k in ENGINE_SCALES:
-            yield Efficiency(flops=DEFAULT.flops / k, memory=min(1.0, DEFAULT.memory / k),
-                             overhead_ms=round(base * k, 3))
+            for serving in SERVING_PER_SEQ_MS:
+                yield Efficiency(flops=DEFAULT.flops / k, memory=min(1.0, DEFAULT.memory / k),
+                                 overhead_ms=round(base * k, 3),
+                                 serving_ms_per_seq=float(serving))
         return
     # The step overheads to try: None (the device's own or the default) for catalog GPUs;
     # fractions of the measured one for a device measured here.
@@ -145,6 +147,11 @@ def _measured_overhead(deployments: list[Deployment]) -> float | None:
 DEFAULT = Efficiency()
 # Slowdowns tried for an engine timed here: served 2x faster to 4x slower than its timed steps.
 ENGINE_SCALES = np.geomspace(0.5, 4.0, 61)
+# And what serving adds per sequence per step on top (ms), the second thing a served run
+# measures beside the timed steps: real vLLM served here at concurrency 4 decoded 7.5 ms a
+# step slower than its offline engine at batch 4, and matched it at concurrency 1. Zero first,
+# so a batch-1 run, which cannot tell it from the step's own cost, keeps none.
+SERVING_PER_SEQ_MS = np.arange(0.0, 8.01, 0.25)
 
 
 # The factors the fit tries. A GPU lands in 0.3-0.95 of its FLOPs and 0.5-0.95 of its bandwidth;

@@ -39,6 +39,10 @@ class Efficiency:
     # others).
     kernel_floor_us: float = 50.0
     ridge_blend: float = 0.5
+    # What serving adds per sequence per step beyond an engine's timed step (streaming each
+    # token, detokenizing, the API process sharing the cores): 0 until a calibration run at
+    # more than one sequence measures it; a batch-1 run cannot tell it from the step's own cost.
+    serving_ms_per_seq: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("flops", "memory", "link"):
@@ -49,6 +53,8 @@ class Efficiency:
             raise ValueError("overhead_ms must be non-negative")
         if self.kernel_floor_us < 0 or not 0.0 <= self.ridge_blend <= 1.0:
             raise ValueError("kernel_floor_us must be non-negative and ridge_blend in [0, 1]")
+        if self.serving_ms_per_seq < 0:
+            raise ValueError("serving_ms_per_seq must be non-negative")
 
 
 @dataclass(frozen=True)
@@ -248,7 +254,8 @@ class StepCost:
         self.blend = 0.0 if measured_ms else self.eff.ridge_blend
         scale = overhead_ms / measured_ms if measured_ms else 1.0
         self.overhead = overhead_ms * 1e-3
-        self.per_seq = (engine["per_seq_ms"] * 1e-3 * scale) if engine else 0.0
+        self.per_seq = ((engine["per_seq_ms"] * 1e-3 * scale) if engine else 0.0) \
+            + self.eff.serving_ms_per_seq * 1e-3
         self.draft_seconds = self.draft_fraction * self.dense_bytes / self.bw * d.pp
 
     def _experts_touched(self, tokens: float) -> float:

@@ -248,11 +248,7 @@ def test_a_closed_loop_run_calibrates_as_the_simulator_runs_it(catalog):
                 "ttft_ms": {"p50": r.summary("ttft")["p50"]}}
 
     measured = {c: run(c, truth) for c in (1, 4)}
-    stored = {"id": 1, "kind": "loadtest", "name": "plan run",
-              "config": {"model": "SmolLM2-135M", "gpu": "L4", "engine": "vLLM 0.32.0",
-                         "concurrency": 1, "input_len": 52, "output_len": 32},
-              "summary": measured[1]}
-    calibration = calibrate_measured([], [stored], here).calibration
+    calibration = calibrate_measured([], [_stored_run(1, measured[1])], here).calibration
     assert calibration.efficiency("L4", "bf16").overhead_ms == pytest.approx(4.5 * slow,
                                                                              rel=0.04)
     for c, figures in measured.items():
@@ -261,3 +257,46 @@ def test_a_closed_loop_run_calibrates_as_the_simulator_runs_it(catalog):
                                                              rel=0.03)
         for key in ("tpot_ms", "ttft_ms"):
             assert again[key]["p50"] == pytest.approx(figures[key]["p50"], rel=0.03)
+
+
+def _stored_run(concurrency: int, summary: dict) -> dict:
+    """A `plan run-here` of the demo model on vLLM as storage.queries.list_runs gives it."""
+    return {"id": concurrency, "kind": "loadtest", "name": "plan run",
+            "config": {"model": "SmolLM2-135M", "gpu": "L4", "engine": "vLLM 0.32.0",
+                       "concurrency": concurrency, "input_len": 52, "output_len": 32},
+            "summary": summary}
+
+
+def test_a_run_at_concurrency_4_measures_what_serving_adds_per_sequence(catalog):
+    """Served vLLM here matched its offline steps at one sequence and decoded slower at four:
+    serving costs per sequence (streaming, detokenizing, the API process on the same cores).
+    A run at concurrency 4 of an engine served as timed but with 2 ms a sequence a step on
+    top, simulated by the planner, calibrates to that cost with the engine's speed kept, and
+    the calibrated planner gives back the run at concurrency 1 too."""
+    from planner.calibrate import Calibration
+    from planner.evaluate import evaluate
+    from planner.workload import Workload
+
+    engine = {"tflops_bf16": 0.33, "overhead_ms": 23.8, "per_seq_ms": 0.8}  # vLLM here, bf16
+    cpu = dataclasses.replace(catalog.gpu("L4"), bandwidth_gbs=20.0, engines={"vllm": engine},
+                              step_overhead_ms=23.8)
+    here = dataclasses.replace(catalog, gpus={**catalog.gpus, "L4": cpu})
+    model = here.model("SmolLM2-135M")
+    truth = Calibration("served", {("*", "*"): Efficiency(overhead_ms=23.8,
+                                                          serving_ms_per_seq=2.0)})
+
+    def run(concurrency: int, calibration: Calibration) -> dict:
+        d = Deployment(model, cpu, max_seqs=concurrency, engine="vllm")
+        r = evaluate(d, Workload(52, 32, concurrency=concurrency, num_requests=16), 1,
+                     calibration).result
+        return {"output_tokens_per_s": r.run_throughput_tok_s,
+                "tpot_ms": {"p50": r.summary("tpot")["p50"]},
+                "ttft_ms": {"p50": r.summary("ttft")["p50"]}}
+
+    measured = {c: run(c, truth) for c in (1, 4)}
+    eff = calibrate_measured([], [_stored_run(4, measured[4])], here).calibration.efficiency(
+        "L4", "bf16")
+    assert eff.serving_ms_per_seq == pytest.approx(2.0, abs=0.25)
+    assert eff.overhead_ms == pytest.approx(23.8, rel=0.04)
+    again = run(1, Calibration("fitted", {("*", "*"): eff}))
+    assert again["tpot_ms"]["p50"] == pytest.approx(measured[1]["tpot_ms"]["p50"], rel=0.03)
