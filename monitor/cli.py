@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import threading
-import time
 
 from storage.db import StorageError
 
@@ -83,14 +83,10 @@ def cmd_record(args: argparse.Namespace) -> int:
     servers = [s.name for s in sources if not isinstance(s, NvmlSource) and s not in canaries]
     recording.set_rules(_slo_rules(args, servers) + drift_rules(servers)
                         + _canary_rules(canaries))
-    recording.start()
-    try:
-        deadline = None if args.duration is None else time.monotonic() + args.duration
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        pass
-    recording.stop()
+    with _stop_on_signals() as stop:
+        recording.start()
+        stop.wait(args.duration)
+        recording.stop()
     statuses = recording.hub.statuses() or {s.name: s.status for s in sources}
     summary = _record_summary(db.url, recording.writer, statuses, recording.events)
     recording.close()
@@ -99,6 +95,45 @@ def cmd_record(args: argparse.Namespace) -> int:
     else:
         print(_record_report(summary), file=sys.stderr)
     return 0 if "error" not in summary else 1
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """An event set by Ctrl+C (SIGINT) or SIGTERM (`kill`, `docker stop`, systemd), so either
+    ends the run the same way: sampling stops and what is pending is written (a second signal
+    stops at once). SIGTERM's default ended the process with the writer's queue unwritten.
+    The handlers are installed whatever the parent left in place, and SIGUSR1 prints every
+    thread's stack to stderr (a recorder that does not stop can then be asked where it waits).
+    The previous handlers come back afterwards (`main` may run inside another program, a test
+    runner among them); off the main thread, where Python allows no handlers, the event is set
+    only by --duration."""
+    import faulthandler
+    import signal
+
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handle(signum, frame) -> None:
+        if stop.is_set():  # a second Ctrl+C while pending data is written: stop at once
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    dump = getattr(signal, "SIGUSR1", None)  # not on Windows
+    if dump is not None:
+        try:
+            faulthandler.register(dump, all_threads=True)
+        except (ValueError, OSError):  # io.UnsupportedOperation: a stderr with no file behind
+            dump = None
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if dump is not None:
+            faulthandler.unregister(dump)
 
 
 def _with_stored_baselines(db, name: str):

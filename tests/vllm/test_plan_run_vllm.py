@@ -87,13 +87,16 @@ def test_the_vllm_run_calibrates_the_planner_on_this_machine(ran):
 def test_vllm_s_own_steps_are_fitted_and_time_its_plans(ran):
     """`plan machine --vllm` times vLLM's offline engine and fits its costs beside servescope's;
     a run-here served by vLLM is predicted with vLLM's costs: its TPOT at concurrency 2 is no
-    shorter than vLLM's own batch-1 step, whatever servescope's step is."""
+    shorter than vLLM's own fastest timed step, whatever servescope's step is."""
     config, _db, out, version, profile = ran
     fitted = profile["engines"]["vllm"]
     timings = fitted["timings"]
     assert timings["engine"] == "vllm" and timings["version"] == version and timings["eager"]
     decode = {int(b): ms for b, ms in timings["decode_ms"].items()}
-    assert 0 < decode[1] < decode[4] and timings["prefill_ms"] > 0
+    # Every batch timed (not ordered: on a CPU with bfloat16 instructions vLLM's batch-1 and
+    # batch-4 steps cost about the same, and a CI run timed batch 1 at 50.0 ms, 4 at 44.1).
+    assert sorted(decode) == [1, 4, 8] and min(decode.values()) > 0
+    assert timings["prefill_ms"] > 0
     assert fitted["tflops_bf16"] > 0 and fitted["overhead_ms"] >= 0
     # The stored costs are the fit of the stored timings (how well a line fits this run's
     # timings is the machine's business, not the test's: a threshold here failed on a noisy CI).
@@ -105,4 +108,4 @@ def test_vllm_s_own_steps_are_fitted_and_time_its_plans(ran):
     assert here.engines["vllm"]["overhead_ms"] == pytest.approx(fitted["overhead_ms"])
     assert here.engines["vllm"]["per_seq_ms"] == pytest.approx(fitted["per_seq_ms"])
     tpot = out["predicted"]["tpot_p50_ms"]
-    assert tpot >= decode[1] * 0.9, (tpot, decode, profile["step"])
+    assert tpot >= min(decode.values()) * 0.9, (tpot, decode, profile["step"])
