@@ -106,23 +106,19 @@ def calibration_point(points: list[dict]) -> dict:
     return max(closed or points, key=lambda p: p["load"].get("concurrency") or 0)
 
 
-def label(load: dict) -> str:
-    return ", ".join(f"{k} {v:g}" for k, v in load.items())
-
-
-def predict_points(points: list[dict], catalog, db, weights: str, engine: str):
+def predict_points(points: list[dict], chosen: dict, catalog, db, weights: str, engine: str):
     """Every point predicted by this checkout's planner, uncalibrated and calibrated from ONE
-    run (the first point's); the errors of both, and the baseline's: the machine's device
-    figures alone (servescope's step, whichever engine serves), uncalibrated."""
+    run (`chosen`'s, see calibration_point); the errors of both, and the baseline's: the
+    machine's device figures alone (servescope's step, whichever engine serves),
+    uncalibrated."""
     from app.plan_run import predicted_figures
     from planner.evaluate import evaluate
     from planner.measured import calibrate_measured
     from storage.queries import list_runs
 
     here, model = catalog.gpu("this machine"), catalog.model("SmolLM2-135M")
-    chosen = calibration_point(points)
     run = [r for r in list_runs(db) if r["id"] == chosen["run_id"]]
-    report = calibrate_measured([], run, catalog, f"one run here ({label(chosen['load'])})")
+    report = calibrate_measured([], run, catalog, "one run here")
     for p in points:
         d, w = deployment_and_workload(model, here, weights, p["load"], engine, p["requests"])
         p["uncalibrated"] = predicted_figures(evaluate(d, w))
@@ -180,7 +176,8 @@ def main() -> None:
             saved.write_text(json.dumps({"profile": profile, "points": points,
                                          "weights": args.weights, "engine": args.engine,
                                          "machine": machine()}))
-        report = predict_points(points, catalog, db, args.weights, args.engine)
+        chosen = calibration_point(points)
+        report = predict_points(points, chosen, catalog, db, args.weights, args.engine)
     finally:
         db.close()
     result = {
@@ -191,7 +188,7 @@ def main() -> None:
         "model": "SmolLM2-135M", "weights": args.weights, "engine": points[0]["engine"],
         "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS,
         "requests": points[0]["requests"],
-        "calibration": {"name": report.calibration.name,
+        "calibration": {"name": report.calibration.name, "from": chosen["load"],
                         "factors": {f"{g} {w}": vars(e) for (g, w), e in
                                     report.calibration.factors.items()}},
         "points": points,

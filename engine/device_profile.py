@@ -292,21 +292,23 @@ def toml_entry(name: str, entry: dict) -> str:
     return "\n".join(lines + after) + "\n"
 
 
-def write_entry(profile: dict, config_dir: Path) -> Path:
+def write_entry(profile: dict, config_dir: Path) -> tuple[Path, Path | None]:
     """Replace the machine entry file (it holds only this machine: the user's own catalogs are
-    never rewritten). The file it replaces is kept beside it as PREVIOUS_SUFFIX: a plain re-run
-    would otherwise drop what an earlier run measured (vLLM's step timings from `--vllm`), and
-    the catalog reads only the named file, so the copy is inert until renamed back."""
+    never rewritten); (its path, where the file it replaced is kept, or None). The replaced file
+    is kept beside it as PREVIOUS_SUFFIX: a plain re-run would otherwise drop what an earlier
+    run measured (vLLM's step timings from `--vllm`), and the catalog reads only the named
+    file, so the copy is inert until renamed back."""
     path = config_dir / "catalogs" / ENTRY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     text = ("# Written by `python -m engine.device_profile --write`: this machine, measured.\n"
             + toml_entry(device_name(profile), catalog_entry(profile)))
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
+    kept = None
     if path.is_file():
-        path.replace(previous_entry(path))
+        kept = path.replace(previous_entry(path))
     tmp.replace(path)
-    return path
+    return path, kept
 
 
 PREVIOUS_SUFFIX = ".prev"
@@ -330,11 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     profile = measure(args.quick, [json.loads(p.read_text()) for p in args.engine_timings])
     profile["entry"] = {"name": device_name(profile), **catalog_entry(profile)}
     if args.write is not None:
-        replacing = (args.write / "catalogs" / ENTRY_FILE).is_file()
-        written = write_entry(profile, args.write)
+        written, kept = write_entry(profile, args.write)
         profile["written"] = str(written)
-        if replacing:
-            profile["replaced"] = str(previous_entry(written))
+        if kept is not None:
+            profile["replaced"] = str(kept)
     print(json.dumps(profile))
     return 0
 

@@ -199,11 +199,11 @@ def test_measuring_again_keeps_the_profile_it_replaces(measured, tmp_path):
 
     _, profile = measured
     earlier = dict(profile, engines={})  # as a run without any engine's fit
-    first = write_entry(earlier, tmp_path)
-    assert not previous_entry(first).exists()
+    first, kept = write_entry(earlier, tmp_path)
+    assert kept is None and not previous_entry(first).exists()
     earlier_text = first.read_text()
-    second = write_entry(profile, tmp_path)
+    second, kept = write_entry(profile, tmp_path)
     assert second == tmp_path / "catalogs" / ENTRY_FILE
-    assert previous_entry(second).read_text() == earlier_text
+    assert kept == previous_entry(second) and kept.read_text() == earlier_text
     here = load_catalog(tmp_path).gpu("this machine")
     assert here.engines.keys() == profile["engines"].keys()
