@@ -241,9 +241,10 @@ class ModelRunner:
         longest = max(lengths)
         meta.decode_token_index = torch.tensor(token_rows, device=self.device)
         meta.decode_slots = slots[rows, :longest]
+        meta.decode_lengths = torch.tensor(lengths, dtype=torch.int64, device=self.device)
         if min(lengths) != longest:
             t = torch.arange(longest, device=self.device)
-            valid = t.unsqueeze(0) < torch.tensor(lengths, device=self.device).unsqueeze(1)
+            valid = t.unsqueeze(0) < meta.decode_lengths.unsqueeze(1)
             meta.decode_mask = valid[:, None, None, :]
 
 

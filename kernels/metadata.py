@@ -28,6 +28,9 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor | None = None  # [B] rows of single-token queries
     decode_slots: torch.Tensor | None = None  # [B, T] key slots per decode query (padded)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, T] bool, None when nothing is padded
+    # [B] int64 keys per decode row (rows are padded at the end: the mask's True prefix), for
+    # kernels that read each row's own keys only; None: derive it from decode_mask.
+    decode_lengths: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     want_mass: bool = False  # the model calls paged_attention_mass, for KV-eviction statistics
 

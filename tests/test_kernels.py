@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import AttentionMetadata, PrefillChunk, onednn, reference
+from kernels import AttentionMetadata, PrefillChunk, cpu_attention, kv_quant, onednn, reference
 
 
 def test_dispatch_picks_onednn_on_the_cpu_for_the_dtypes_it_checked():
@@ -71,13 +76,14 @@ def _dense_attention(q, k, v, start, with_mass=False):
     return out, probs.view(kv_heads, heads // kv_heads, *probs.shape[1:]).sum(dim=(1, 2))
 
 
-@pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 4, 4), (9, 3, 16), (8, 1, 5)])
-def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, block_size):
-    gen = torch.Generator().manual_seed(heads * 10 + block_size)
-    dim, slots = 16, 256
-    k_cache = torch.zeros(slots, kv_heads, dim)
-    v_cache = torch.zeros(slots, kv_heads, dim)
-    # (context so far, new tokens): two decodes, a fresh prefill, and a later chunk.
+def _paged_step(heads, kv_heads, block_size, dim=16, dtype=torch.float32, seed=0):
+    """A step over a paged cache: two decodes, a fresh prefill and a later chunk, each
+    sequence's blocks scattered over the cache. Returns q, the caches, the step's metadata, the
+    dense attention's output and key masses per sequence, and each sequence's (context, new)."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = 256
+    k_cache = torch.zeros(slots, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros(slots, kv_heads, dim, dtype=dtype)
     seqs = [(10, 1), (3, 1), (0, 7), (9, 4)]
     free = list(torch.randperm(slots // block_size, generator=gen).tolist())
     qs, expected, slot_maps, meta_rows, prefills, masses = [], [], [], [], [], []
@@ -87,10 +93,12 @@ def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, blo
         blocks = [free.pop() for _ in range(-(-total // block_size))]
         seq_slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size
                                   for p in range(total)])
-        k = torch.randn(total, kv_heads, dim, generator=gen)
-        v = torch.randn(total, kv_heads, dim, generator=gen)
-        k_cache[seq_slots[:ctx]], v_cache[seq_slots[:ctx]] = k[:ctx], v[:ctx]
-        q = torch.randn(n, heads, dim, generator=gen)
+        # Values rounded to the cache's dtype first, so the dense oracle sees what is stored.
+        k = torch.randn(total, kv_heads, dim, generator=gen).to(dtype).float()
+        v = torch.randn(total, kv_heads, dim, generator=gen).to(dtype).float()
+        k_cache[seq_slots[:ctx]] = k[:ctx].to(dtype)
+        v_cache[seq_slots[:ctx]] = v[:ctx].to(dtype)
+        q = torch.randn(n, heads, dim, generator=gen).to(dtype).float()
         qs.append((q, k[ctx:], v[ctx:]))
         out, mass = _dense_attention(q, k, v, ctx, with_mass=True)
         expected.append(out)
@@ -103,8 +111,9 @@ def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, blo
                                           <= torch.arange(ctx, total).unsqueeze(1))
             prefills.append(PrefillChunk(row, row + n, seq_slots, mask))
         row += n
-    q = torch.cat([x[0] for x in qs])
-    reference.store_kv(torch.cat([x[1] for x in qs]), torch.cat([x[2] for x in qs]),
+    q = torch.cat([x[0] for x in qs]).to(dtype)
+    reference.store_kv(torch.cat([x[1] for x in qs]).to(dtype),
+                       torch.cat([x[2] for x in qs]).to(dtype),
                        k_cache, v_cache, torch.cat(slot_maps))
     longest = max(len(s) for _, s in meta_rows)
     padded = torch.zeros(len(meta_rows), longest, dtype=torch.long)
@@ -118,6 +127,25 @@ def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, blo
         decode_mask=(torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1))[:, None, None],
         prefills=prefills,
     )
+    return q, k_cache, v_cache, meta, expected, masses, seqs
+
+
+def _decodes_alone(q, meta, seqs, expected):
+    """The same step's decode rows as a decode-only step (its rows are the decode rows), and
+    their dense output."""
+    rows = meta.decode_token_index.tolist()
+    alone = AttentionMetadata(slot_mapping=meta.slot_mapping[rows],
+                              decode_token_index=torch.arange(len(rows)),
+                              decode_slots=meta.decode_slots, decode_mask=meta.decode_mask)
+    decode_expected = [e for (ctx, n), e in zip(seqs, expected, strict=True) if n == 1]
+    return q[rows], alone, torch.cat(decode_expected)
+
+
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 4, 4), (9, 3, 16), (8, 1, 5)])
+def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, block_size):
+    dim = 16
+    q, k_cache, v_cache, meta, expected, masses, seqs = _paged_step(
+        heads, kv_heads, block_size, dim, seed=heads * 10 + block_size)
     out = reference.paged_attention(q, k_cache, v_cache, meta, 1 / math.sqrt(dim))
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
 
@@ -134,13 +162,48 @@ def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, blo
     assert float(mass.decode.sum()) == pytest.approx(heads * len(decode_masses), rel=1e-5)
 
     # A step of the decodes alone (its rows are the decode rows: attended without a gather).
-    rows = [r for r, _ in meta_rows]
-    alone = AttentionMetadata(slot_mapping=meta.slot_mapping[rows],
-                              decode_token_index=torch.arange(len(rows)), decode_slots=padded,
-                              decode_mask=meta.decode_mask)
-    out = reference.paged_attention(q[rows], k_cache, v_cache, alone, 1 / math.sqrt(dim))
-    decode_expected = [e for (ctx, n), e in zip(seqs, expected, strict=True) if n == 1]
-    torch.testing.assert_close(out, torch.cat(decode_expected), atol=1e-5, rtol=1e-5)
+    q_alone, alone, want = _decodes_alone(q, meta, seqs, expected)
+    out = reference.paged_attention(q_alone, k_cache, v_cache, alone, 1 / math.sqrt(dim))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_attention._library() is None,
+                    reason="the C attention kernel did not build here (no C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,block_size,dim",
+                         [(9, 3, 16, 64), (8, 2, 5, 128), (4, 4, 4, 48), (6, 1, 16, 256)])
+def test_the_cpu_attention_kernel_attends_like_dense(heads, kv_heads, block_size, dim, dtype):
+    """The C kernel on the specialised head dims (64, 128) and the general path, GQA and plain
+    heads, blocks smaller than a vector: mixed with prefill chunks and alone, as dense math in
+    float32 says (bfloat16: to its output rounding)."""
+    assert cpu_attention.available()  # built, and its self-check passed
+    q, k_cache, v_cache, meta, expected, _, seqs = _paged_step(
+        heads, kv_heads, block_size, dim, dtype, seed=dim + heads)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else \
+        {"atol": 2e-2, "rtol": 2e-2}
+    scale = 1 / math.sqrt(dim)
+    out = cpu_attention.paged_attention(q, k_cache, v_cache, meta, scale)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), torch.cat(expected), **tol)
+    q_alone, alone, want = _decodes_alone(q, meta, seqs, expected)
+    got = cpu_attention.decode_attention(q_alone, k_cache, v_cache, alone, scale)
+    torch.testing.assert_close(got.float(), want, **tol)
+    # The lengths the runner passes give the same answer as the mask they come from.
+    alone.decode_lengths = alone.decode_mask.reshape(len(want), -1).sum(dim=1)
+    assert torch.equal(cpu_attention.decode_attention(q_alone, k_cache, v_cache, alone, scale),
+                       got)
+
+
+def test_the_cpu_attention_kernel_leaves_what_it_does_not_run_to_the_reference():
+    """A head dim off its vector width and a quantized cache go to the torch path unchanged."""
+    q, k_cache, v_cache, meta, expected, _, seqs = _paged_step(4, 2, 4, dim=20)
+    out = cpu_attention.paged_attention(q, k_cache, v_cache, meta, 20 ** -0.5)
+    assert torch.equal(out, reference.paged_attention(q, k_cache, v_cache, meta, 20 ** -0.5))
+    q, k_cache, v_cache, meta, expected, _, seqs = _paged_step(4, 2, 4, dim=64)
+    k_quant, v_quant = (kv_quant.QuantizedCache(*kv_quant.quantize(c, torch.int8))
+                        for c in (k_cache, v_cache))
+    out = cpu_attention.paged_attention(q, k_quant, v_quant, meta, 0.125)
+    assert torch.equal(out, reference.paged_attention(q, k_quant, v_quant, meta, 0.125))
 
 
 @pytest.mark.skipif(not onednn.available(), reason="this PyTorch build has no oneDNN linear ops")
@@ -252,3 +315,28 @@ def test_row_buckets_bound_the_shapes_a_server_meets():
     assert all(m <= p <= max(m + 7, m * 1.42) for m, p in enumerate(buckets, start=1))
     assert buckets[:16] == list(range(1, 17))  # decode batches run unpadded
     assert len(set(buckets[:2048])) <= 60
+
+
+def test_without_a_working_compiler_decode_attention_runs_the_torch_path(tmp_path):
+    """A machine whose C compiler fails (here: `false` as CC, an empty kernel cache) still
+    decodes, through the reference's attention, and says why in its log."""
+    script = (
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from kernels import cpu_attention, ops_for\n"
+        "table = ops_for('cpu', torch.float32)\n"
+        "from tests.test_kernels import _paged_step, _decodes_alone\n"
+        "q, k, v, meta, expected, _, seqs = _paged_step(9, 3, 16, 64)\n"
+        "q1, alone, want = _decodes_alone(q, meta, seqs, expected)\n"
+        "out = table.paged_attention(q1, k, v, alone, 0.125)\n"
+        "torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)\n"
+        "print('available', cpu_attention.available())\n"
+    )
+    env = {**os.environ, "CC": shutil.which("false") or "/bin/false",
+           "SERVESCOPE_KERNEL_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert "available False" in done.stdout
+    assert "The CPU attention kernel did not build" in done.stderr
+    assert not list(tmp_path.iterdir())  # no half-written library left behind

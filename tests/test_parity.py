@@ -54,6 +54,20 @@ def test_demo_greedy_tokens_match_transformers(demo_llm, hf_demo):
     assert ours == theirs
 
 
+def test_demo_greedy_tokens_match_transformers_in_a_ragged_batch(demo_llm, hf_demo):
+    """Four prompts of different lengths decoded together: each step's attention reads each
+    sequence's own keys from the paged cache (the C kernel on the CPU, where it builds), and
+    every reply is what transformers generates for its prompt alone."""
+    prompts = [_prompt_ids(demo_llm, n) for n in (64, 23, 41, 7)]
+    ours = demo_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                     ignore_eos=True))
+    for ids, reply in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            theirs = hf_demo.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                      min_new_tokens=24)[0, len(ids):].tolist()
+        assert reply.token_ids == theirs
+
+
 def _tiny(kind: str, tmp_path, demo_checkpoint, **extra):
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}

@@ -1,0 +1,217 @@
+/* Decode attention over the paged KV cache on the CPU: one query token per sequence, reading each
+ * sequence's keys and values straight from their cache slots.
+ *
+ * Why C: the torch path gathers every sequence's K/V rows into a padded copy and runs
+ * scaled_dot_product_attention on it; at the demo model's decode shapes (16 sequences x 3 KV
+ * heads x ~140 keys x 64 dims) that costs ~400 us a layer in dispatch and copies for ~3 MFLOP of
+ * work. Here each (sequence, KV head) is one task: convert each key once, score it against the
+ * query heads that share it (grouped-query attention), softmax in float32, and sum the values.
+ *
+ * Layouts (all contiguous): q, out [batch, heads, dim]; k_cache, v_cache [slots, kv_heads, dim];
+ * slots [batch, width] int64 (row b's first lengths[b] entries are its keys, in order);
+ * lengths [batch] int64. bf16 != 0: q, caches and out are bfloat16 (raw uint16), else float32.
+ * Built by kernels/cpu_attention.py with gcc; no Python or torch headers needed.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    const int64_t *slots, *lengths;
+    int64_t batch, heads, kv_heads, dim, width;
+    float scale;
+    int bf16;
+} Job;
+
+static inline uint16_t f32_to_bf16(float f) {
+    /* Round to nearest even, as torch's conversion does; NaN stays NaN. */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+
+/* Float32 vectors as GCC vector extensions, one native register wide: the same source runs on
+ * AVX-512, AVX2 and SSE (a vector wider than the registers would be split and spilled). */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu32 __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(LANES * 2)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+#define MAX_DIM 512 /* head dims up to this (a multiple of 16); others take the torch path */
+#define MAX_CHUNKS (MAX_DIM / LANES)
+
+/* LANES values at `offset` of a float32 or bfloat16 array, as float32. */
+static inline vf load_vec(const void *base, int64_t offset, int bf16) {
+    vf out;
+    if (bf16) {
+        vu16 half;
+        memcpy(&half, (const uint16_t *)base + offset, sizeof half);
+        const vu32 bits = __builtin_convertvector(half, vu32) << 16;
+        memcpy(&out, &bits, sizeof out);
+    } else {
+        memcpy(&out, (const float *)base + offset, sizeof out);
+    }
+    return out;
+}
+
+static inline void store_vec(void *base, int64_t offset, int bf16, vf v) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)base + offset;
+        for (int i = 0; i < LANES; i++) dst[i] = f32_to_bf16(v[i]);
+    } else {
+        memcpy((float *)base + offset, &v, sizeof v);
+    }
+}
+
+/* The sum of the lanes, halving the vector with shuffles. */
+static inline float sum_lanes(vf v) {
+#if LANES >= 8
+    f32x8 s;
+    memcpy(&s, &v, sizeof s);
+#if LANES == 16
+    f32x8 hi;
+    memcpy(&hi, (const char *)&v + sizeof s, sizeof hi);
+    s += hi;
+#endif
+    s += __builtin_shuffle(s, (i32x8){4, 5, 6, 7, 0, 1, 2, 3});
+    f32x4 r;
+    memcpy(&r, &s, sizeof r);
+#else
+    f32x4 r = v;
+#endif
+    r += __builtin_shuffle(r, (i32x4){2, 3, 0, 1});
+    r += __builtin_shuffle(r, (i32x4){1, 0, 3, 2});
+    return r[0];
+}
+
+/* exp(x) for x <= 0 (the softmax's shifted scores), vectorisable: 2^(x*log2 e) split into an
+ * integer power (the exponent bits) and a degree-6 polynomial for 2^f on [-0.5, 0.5]; relative
+ * error about 2e-7, like expf. Below -87 (2^-126) it returns 0. */
+static inline float exp_nonpositive(float x) {
+    float t = x * 1.44269504088896341f;
+    t = t < -126.0f ? -126.0f : t;
+    const float n = __builtin_roundf(t), f = t - n;
+    float p = 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return x < -87.0f ? 0.0f : p * scale.f;
+}
+
+/* Keys ahead of the one being scored whose cache lines are requested early: a step's K/V rows
+ * lie in blocks scattered over a cache far larger than the CPU's, so without this each row
+ * waits for memory in turn. */
+#define PREFETCH 8
+
+static inline void prefetch_row(const void *cache, int64_t slot, const Job *job, int64_t h,
+                                int64_t bytes) {
+    const char *p = (const char *)cache + (slot * job->kv_heads + h) * bytes;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
+/* One (sequence, KV head), `chunks` = dim / LANES: each key is read and converted once and scored
+ * against every query head that shares it (grouped-query attention); softmax in float32; each
+ * query head then sums the values in registers. `qf` holds the group's queries, `scores`
+ * group x len floats. A constant `chunks` (the inlined cases below) unrolls the inner loops. */
+static inline __attribute__((always_inline)) void attend_chunks(
+        const Job *job, int64_t b, int64_t h, vf *qf, float *scores, const int chunks) {
+    const int64_t dim = job->dim, group = job->heads / job->kv_heads, len = job->lengths[b];
+    const int64_t *slots = job->slots + b * job->width;
+    const int64_t first_q = (b * job->heads + h * group) * dim;
+    for (int64_t i = 0; i < group * chunks; i++) qf[i] = load_vec(job->q, first_q + LANES * i, job->bf16);
+    const int64_t bytes = dim * (job->bf16 ? 2 : 4);
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t row = (slots[t] * job->kv_heads + h) * dim;
+        if (t + PREFETCH < len) prefetch_row(job->k_cache, slots[t + PREFETCH], job, h, bytes);
+        vf key[MAX_CHUNKS];
+        for (int c = 0; c < chunks; c++) key[c] = load_vec(job->k_cache, row + LANES * c, job->bf16);
+        for (int64_t g = 0; g < group; g++) {
+            vf dot = qf[g * chunks] * key[0];
+            for (int c = 1; c < chunks; c++) dot += qf[g * chunks + c] * key[c];
+            scores[g * len + t] = sum_lanes(dot) * job->scale;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * len, top = -INFINITY, total = 0.0f;
+        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = exp_nonpositive(sg[t] - top);
+            total += sg[t];
+        }
+        const float inv = 1.0f / total;
+        vf acc[MAX_CHUNKS];
+        for (int c = 0; c < chunks; c++) acc[c] = (vf){0};
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t row = (slots[t] * job->kv_heads + h) * dim;
+            if (g == 0 && t + PREFETCH < len)
+                prefetch_row(job->v_cache, slots[t + PREFETCH], job, h, bytes);
+            const float p = sg[t];
+            for (int c = 0; c < chunks; c++) acc[c] += p * load_vec(job->v_cache, row + LANES * c, job->bf16);
+        }
+        for (int c = 0; c < chunks; c++)
+            store_vec(job->out, first_q + g * dim + LANES * c, job->bf16, acc[c] * inv);
+    }
+}
+
+static void attend(const Job *job, int64_t b, int64_t h, vf *qf, float *scores) {
+    switch (job->dim) {  /* the common head dims get their own unrolled copies */
+    case 64: attend_chunks(job, b, h, qf, scores, 64 / LANES); break;
+    case 128: attend_chunks(job, b, h, qf, scores, 128 / LANES); break;
+    default: attend_chunks(job, b, h, qf, scores, (int)(job->dim / LANES)); break;
+    }
+}
+
+/* Returns 0 on success, -1 when the shapes are outside what the kernel handles or a buffer could
+ * not be allocated (the caller then runs the torch path).
+ *
+ * Threads: an OpenMP loop over the (sequence, KV head) tasks. Built with -fopenmp, this library
+ * needs libgomp.so.1; PyTorch's Linux wheels load their own copy under that name first, so the
+ * loop runs on PyTorch's own worker threads (no second pool spinning against them), at the
+ * thread count torch.set_num_threads gave. */
+int decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                     const int64_t *slots, const int64_t *lengths, int64_t batch, int64_t heads,
+                     int64_t kv_heads, int64_t dim, int64_t width, float scale, int bf16,
+                     int threads) {
+    if (dim % 16 != 0 || dim / LANES > MAX_CHUNKS || heads % kv_heads != 0) return -1;
+    const Job job = {q, k_cache, v_cache, out, slots, lengths, batch, heads, kv_heads, dim,
+                     width, scale, bf16};
+    const int64_t group = heads / kv_heads, tasks = batch * kv_heads;
+    int64_t longest = 1;
+    for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;
+    int failed = 0;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        vf *qf = aligned_alloc(64, sizeof(vf) * (size_t)(group * (dim / LANES)));
+        float *scores = malloc(sizeof(float) * (size_t)(group * longest));
+        failed = qf == NULL || scores == NULL;
+        /* Tasks dealt round-robin: neighbouring sequences have similar lengths, so the
+         * threads' shares come out even without sorting. */
+#pragma omp for schedule(static, 1)
+        for (int64_t task = 0; task < tasks; task++)
+            if (!failed) attend(&job, task / kv_heads, task % kv_heads, qf, scores);
+        free(qf);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
