@@ -1,8 +1,8 @@
 """Attention, norm and rotary ops: torch references behind one dispatch point.
 
 Every op the model runs is looked up here, so a faster implementation (oneDNN linear layers on
-the CPU in float32 and, where the CPU runs it natively, bfloat16, with decode attention from a
-small C kernel (kernels/cpu_attention.py); Triton on CUDA) can replace the
+the CPU in float32 and, where the CPU runs it natively, bfloat16, with decode attention, RMSNorm
+and rotary from small C kernels (kernels/cpu_kernels.py); Triton on CUDA) can replace the
 reference for one device and dtype without the model knowing.
 `SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere. Each table's
 `prepare_linear` / `linear` also take weight-only quantized weights (kernels/quant.py): the
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import cpu_attention, onednn, quant, reference
+from kernels import cpu_kernels, onednn, quant, reference
 from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 
 OPS = ("prepare_linear", "linear", "rms_norm", "rotary", "silu_and_mul", "store_kv",
@@ -55,12 +55,12 @@ _BACKENDS: dict[str, SimpleNamespace] = {"reference": _table("reference")}
 # other ops are the reference's, which follow the input's dtype).
 ONEDNN_DTYPES = tuple(dtype for dtype in onednn.DTYPES if onednn.available(dtype))
 if ONEDNN_DTYPES:
-    # The CPU table: oneDNN linears, and decode attention read straight from the paged cache by
-    # the C kernel (built on the first decode step; where it does not build or pass its
-    # self-check, the reference's attention runs).
+    # The CPU table: oneDNN linears, and decode attention, RMSNorm and rotary from the C kernels
+    # (built on first use; where they do not build or pass their self-check, the reference's
+    # ops run).
     _BACKENDS["onednn"] = _table("onednn", prepare_quantized=quant.prepare_packed,
                                  prepare_linear=onednn.prepare_linear, linear=onednn.linear,
-                                 paged_attention=cpu_attention.paged_attention)
+                                 **cpu_kernels.OPS)
 # Importing triton takes a while and is only needed on CUDA: its table is built on first use.
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import AttentionMetadata, PrefillChunk, cpu_attention, kv_quant, onednn, reference
+from kernels import AttentionMetadata, PrefillChunk, cpu_kernels, kv_quant, onednn, reference
 
 
 def test_dispatch_picks_onednn_on_the_cpu_for_the_dtypes_it_checked():
@@ -167,42 +167,42 @@ def test_paged_attention_mixes_decode_and_chunks_like_dense(heads, kv_heads, blo
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(cpu_attention._library() is None,
-                    reason="the C attention kernel did not build here (no C compiler)")
+@pytest.mark.skipif(cpu_kernels._library() is None,
+                    reason="the C kernels did not build here (no C compiler)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,block_size,dim",
                          [(9, 3, 16, 64), (8, 2, 5, 128), (4, 4, 4, 48), (6, 1, 16, 256)])
-def test_the_cpu_attention_kernel_attends_like_dense(heads, kv_heads, block_size, dim, dtype):
+def test_the_cpu_kernels_kernel_attends_like_dense(heads, kv_heads, block_size, dim, dtype):
     """The C kernel on the specialised head dims (64, 128) and the general path, GQA and plain
     heads, blocks smaller than a vector: mixed with prefill chunks and alone, as dense math in
     float32 says (bfloat16: to its output rounding)."""
-    assert cpu_attention.available()  # built, and its self-check passed
+    assert cpu_kernels.available()  # built, and its self-check passed
     q, k_cache, v_cache, meta, expected, _, seqs = _paged_step(
         heads, kv_heads, block_size, dim, dtype, seed=dim + heads)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else \
         {"atol": 2e-2, "rtol": 2e-2}
     scale = 1 / math.sqrt(dim)
-    out = cpu_attention.paged_attention(q, k_cache, v_cache, meta, scale)
+    out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta, scale)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), torch.cat(expected), **tol)
     q_alone, alone, want = _decodes_alone(q, meta, seqs, expected)
-    got = cpu_attention.decode_attention(q_alone, k_cache, v_cache, alone, scale)
+    got = cpu_kernels.decode_attention(q_alone, k_cache, v_cache, alone, scale)
     torch.testing.assert_close(got.float(), want, **tol)
     # The lengths the runner passes give the same answer as the mask they come from.
     alone.decode_lengths = alone.decode_mask.reshape(len(want), -1).sum(dim=1)
-    assert torch.equal(cpu_attention.decode_attention(q_alone, k_cache, v_cache, alone, scale),
+    assert torch.equal(cpu_kernels.decode_attention(q_alone, k_cache, v_cache, alone, scale),
                        got)
 
 
-def test_the_cpu_attention_kernel_leaves_what_it_does_not_run_to_the_reference():
+def test_the_cpu_kernels_kernel_leaves_what_it_does_not_run_to_the_reference():
     """A head dim off its vector width and a quantized cache go to the torch path unchanged."""
     q, k_cache, v_cache, meta, expected, _, seqs = _paged_step(4, 2, 4, dim=20)
-    out = cpu_attention.paged_attention(q, k_cache, v_cache, meta, 20 ** -0.5)
+    out = cpu_kernels.paged_attention(q, k_cache, v_cache, meta, 20 ** -0.5)
     assert torch.equal(out, reference.paged_attention(q, k_cache, v_cache, meta, 20 ** -0.5))
     q, k_cache, v_cache, meta, expected, _, seqs = _paged_step(4, 2, 4, dim=64)
     k_quant, v_quant = (kv_quant.QuantizedCache(*kv_quant.quantize(c, torch.int8))
                         for c in (k_cache, v_cache))
-    out = cpu_attention.paged_attention(q, k_quant, v_quant, meta, 0.125)
+    out = cpu_kernels.paged_attention(q, k_quant, v_quant, meta, 0.125)
     assert torch.equal(out, reference.paged_attention(q, k_quant, v_quant, meta, 0.125))
 
 
@@ -323,14 +323,14 @@ def test_without_a_working_compiler_decode_attention_runs_the_torch_path(tmp_pat
     script = (
         "import logging, torch\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "from kernels import cpu_attention, ops_for\n"
+        "from kernels import cpu_kernels, ops_for\n"
         "table = ops_for('cpu', torch.float32)\n"
         "from tests.test_kernels import _paged_step, _decodes_alone\n"
         "q, k, v, meta, expected, _, seqs = _paged_step(9, 3, 16, 64)\n"
         "q1, alone, want = _decodes_alone(q, meta, seqs, expected)\n"
         "out = table.paged_attention(q1, k, v, alone, 0.125)\n"
         "torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)\n"
-        "print('available', cpu_attention.available())\n"
+        "print('available', cpu_kernels.available())\n"
     )
     env = {**os.environ, "CC": shutil.which("false") or "/bin/false",
            "SERVESCOPE_KERNEL_CACHE": str(tmp_path)}
@@ -338,5 +338,56 @@ def test_without_a_working_compiler_decode_attention_runs_the_torch_path(tmp_pat
                           text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr
     assert "available False" in done.stdout
-    assert "The CPU attention kernel did not build" in done.stderr
+    assert "The CPU kernels did not build" in done.stderr
     assert not list(tmp_path.iterdir())  # no half-written library left behind
+
+
+@pytest.mark.skipif(cpu_kernels._library() is None,
+                    reason="the C kernels did not build here (no C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 576), (16, 576), (200, 960), (3, 32)])
+def test_the_cpu_rms_norm_kernel_computes_the_reference(rows, width, dtype):
+    """RMSNorm with and without the residual add, from decode rows to a prefill-sized block
+    (threaded): the reference's values to its rounding, and the summed residual exactly."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, width, generator=gen).to(dtype)
+    weight = torch.rand(width, generator=gen).to(dtype) + 0.5
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else \
+        {"atol": 1.6e-2, "rtol": 1.6e-2}
+    for res in (None, residual):
+        got, summed = cpu_kernels.rms_norm(x, weight, 1e-6, res)
+        want, want_summed = reference.rms_norm(x, weight, 1e-6, res)
+        assert got.dtype == dtype and got.shape == x.shape
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        assert torch.equal(summed, want_summed)  # one rounded add either way
+
+
+@pytest.mark.skipif(cpu_kernels._library() is None,
+                    reason="the C kernels did not build here (no C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,heads,kv_heads,dim", [(1, 9, 3, 64), (16, 9, 3, 64),
+                                                  (40, 32, 8, 128), (3, 4, 1, 32)])
+def test_the_cpu_rotary_kernel_rotates_views_of_the_fused_qkv_like_the_reference(
+        n, heads, kv_heads, dim, dtype):
+    """q and k as the model passes them (views into one QKV row per token), rotated at real
+    positions' angles; each product and sum rounded as the reference's ops round them."""
+    assert cpu_kernels.available()
+    from engine.rope import cos_sin_tables
+
+    gen = torch.Generator().manual_seed(n * heads + dim)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * dim].view(n, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, sin = cos_sin_tables(inv_freq, 4096)
+    positions = torch.randint(0, 4096, (n,), generator=gen)
+    cos, sin = cos[positions].to(dtype), sin[positions].to(dtype)
+    got_q, got_k = cpu_kernels.rotary(q, k, cos, sin)
+    want_q, want_k = reference.rotary(q, k, cos, sin)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else \
+        {"atol": 0.0, "rtol": 0.0}
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)

@@ -1,22 +1,25 @@
-/* Decode attention over the paged KV cache on the CPU: one query token per sequence, reading each
- * sequence's keys and values straight from their cache slots.
+/* The engine's CPU kernels where PyTorch's eager ops would be many small calls: decode attention
+ * over the paged KV cache, RMSNorm with its residual add, and rotary embedding. Built by
+ * kernels/cpu_kernels.py with the machine's C compiler; no Python or torch headers needed.
  *
- * Why C: the torch path gathers every sequence's K/V rows into a padded copy and runs
- * scaled_dot_product_attention on it; at the demo model's decode shapes (16 sequences x 3 KV
- * heads x ~140 keys x 64 dims) that costs ~400 us a layer in dispatch and copies for ~3 MFLOP of
- * work. Here each (sequence, KV head) is one task: convert each key once, score it against the
- * query heads that share it (grouped-query attention), softmax in float32, and sum the values.
+ * Why C: at decode sizes (a few to a few dozen rows) each torch op costs microseconds of
+ * dispatch for nanoseconds of arithmetic. Attention gathered every sequence's K/V rows into a
+ * padded copy before scaled_dot_product_attention (~400 us a layer for ~3 MFLOP at 16 sequences
+ * of the demo model); an RMSNorm is nine ops and rotary ten. Here each is one call.
  *
- * Layouts (all contiguous): q, out [batch, heads, dim]; k_cache, v_cache [slots, kv_heads, dim];
- * slots [batch, width] int64 (row b's first lengths[b] entries are its keys, in order);
- * lengths [batch] int64. bf16 != 0: q, caches and out are bfloat16 (raw uint16), else float32.
- * Built by kernels/cpu_attention.py with gcc; no Python or torch headers needed.
+ * Tensors are float32, or bfloat16 when `bf16` != 0 (raw uint16); arithmetic is float32. Where
+ * the torch reference rounds an intermediate to bfloat16, the kernels round it the same way, so
+ * their outputs stay within a rounding of the reference's. Functions return 0, or -1 for shapes
+ * they do not handle or a failed allocation (the caller then runs the torch reference).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* Decode attention's arguments. Layouts (all contiguous): q, out [batch, heads, dim]; k_cache,
+ * v_cache [slots, kv_heads, dim]; slots [batch, width] int64 (row b's first lengths[b] entries
+ * are its keys, in order); lengths [batch] int64. */
 typedef struct {
     const void *q, *k_cache, *v_cache;
     void *out;
@@ -25,15 +28,6 @@ typedef struct {
     float scale;
     int bf16;
 } Job;
-
-static inline uint16_t f32_to_bf16(float f) {
-    /* Round to nearest even, as torch's conversion does; NaN stays NaN. */
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);
-    return (uint16_t)(c.u >> 16);
-}
 
 /* Float32 vectors as GCC vector extensions, one native register wide: the same source runs on
  * AVX-512, AVX2 and SSE (a vector wider than the registers would be split and spilled). */
@@ -69,10 +63,26 @@ static inline vf load_vec(const void *base, int64_t offset, int bf16) {
     return out;
 }
 
+/* v rounded to bfloat16 (nearest even, NaN kept), as float32 bits with the low half zero. */
+static inline vu32 bf16_bits(vf v) {
+    vu32 u;
+    memcpy(&u, &v, sizeof u);
+    const vu32 nan = (vu32)((u & 0x7fffffffu) > 0x7f800000u);
+    const vu32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan);
+}
+
+/* v rounded to bfloat16 and back: where the reference holds an intermediate in bfloat16. */
+static inline vf round_bf16(vf v) {
+    const vu32 bits = bf16_bits(v);
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 static inline void store_vec(void *base, int64_t offset, int bf16, vf v) {
     if (bf16) {
-        uint16_t *dst = (uint16_t *)base + offset;
-        for (int i = 0; i < LANES; i++) dst[i] = f32_to_bf16(v[i]);
+        const vu16 half = __builtin_convertvector(bf16_bits(v) >> 16, vu16);
+        memcpy((uint16_t *)base + offset, &half, sizeof half);
     } else {
         memcpy((float *)base + offset, &v, sizeof v);
     }
@@ -214,4 +224,69 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache, vo
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* RMSNorm of rows [rows, width] of x (+ residual when not NULL), as the reference computes it:
+ * the sum rounded to the dtype and written to res_out (the next residual), then
+ * weight * (sum / rms) with the normalised value rounded to the dtype before the weight. */
+int rms_norm(const void *x, const void *residual, const void *weight, void *out, void *res_out,
+             int64_t rows, int64_t width, float eps, int bf16, int threads) {
+    if (width % LANES != 0) return -1;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) if (rows >= 32)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * width;
+        const void *sum = residual ? res_out : x;
+        vf squares = {0};
+        for (int64_t c = 0; c < width; c += LANES) {
+            vf v = load_vec(x, base + c, bf16);
+            if (residual) {
+                v += load_vec(residual, base + c, bf16);
+                store_vec(res_out, base + c, bf16, v);
+                if (bf16) v = round_bf16(v);
+            }
+            squares += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sum_lanes(squares) / (float)width + eps);
+        for (int64_t c = 0; c < width; c += LANES) {
+            vf normed = load_vec(sum, base + c, bf16) * inv;
+            if (bf16) normed = round_bf16(normed);
+            store_vec(out, base + c, bf16, normed * load_vec(weight, c, bf16));
+        }
+    }
+    return 0;
+}
+
+/* Rotary embedding (the rotate_half convention) of q [n, heads, dim] and k [n, kv_heads, dim],
+ * whose tokens are q_stride / k_stride elements apart (views into the fused QKV output), into
+ * contiguous q_out and k_out; cos and sin [n, dim]. x * cos + rotate_half(x) * sin, with each
+ * product and the sum rounded to the dtype as the reference's three ops do. */
+int rotary(const void *q, const void *k, const void *cos, const void *sin, void *q_out,
+           void *k_out, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
+           int64_t q_stride, int64_t k_stride, int bf16, int threads) {
+    const int64_t half = dim / 2;
+    if (dim % 2 != 0 || half % LANES != 0) return -1;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) if (n >= 32)
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            const int is_q = h < heads;
+            const void *src = is_q ? q : k;
+            void *dst = is_q ? q_out : k_out;
+            const int64_t from = t * (is_q ? q_stride : k_stride) + (is_q ? h : h - heads) * dim;
+            const int64_t to = (t * (is_q ? heads : kv_heads) + (is_q ? h : h - heads)) * dim;
+            for (int64_t c = 0; c < half; c += LANES) {
+                const vf x1 = load_vec(src, from + c, bf16), x2 = load_vec(src, from + half + c, bf16);
+                const vf c1 = load_vec(cos, t * dim + c, bf16), c2 = load_vec(cos, t * dim + half + c, bf16);
+                const vf s1 = load_vec(sin, t * dim + c, bf16), s2 = load_vec(sin, t * dim + half + c, bf16);
+                vf a1 = x1 * c1, b1 = -(x2 * s1), a2 = x2 * c2, b2 = x1 * s2;
+                if (bf16) {
+                    a1 = round_bf16(a1), b1 = round_bf16(b1), a2 = round_bf16(a2), b2 = round_bf16(b2);
+                }
+                store_vec(dst, to + c, bf16, a1 + b1);
+                store_vec(dst, to + half + c, bf16, a2 + b2);
+            }
+        }
+    }
+    return 0;
 }

@@ -1,0 +1,281 @@
+"""The engine's CPU kernels in C (cpu_kernels.c): decode attention read straight from the paged
+cache, RMSNorm with its residual add, and rotary embedding; built with the machine's C compiler
+on first use and called through ctypes.
+
+At decode sizes PyTorch's eager ops cost microseconds of dispatch each for little arithmetic: the
+torch decode attention (reference._decode_attention) gathers every sequence's keys and values into
+a padded copy before scaled_dot_product_attention, an RMSNorm is nine ops and rotary ten. vLLM's
+CPU build has C++ kernels for the same reason. The kernels are the CPU table's ops for float32 and
+bfloat16 when they build and pass their self-check against the reference; otherwise (no
+compiler, a quantized cache, another dtype, a shape they do not take) the reference runs, so
+nothing depends on them being there.
+
+The shared object is cached per source, compiler flags and CPU (it is built with -march=native)
+under the user's cache directory; SERVESCOPE_CPU_KERNELS=0 turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from platformdirs import user_cache_dir
+
+from kernels import reference
+from kernels.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Vectorised reductions need reassociation; the kernels never rely on signed zeros, traps or
+# errno, and keep infinities (the softmax's running maximum starts at -inf).
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+         "-fassociative-math", "-ffp-contract=fast", "-shared", "-fPIC", "-fopenmp")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_DIM = 512  # cpu_kernels.c's MAX_DIM
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's model and instruction flags."""
+    parts = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as lines:
+            parts += [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        parts.append(platform.processor())
+    return "".join(parts)
+
+
+def _library_path(compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+                 _cpu_key().encode()):
+        digest.update(part)
+    cache = os.environ.get("SERVESCOPE_KERNEL_CACHE") or Path(user_cache_dir("servescope"),
+                                                                "kernels")
+    return Path(cache) / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile into a temporary file and rename it into place, so that processes building at
+    once (test workers, a server and the app) never load a half-written library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.info("No C compiler found: the CPU runs the torch reference ops.")
+        return None
+    path = _library_path(compiler)
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except subprocess.CalledProcessError as exc:
+        log.warning("The CPU kernels did not build (%s: %s): using the torch reference ops.",
+                    compiler, exc.stderr.decode(errors="replace").strip()[-500:])
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("The CPU kernels did not load (%s): using the torch reference ops.", exc)
+        return None
+    _INT, _F32 = ctypes.c_int, ctypes.c_float
+    signatures = {
+        "decode_attention": [_PTR] * 6 + [_I64] * 5 + [_F32, _INT, _INT],
+        "rms_norm": [_PTR] * 5 + [_I64, _I64, _F32, _INT, _INT],
+        "rotary": [_PTR] * 6 + [_I64] * 6 + [_INT, _INT],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
+
+
+def _lengths(meta: AttentionMetadata) -> torch.Tensor:
+    """Each decode row's key count (rows are padded at the end, so the mask is a prefix)."""
+    if meta.decode_lengths is not None:
+        return meta.decode_lengths
+    batch, width = meta.decode_slots.shape
+    if meta.decode_mask is None:
+        return torch.full((batch,), width, dtype=torch.int64)
+    return meta.decode_mask.reshape(batch, width).sum(dim=1, dtype=torch.int64)
+
+
+def _runs(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> bool:
+    """Whether the kernel takes this step's decode rows (else the torch path does)."""
+    return (meta.decode_slots is not None and q.dtype in DTYPES
+            and isinstance(k_cache, torch.Tensor) and k_cache.dtype == q.dtype
+            and v_cache.dtype == q.dtype and k_cache.device.type == "cpu"
+            and q.shape[-1] % 16 == 0 and q.shape[-1] <= MAX_DIM
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and available())
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of decode queries ([B, H, D], in decode_token_index order) over their keys."""
+    q = q.contiguous()
+    slots, lengths = meta.decode_slots, _lengths(meta)
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        slots = slots.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    status = _library().decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), slots.data_ptr(),
+        lengths.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[1], q.shape[2],
+        slots.shape[1], scale, DTYPES[q.dtype], torch.get_num_threads())
+    if status != 0:  # out of memory in the kernel: the torch path says so its own way
+        return reference._decode_attention(q, k_cache, v_cache, meta, scale)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """reference.paged_attention with its decode rows through the kernel where it runs them."""
+    if not _runs(q, k_cache, v_cache, meta):
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    rows = meta.decode_token_index
+    if not meta.prefills and rows.shape[0] == q.shape[0]:
+        return decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    out[rows] = decode_attention(q[rows], k_cache, v_cache, meta, scale)
+    for chunk in meta.prefills:
+        out[chunk.start : chunk.end] = reference._prefill_attention(
+            q[chunk.start : chunk.end], k_cache, v_cache, chunk, scale)
+    return out
+
+
+def _kernel_dtype(*tensors: torch.Tensor) -> bool:
+    """Whether the tensors are CPU tensors of one dtype the kernels take."""
+    dtype = tensors[0].dtype
+    return dtype in DTYPES and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rms_norm in one call (with the residual add)."""
+    width = weight.shape[-1]
+    operands = (x, weight) if residual is None else (x, weight, residual)
+    if (_kernel_dtype(*operands) and x.is_contiguous() and weight.is_contiguous()
+            and (residual is None or (residual.is_contiguous() and residual.shape == x.shape))
+            and x.shape[-1] == width and width % 16 == 0 and available()):
+        out = _rms_norm(x, weight, eps, residual)
+        if out is not None:
+            return out
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def _rms_norm(x, weight, eps, residual):
+    out = torch.empty_like(x)
+    summed = x if residual is None else torch.empty_like(x)
+    status = _library().rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), summed.data_ptr(), x.numel() // weight.shape[-1], weight.shape[-1],
+        eps, DTYPES[x.dtype], torch.get_num_threads())
+    return (out, summed) if status == 0 else None
+
+
+def _token_stride(x: torch.Tensor) -> int | None:
+    """The stride between tokens of [n, heads, dim] whose heads are packed (a view into the
+    fused QKV output qualifies); None for other layouts."""
+    heads, dim = x.shape[1], x.shape[2]
+    if x.stride(2) == 1 and (x.stride(1) == dim or heads == 1):
+        return x.stride(0)
+    return None
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rotary in one call, into contiguous q and k."""
+    dim = q.shape[-1]
+    if (_kernel_dtype(q, k, cos, sin) and _token_stride(q) is not None
+            and _token_stride(k) is not None and cos.is_contiguous() and sin.is_contiguous()
+            and k.shape[-1] == dim and cos.shape == (q.shape[0], dim) == sin.shape
+            and dim % 32 == 0 and available()):
+        out = _rotary(q, k, cos, sin)
+        if out is not None:
+            return out
+    return reference.rotary(q, k, cos, sin)
+
+
+def _rotary(q, k, cos, sin):
+    q_out = torch.empty(q.shape, dtype=q.dtype)
+    k_out = torch.empty(k.shape, dtype=k.dtype)
+    status = _library().rotary(
+        q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(),
+        k_out.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], _token_stride(q),
+        _token_stride(k), DTYPES[q.dtype], torch.get_num_threads())
+    return (q_out, k_out) if status == 0 else None
+
+
+OPS = {"paged_attention": paged_attention, "rms_norm": rms_norm, "rotary": rotary}
+
+
+def _agrees(got, want, dtype: torch.dtype) -> bool:
+    if got is None:
+        return False
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    return all(torch.allclose(g.float(), w.float(), atol=tolerance, rtol=tolerance)
+               for g, w in zip(got, want, strict=True))
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels build here and agree with the reference: attention on ragged GQA
+    batches on a specialised head dim and the general path, RMSNorm with and without the
+    residual, rotary on a strided view, in both dtypes (a wrong build must not serve)."""
+    if _library() is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    batch, kv_heads, group, slots = 3, 2, 3, 40
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    for dtype, dim in ((torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 48)):
+        k, v = rand(slots, kv_heads, dim).to(dtype), rand(slots, kv_heads, dim).to(dtype)
+        q = rand(batch, kv_heads * group, dim).to(dtype)
+        lengths = torch.tensor([7, 12, 1])
+        table = torch.randperm(slots, generator=gen)[: batch * 12].view(batch, 12)
+        mask = (torch.arange(12)[None] < lengths[:, None])[:, None, None, :]
+        meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.int64),
+                                 decode_token_index=torch.arange(batch), decode_slots=table,
+                                 decode_mask=mask)
+        checks = {"decode attention": (
+            [decode_attention(q, k, v, meta, dim ** -0.5)],
+            [reference._decode_attention(q, k, v, meta, dim ** -0.5)])}
+        x, residual, weight = (rand(5, 96).to(dtype), rand(5, 96).to(dtype),
+                               rand(96).to(dtype))
+        for res in (None, residual):
+            checks[f"RMSNorm (residual: {res is not None})"] = (
+                _rms_norm(x, weight, 1e-5, res), reference.rms_norm(x, weight, 1e-5, res))
+        if dim % 32 == 0:
+            qkv = rand(5, (kv_heads * group + 2 * kv_heads) * dim).to(dtype)
+            qr = qkv[:, : kv_heads * group * dim].view(5, kv_heads * group, dim)
+            kr = qkv[:, kv_heads * group * dim :][:, : kv_heads * dim].view(5, kv_heads, dim)
+            cos, sin = rand(5, dim).to(dtype), rand(5, dim).to(dtype)
+            checks["rotary"] = (_rotary(qr, kr, cos, sin), reference.rotary(qr, kr, cos, sin))
+        for name, (got, want) in checks.items():
+            if not _agrees(got, want, dtype):
+                log.warning("The CPU kernels' %s disagrees with the reference (%s, head dim "
+                            "%d): the reference ops run instead.", name, dtype, dim)
+                return False
+    return True
