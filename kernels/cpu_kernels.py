@@ -1,10 +1,11 @@
 """The engine's CPU kernels in C (cpu_kernels.c): decode attention read straight from the paged
-cache, RMSNorm with its residual add, and rotary embedding; built with the machine's C compiler
-on first use and called through ctypes.
+cache, RMSNorm with its residual add, rotary embedding and SwiGLU; built with the machine's C
+compiler on first use and called through ctypes.
 
 At decode sizes PyTorch's eager ops cost microseconds of dispatch each for little arithmetic: the
 torch decode attention (reference._decode_attention) gathers every sequence's keys and values into
-a padded copy before scaled_dot_product_attention, an RMSNorm is nine ops and rotary ten. vLLM's
+a padded copy before scaled_dot_product_attention, an RMSNorm is nine ops, rotary ten, SwiGLU
+three. vLLM's
 CPU build has C++ kernels for the same reason. The kernels are the CPU table's ops for float32 and
 bfloat16 when they build and pass their self-check against the reference; otherwise (no
 compiler, a quantized cache, another dtype, a shape they do not take) the reference runs, so
@@ -107,6 +108,7 @@ def _library() -> ctypes.CDLL | None:
         "decode_attention": [_PTR] * 6 + [_I64] * 5 + [_F32, _INT, _INT],
         "rms_norm": [_PTR] * 5 + [_I64, _I64, _F32, _INT, _INT],
         "rotary": [_PTR] * 6 + [_I64] * 6 + [_INT, _INT],
+        "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT, _INT],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -229,7 +231,25 @@ def _rotary(q, k, cos, sin):
     return (q_out, k_out) if status == 0 else None
 
 
-OPS = {"paged_attention": paged_attention, "rms_norm": rms_norm, "rotary": rotary}
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """reference.silu_and_mul (gate and up concatenated on the last dimension) in one call."""
+    if (_kernel_dtype(x) and x.is_contiguous() and x.shape[-1] % 32 == 0 and available()):
+        out = _silu_and_mul(x)
+        if out is not None:
+            return out
+    return reference.silu_and_mul(x)
+
+
+def _silu_and_mul(x):
+    width = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], width), dtype=x.dtype)
+    status = _library().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * width),
+                                     width, DTYPES[x.dtype], torch.get_num_threads())
+    return out if status == 0 else None
+
+
+OPS = {"paged_attention": paged_attention, "rms_norm": rms_norm, "rotary": rotary,
+       "silu_and_mul": silu_and_mul}
 
 
 def _agrees(got, want, dtype: torch.dtype) -> bool:
@@ -244,7 +264,8 @@ def _agrees(got, want, dtype: torch.dtype) -> bool:
 def available() -> bool:
     """Whether the kernels build here and agree with the reference: attention on ragged GQA
     batches on a specialised head dim and the general path, RMSNorm with and without the
-    residual, rotary on a strided view, in both dtypes (a wrong build must not serve)."""
+    residual, rotary on a strided view, SwiGLU, in both dtypes (a wrong build must not
+    serve)."""
     if _library() is None:
         return False
     gen = torch.Generator().manual_seed(0)
@@ -273,6 +294,8 @@ def available() -> bool:
             kr = qkv[:, kv_heads * group * dim :][:, : kv_heads * dim].view(5, kv_heads, dim)
             cos, sin = rand(5, dim).to(dtype), rand(5, dim).to(dtype)
             checks["rotary"] = (_rotary(qr, kr, cos, sin), reference.rotary(qr, kr, cos, sin))
+        gate_up = (rand(5, 2 * 96) * 4).to(dtype)
+        checks["SwiGLU"] = ([_silu_and_mul(gate_up)], [reference.silu_and_mul(gate_up)])
         for name, (got, want) in checks.items():
             if not _agrees(got, want, dtype):
                 log.warning("The CPU kernels' %s disagrees with the reference (%s, head dim "

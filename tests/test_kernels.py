@@ -391,3 +391,21 @@ def test_the_cpu_rotary_kernel_rotates_views_of_the_fused_qkv_like_the_reference
         {"atol": 0.0, "rtol": 0.0}
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(got_k, want_k, **tol)
+
+
+@pytest.mark.skipif(cpu_kernels._library() is None,
+                    reason="the C kernels did not build here (no C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 1536), (16, 1536), (100, 64)])
+def test_the_cpu_swiglu_kernel_computes_the_reference(rows, width, dtype):
+    """silu(gate) * up over gates from -60 to 60 (the exponential's far ends) and near 0."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(rows + width)
+    x = torch.randn(rows, 2 * width, generator=gen) * 4
+    x[0, :4] = torch.tensor([-60.0, 60.0, 0.0, -1e-3])
+    x = x.to(dtype)
+    got, want = cpu_kernels.silu_and_mul(x), reference.silu_and_mul(x)
+    assert got.dtype == dtype and got.shape == (rows, width)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else \
+        {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
