@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import reference
+from kernels import cpu_kernels, reference
 from kernels.kv_quant import QuantizedCache
 from kernels.metadata import AttentionMetadata
 
@@ -76,7 +76,7 @@ def _decode_attention_fake(q, k_cache, v_cache, k_scale, v_scale, token_index, s
 
 def compilable(table: SimpleNamespace) -> SimpleNamespace:
     """`table` with store_kv and paged_attention going through the custom ops; its other ops
-    stay as they are (compiled with the step)."""
+    stay as they are (compiled with the step), but for the C kernels' (the reference's)."""
 
     def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         (kc, ks), (vc, vs) = _split(k_cache), _split(v_cache)
@@ -91,6 +91,10 @@ def compilable(table: SimpleNamespace) -> SimpleNamespace:
             q, kc, vc, ks, vs, meta.decode_token_index, meta.decode_slots, meta.decode_mask,
             scale, table.name)
 
-    return SimpleNamespace(**(vars(table) | {"name": f"{table.name}+compile",
-                                             "store_kv": store_kv,
-                                             "paged_attention": paged_attention}))
+    # The CPU's C kernels are ctypes calls Dynamo cannot trace: the compiled step takes the
+    # reference's versions of those ops, which the compiler fuses anyway.
+    traceable = {op: getattr(reference, op) for op, fn in cpu_kernels.OPS.items()
+                 if getattr(table, op) is fn}
+    return SimpleNamespace(**(vars(table) | traceable | {"name": f"{table.name}+compile",
+                                                         "store_kv": store_kv,
+                                                         "paged_attention": paged_attention}))
