@@ -1,8 +1,8 @@
 """Attention, norm and rotary ops: torch references behind one dispatch point.
 
 Every op the model runs is looked up here, so a faster implementation (oneDNN linear layers on
-the CPU in float32 and, where the CPU runs it natively, bfloat16, with decode attention, RMSNorm
-and rotary from small C kernels (kernels/cpu_kernels.py); Triton on CUDA) can replace the
+the CPU in float32 and, where the CPU runs it natively, bfloat16, with decode attention, RMSNorm,
+rotary and SwiGLU from small C kernels (kernels/cpu_kernels.py); Triton on CUDA) can replace the
 reference for one device and dtype without the model knowing.
 `SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere. Each table's
 `prepare_linear` / `linear` also take weight-only quantized weights (kernels/quant.py): the
@@ -52,12 +52,12 @@ def _quant_aware(prepare, linear, prepare_quantized):
 
 _BACKENDS: dict[str, SimpleNamespace] = {"reference": _table("reference")}
 # The dtypes whose oneDNN linear passed its self-check here; the table serves each of them (its
-# other ops are the reference's, which follow the input's dtype).
+# other ops follow the input's dtype).
 ONEDNN_DTYPES = tuple(dtype for dtype in onednn.DTYPES if onednn.available(dtype))
 if ONEDNN_DTYPES:
-    # The CPU table: oneDNN linears, and decode attention, RMSNorm and rotary from the C kernels
-    # (built on first use; where they do not build or pass their self-check, the reference's
-    # ops run).
+    # The CPU table: oneDNN linears, and decode attention, RMSNorm, rotary and SwiGLU from the C
+    # kernels (built on first use; where they do not build or pass their self-check, or do not
+    # take a call's dtype or shape, the reference's ops run).
     _BACKENDS["onednn"] = _table("onednn", prepare_quantized=quant.prepare_packed,
                                  prepare_linear=onednn.prepare_linear, linear=onednn.linear,
                                  **cpu_kernels.OPS)

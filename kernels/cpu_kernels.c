@@ -216,7 +216,7 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache, vo
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        vf *qf = aligned_alloc(64, sizeof(vf) * (size_t)(group * (dim / LANES)));
+        vf *qf = aligned_alloc(sizeof(vf), sizeof(vf) * (size_t)(group * (dim / LANES)));
         float *scores = malloc(sizeof(float) * (size_t)(group * longest));
         failed = qf == NULL || scores == NULL;
         /* Tasks dealt round-robin: neighbouring sequences have similar lengths, so the

@@ -5,11 +5,10 @@ compiler on first use and called through ctypes.
 At decode sizes PyTorch's eager ops cost microseconds of dispatch each for little arithmetic: the
 torch decode attention (reference._decode_attention) gathers every sequence's keys and values into
 a padded copy before scaled_dot_product_attention, an RMSNorm is nine ops, rotary ten, SwiGLU
-three. vLLM's
-CPU build has C++ kernels for the same reason. The kernels are the CPU table's ops for float32 and
-bfloat16 when they build and pass their self-check against the reference; otherwise (no
-compiler, a quantized cache, another dtype, a shape they do not take) the reference runs, so
-nothing depends on them being there.
+three. vLLM's CPU build has C++ kernels for the same reason. The kernels are the CPU table's ops
+for float32 and bfloat16 when they build and pass their self-check against the reference;
+otherwise (no compiler, a quantized cache, another dtype, a shape they do not take) the
+reference runs, so nothing depends on them being there.
 
 The shared object is cached per source, compiler flags and CPU (it is built with -march=native)
 under the user's cache directory; SERVESCOPE_CPU_KERNELS=0 turns the kernels off.
@@ -157,15 +156,7 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata,
     """reference.paged_attention with its decode rows through the kernel where it runs them."""
     if not _runs(q, k_cache, v_cache, meta):
         return reference.paged_attention(q, k_cache, v_cache, meta, scale)
-    rows = meta.decode_token_index
-    if not meta.prefills and rows.shape[0] == q.shape[0]:
-        return decode_attention(q, k_cache, v_cache, meta, scale)
-    out = torch.empty_like(q)
-    out[rows] = decode_attention(q[rows], k_cache, v_cache, meta, scale)
-    for chunk in meta.prefills:
-        out[chunk.start : chunk.end] = reference._prefill_attention(
-            q[chunk.start : chunk.end], k_cache, v_cache, chunk, scale)
-    return out
+    return reference.attend_rows(q, k_cache, v_cache, meta, scale, decode_attention)
 
 
 def _kernel_dtype(*tensors: torch.Tensor) -> bool:
@@ -211,23 +202,23 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.rotary in one call, into contiguous q and k."""
     dim = q.shape[-1]
-    if (_kernel_dtype(q, k, cos, sin) and _token_stride(q) is not None
-            and _token_stride(k) is not None and cos.is_contiguous() and sin.is_contiguous()
-            and k.shape[-1] == dim and cos.shape == (q.shape[0], dim) == sin.shape
-            and dim % 32 == 0 and available()):
-        out = _rotary(q, k, cos, sin)
+    strides = (_token_stride(q), _token_stride(k))
+    if (_kernel_dtype(q, k, cos, sin) and None not in strides and cos.is_contiguous()
+            and sin.is_contiguous() and k.shape[-1] == dim
+            and cos.shape == (q.shape[0], dim) == sin.shape and dim % 32 == 0 and available()):
+        out = _rotary(q, k, cos, sin, strides)
         if out is not None:
             return out
     return reference.rotary(q, k, cos, sin)
 
 
-def _rotary(q, k, cos, sin):
+def _rotary(q, k, cos, sin, strides: tuple[int, int]):
     q_out = torch.empty(q.shape, dtype=q.dtype)
     k_out = torch.empty(k.shape, dtype=k.dtype)
     status = _library().rotary(
         q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(),
-        k_out.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], _token_stride(q),
-        _token_stride(k), DTYPES[q.dtype], torch.get_num_threads())
+        k_out.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], *strides,
+        DTYPES[q.dtype], torch.get_num_threads())
     return (q_out, k_out) if status == 0 else None
 
 
@@ -293,7 +284,8 @@ def available() -> bool:
             qr = qkv[:, : kv_heads * group * dim].view(5, kv_heads * group, dim)
             kr = qkv[:, kv_heads * group * dim :][:, : kv_heads * dim].view(5, kv_heads, dim)
             cos, sin = rand(5, dim).to(dtype), rand(5, dim).to(dtype)
-            checks["rotary"] = (_rotary(qr, kr, cos, sin), reference.rotary(qr, kr, cos, sin))
+            checks["rotary"] = (_rotary(qr, kr, cos, sin, (_token_stride(qr), _token_stride(kr))),
+                                reference.rotary(qr, kr, cos, sin))
         gate_up = (rand(5, 2 * 96) * 4).to(dtype)
         checks["SwiGLU"] = ([_silu_and_mul(gate_up)], [reference.silu_and_mul(gate_up)])
         for name, (got, want) in checks.items():

@@ -82,14 +82,21 @@ def paged_attention(
     Decode-like sequences (one query token) are batched into one padded call; each prefill chunk
     runs on its own so that no query is padded to the longest chunk.
     """
+    return attend_rows(q, k_cache, v_cache, meta, scale, _decode_attention)
+
+
+def attend_rows(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                decode) -> torch.Tensor:
+    """paged_attention with the step's decode rows attended by `decode` (the same arguments as
+    _decode_attention, the rows in decode_token_index order) and its prefill chunks here."""
     if meta.decode_token_index is not None and not meta.prefills \
             and meta.decode_token_index.shape[0] == q.shape[0]:
         # A decode-only step: its rows are the decode rows, in order (no gather, no scatter).
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.decode_token_index is not None:
-        out[meta.decode_token_index] = _decode_attention(q[meta.decode_token_index], k_cache,
-                                                         v_cache, meta, scale)
+        out[meta.decode_token_index] = decode(q[meta.decode_token_index], k_cache, v_cache,
+                                              meta, scale)
     for chunk in meta.prefills:
         qs = q[chunk.start : chunk.end]
         out[chunk.start : chunk.end] = _prefill_attention(qs, k_cache, v_cache, chunk, scale)
