@@ -6,7 +6,8 @@ rotary and SwiGLU from small C kernels (kernels/cpu_kernels.py); Triton on CUDA)
 reference for one device and dtype without the model knowing.
 `SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere. Each table's
 `prepare_linear` / `linear` also take weight-only quantized weights (kernels/quant.py): the
-reference dequantizes them per call, the oneDNN table runs PyTorch's packed int8 / int4 ops where
+reference dequantizes them per call, the oneDNN table runs int4 through the C kernel of
+kernels/cpu_int4.py where the CPU has AVX512-BF16, else PyTorch's packed int8 / int4 ops where
 they exist.
 """
 
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import cpu_kernels, onednn, quant, reference
+from kernels import cpu_int4, cpu_kernels, onednn, quant, reference
 from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 
 OPS = ("prepare_linear", "linear", "rms_norm", "rotary", "silu_and_mul", "store_kv",
@@ -50,6 +51,12 @@ def _quant_aware(prepare, linear, prepare_quantized):
     return prepare_any, linear_any
 
 
+def _prepare_cpu_quantized(q: quant.QuantizedWeight):
+    """The CPU's form of a quantized weight: int4 through the C kernel where the CPU has
+    AVX512-BF16, else PyTorch's packed int8 / int4 ops, else the dequantizing reference."""
+    return cpu_int4.prepare(q) or quant.prepare_packed(q)
+
+
 _BACKENDS: dict[str, SimpleNamespace] = {"reference": _table("reference")}
 # The dtypes whose oneDNN linear passed its self-check here; the table serves each of them (its
 # other ops follow the input's dtype).
@@ -58,7 +65,7 @@ if ONEDNN_DTYPES:
     # The CPU table: oneDNN linears, and decode attention, RMSNorm, rotary and SwiGLU from the C
     # kernels (built on first use; where they do not build or pass their self-check, or do not
     # take a call's dtype or shape, the reference's ops run).
-    _BACKENDS["onednn"] = _table("onednn", prepare_quantized=quant.prepare_packed,
+    _BACKENDS["onednn"] = _table("onednn", prepare_quantized=_prepare_cpu_quantized,
                                  prepare_linear=onednn.prepare_linear, linear=onednn.linear,
                                  **cpu_kernels.OPS)
 # Importing triton takes a while and is only needed on CUDA: its table is built on first use.

@@ -317,3 +317,145 @@ int silu_and_mul(const void *x, void *out, int64_t rows, int64_t width, int bf16
     }
     return 0;
 }
+
+/* ---- int4 weights times bfloat16 activations (AVX512-BF16) ----
+ * y[rows, out] = x[rows, in] @ W^T, with W held as 4-bit codes in groups of `group` inputs:
+ * w = code * scale + min (llama.cpp's Q4_1 and the engine's int4). PyTorch's CPU int4 matmul
+ * is 2-3x slower than oneDNN bfloat16 from 16 rows up; here each 16-output tile's weights are
+ * decoded once into bfloat16 registers and multiplied into up to 16 rows at a time with
+ * VDPBF16PS (products of bfloat16 pairs summed in float32), so a batch pays the decode once.
+ *
+ * Layout (kernels/cpu_kernels.py's pack_int4 writes it): outputs in tiles of 16, inputs in pairs.
+ * codes [tiles, pairs, 16] bytes: byte b of pair p of tile t holds in its low nibble the code of
+ * output 16t + b/2 at input 2p + b%2, and in its high nibble that of output 16t + 8 + b/2 at the
+ * same input, so one 16-byte load widens into the 32 bfloat16 weights VDPBF16PS pairs with 16
+ * (input 2p, 2p+1) activation pairs. scales, mins: float16 [tiles, groups, 16]. x: bfloat16
+ * [rows, in] (inputs padded to whole groups), read as one 32-bit pair per input pair. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+static const int32_t PAIR_LOW[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+static const int32_t PAIR_HIGH[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+
+/* One tile's 16 outputs for `mb` rows (a constant at each call site, so the accumulators stay
+ * in registers). */
+static inline __attribute__((always_inline)) void int4_tile_rows(
+    const int mb, const uint32_t *x, int64_t pairs, const uint8_t *codes,
+    const uint16_t *scales, const uint16_t *mins, int64_t groups, int64_t group_pairs, void *y,
+    int64_t out, int y_bf16) {
+    __m512 acc[16];
+    for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i low_idx = _mm512_loadu_si512(PAIR_LOW), high_idx = _mm512_loadu_si512(PAIR_HIGH);
+    const __m512i nibble = _mm512_set1_epi32(15);
+    for (int64_t g = 0; g < groups; g++) {
+        /* The group's 16 scales and mins, each repeated for the two inputs of a pair. */
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * 16)));
+        const __m512 s_low = _mm512_permutexvar_ps(low_idx, s);
+        const __m512 s_high = _mm512_permutexvar_ps(high_idx, s);
+        const __m512 m_low = _mm512_permutexvar_ps(low_idx, mn);
+        const __m512 m_high = _mm512_permutexvar_ps(high_idx, mn);
+        for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p++) {
+            const __m512i v =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + p * 16)));
+            const __m512 low = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), s_low, m_low);
+            const __m512 high = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s_high, m_high);
+            const __m512bh w = _mm512_cvtne2ps_pbh(high, low);
+            for (int m = 0; m < mb; m++)
+                acc[m] = _mm512_dpbf16_ps(
+                    acc[m], (__m512bh)_mm512_set1_epi32((int)x[m * pairs + p]), w);
+        }
+    }
+    for (int m = 0; m < mb; m++) {
+        if (y_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * out),
+                                (__m256i)_mm512_cvtneps_pbh(acc[m]));
+        else
+            _mm512_storeu_ps((float *)y + m * out, acc[m]);
+    }
+}
+
+#define INT4_ROWS(n)                                                                        \
+    case n:                                                                                 \
+        int4_tile_rows(n, xr, pairs, tile_codes, tile_scales, tile_mins, groups, group / 2, \
+                       yr, out, y_bf16);                                                    \
+        break;
+
+int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
+                const uint16_t *mins, void *y, int64_t rows, int64_t in_padded, int64_t out,
+                int64_t group, int y_bf16, int threads) {
+    if (out % 16 || group % 32 || in_padded % group) return -1;
+    const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *tile_codes = codes + t * pairs * 16;
+        const uint16_t *tile_scales = scales + t * groups * 16, *tile_mins = mins + t * groups * 16;
+        for (int64_t r = 0; r < rows; r += 16) {
+            const uint32_t *xr = (const uint32_t *)x + r * pairs;
+            void *yr = y_bf16 ? (void *)((uint16_t *)y + r * out + t * 16)
+                              : (void *)((float *)y + r * out + t * 16);
+            switch (rows - r < 16 ? rows - r : 16) {
+                INT4_ROWS(1) INT4_ROWS(2) INT4_ROWS(3) INT4_ROWS(4)
+                INT4_ROWS(5) INT4_ROWS(6) INT4_ROWS(7) INT4_ROWS(8)
+                INT4_ROWS(9) INT4_ROWS(10) INT4_ROWS(11) INT4_ROWS(12)
+                INT4_ROWS(13) INT4_ROWS(14) INT4_ROWS(15) INT4_ROWS(16)
+            }
+        }
+    }
+    return 0;
+}
+
+/* The weight as bfloat16 [out, in_padded] (the same decode, for prefill-sized batches, which
+ * oneDNN's bfloat16 matmul runs faster than the tile loop above). */
+int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
+                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
+    if (out % 16 || group % 32 || in_padded % group) return -1;
+    const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
+    const __m512i low_idx = _mm512_loadu_si512(PAIR_LOW), high_idx = _mm512_loadu_si512(PAIR_HIGH);
+    const __m512i nibble = _mm512_set1_epi32(15);
+    /* Lane i of a decoded pair is output 16t + i's inputs (2p, 2p + 1): one 32-bit word of
+     * row 16t + i, at word p of that row. */
+    const __m512i rows_at = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int)pairs));
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        uint32_t *tile_w = (uint32_t *)w + t * 16 * pairs;
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 s = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(scales + (t * groups + g) * 16)));
+            const __m512 mn = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(mins + (t * groups + g) * 16)));
+            const __m512 s_low = _mm512_permutexvar_ps(low_idx, s);
+            const __m512 s_high = _mm512_permutexvar_ps(high_idx, s);
+            const __m512 m_low = _mm512_permutexvar_ps(low_idx, mn);
+            const __m512 m_high = _mm512_permutexvar_ps(high_idx, mn);
+            for (int64_t p = g * (group / 2); p < (g + 1) * (group / 2); p++) {
+                const __m512i v = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(codes + (t * pairs + p) * 16)));
+                const __m512 low = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), s_low, m_low);
+                const __m512 high = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s_high, m_high);
+                _mm512_i32scatter_epi32(tile_w + p, rows_at,
+                                        (__m512i)_mm512_cvtne2ps_pbh(high, low), 4);
+            }
+        }
+    }
+    return 0;
+}
+#else
+/* Without AVX512-BF16 the int4 weights keep PyTorch's packed op (kernels/quant.py). */
+int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
+                const uint16_t *mins, void *y, int64_t rows, int64_t in_padded, int64_t out,
+                int64_t group, int y_bf16, int threads) {
+    return -1;
+}
+
+int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
+                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
+    return -1;
+}
+#endif

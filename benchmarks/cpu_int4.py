@@ -1,0 +1,171 @@
+"""The CPU int4 kernel (kernels/cpu_int4.py) against PyTorch's int4 op and against bfloat16
+weights, in real engine steps of the demo model, alternating in one process.
+
+Three engines load the demo model: `--weights int4` through the C kernel (the default where the
+CPU has AVX512-BF16), `--weights int4` through PyTorch's `_weight_int4pack_mm_for_cpu` (the path
+before the kernel), and the default float weights (bfloat16 here). For each batch size each
+engine holds that many requests decoding (64-word prompts, greedy, ignore_eos); every round runs
+a few steps of each in turn, so the machine's load falls on all alike. A prefill of 16 fresh
+prompts is timed the same way, and each layer shape's linear at a few row counts. Prints one
+JSON object: the machine, the median step times, and the ratios against PyTorch's op and against
+bfloat16 weights.
+
+    python benchmarks/cpu_int4.py                   # batch 1 and 16, 10 rounds
+    python benchmarks/cpu_int4.py --batch 16 --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.bench import machine  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
+from kernels import cpu_int4, onednn, quant  # noqa: E402
+from monitor.loadgen import make_prompt  # noqa: E402
+
+SIDES = ("c_int4", "pytorch_int4", "bfloat16")
+
+
+def engines() -> dict[str, LLM]:
+    """The three engines; PyTorch's op is what prepare_linear falls back to without the kernel."""
+    out = {"c_int4": LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))}
+    prepare = cpu_int4.prepare
+    cpu_int4.prepare = lambda q: None
+    try:
+        out["pytorch_int4"] = LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))
+    finally:
+        cpu_int4.prepare = prepare
+    out["bfloat16"] = LLM(EngineConfig("smollm2-135m-instruct"))
+    kinds = {side: type(llm.model.layers[0].qkv).__name__ for side, llm in out.items()}
+    if kinds["c_int4"] != "Int4Linear":
+        raise SystemExit("The int4 kernel does not run here (it needs AVX512-BF16 and a C "
+                         f"compiler; the engine holds {kinds['c_int4']}): nothing to compare.")
+    return out
+
+
+def decode_steps(llms: dict[str, LLM], batch: int, rounds: int, steps: int) -> dict:
+    rng = np.random.default_rng(batch)
+    prompts = [make_prompt(64, rng) for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=rounds * (steps + 1) + 8,
+                            ignore_eos=True)
+    for llm in llms.values():
+        for prompt in prompts:
+            llm.add_request(prompt, params)
+        for _ in range(3):  # the prefill, then warm decode steps
+            llm.step()
+    step_ms = {side: [] for side in SIDES}
+    for _ in range(rounds):
+        for side in SIDES:
+            llms[side].step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                llms[side].step()
+            step_ms[side].append((time.perf_counter() - start) / steps * 1e3)
+    for llm in llms.values():  # finish the requests, so the next batch starts empty
+        while llm.has_unfinished():
+            llm.step()
+    return _summary(step_ms)
+
+
+def prefill_steps(llms: dict[str, LLM], prompts: int, rounds: int) -> dict:
+    rng = np.random.default_rng(prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    step_ms = {side: [] for side in SIDES}
+    for round_ in range(rounds + 1):
+        batch = [make_prompt(64, rng) for _ in range(prompts)]
+        for side in SIDES:
+            for prompt in batch:
+                llms[side].add_request(prompt, params)
+            start = time.perf_counter()
+            while llms[side].has_unfinished():
+                llms[side].step()
+            if round_:  # the first round warms every side up
+                step_ms[side].append((time.perf_counter() - start) * 1e3)
+    return _summary(step_ms)
+
+
+def layer_linears(llm: LLM, rounds: int) -> dict:
+    """Each layer shape's linear at decode and prefill row counts: the kernel (its tile loop
+    below cpu_int4.DEQUANTIZE_ROWS rows, the decoded weight from there), PyTorch's op on the
+    same codes, and oneDNN bfloat16 on the same weight decoded."""
+    layer = llm.model.layers[0]
+    out = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        kernel = getattr(layer, name)
+        codes = _codes(kernel)
+        theirs = quant.PackedInt4(codes)
+        dense = onednn.prepare_linear(codes.dequantize(torch.bfloat16))
+        shape = f"{name} {kernel.out_features}x{kernel.in_features}"
+        out[shape] = {}
+        for rows in (1, 16, 64, 256):
+            x = torch.randn(rows, kernel.in_features).to(torch.bfloat16)
+            times = {"c_int4": _time(functools.partial(kernel.linear, x), rounds),
+                     "pytorch_int4": _time(functools.partial(theirs.linear, x), rounds),
+                     "bfloat16": _time(functools.partial(onednn.linear, x, dense), rounds)}
+            out[shape][str(rows)] = {side: round(t, 1) for side, t in times.items()}
+    return out
+
+
+def _codes(kernel: cpu_int4.Int4Linear) -> quant.QuantizedWeight:
+    """The kernel's weight back as a QuantizedWeight (codes unpacked, float16 scales)."""
+    tiles, pairs = kernel.codes.shape[:2]
+    nibbles = torch.stack((kernel.codes & 15, kernel.codes >> 4), dim=2)  # [t, p, 2, 16]
+    codes = nibbles.view(tiles, pairs, 2, 8, 2).permute(0, 2, 3, 1, 4).reshape(tiles * 16, -1)
+    groups = kernel.scales.shape[1]
+    per_row = lambda v: v.permute(0, 2, 1).reshape(tiles * 16, groups).float()  # noqa: E731
+    return quant.QuantizedWeight(quant.pack_nibbles(codes), per_row(kernel.scales),
+                                 per_row(kernel.mins), 4, kernel.group_size, kernel.in_features)
+
+
+def _time(fn, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(max(rounds, 5) * 4):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def _summary(step_ms: dict) -> dict:
+    median = {side: statistics.median(v) for side, v in step_ms.items()}
+    return {"step_ms": {side: round(m, 2) for side, m in median.items()},
+            "c_over_pytorch_int4": round(median["pytorch_int4"] / median["c_int4"], 3),
+            "c_over_bfloat16": round(median["bfloat16"] / median["c_int4"], 3),
+            "rounds": {side: [round(x, 2) for x in v] for side, v in step_ms.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=5, help="decode steps per engine per round")
+    p.add_argument("--prefill-prompts", type=int, default=16)
+    args = p.parse_args()
+    llms = engines()
+    result = {"benchmark": "cpu_int4", "machine": machine(),
+              "baselines": "PyTorch's int4 op on the same Q4_1 codes; the default bfloat16 "
+                           "weights (oneDNN); same process, alternating",
+              "decode": {str(b): decode_steps(llms, b, args.rounds, args.steps)
+                         for b in args.batch},
+              "prefill": {str(args.prefill_prompts): prefill_steps(
+                  llms, args.prefill_prompts, max(2, args.rounds // 3))},
+              "layer_linears_us": layer_linears(llms["c_int4"], args.rounds)}
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
