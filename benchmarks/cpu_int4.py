@@ -1,9 +1,11 @@
-"""The CPU int4 kernel (kernels/cpu_int4.py) against PyTorch's int4 op and against bfloat16
-weights, in real engine steps of the demo model, alternating in one process.
+"""The CPU's int4 / int8 kernels (kernels/cpu_quant.py) against PyTorch's quantized ops and
+against bfloat16 weights, in real engine steps of the demo model with int4 weights, alternating in
+one process.
 
-Three engines load the demo model: `--weights int4` through the C kernel (the default where the
-CPU has AVX512-BF16), `--weights int4` through PyTorch's `_weight_int4pack_mm_for_cpu` (the path
-before the kernel), and the default float weights (bfloat16 here). For each batch size each
+Three engines load the demo model: `--weights int4` through the C kernels (the default where the
+CPU has AVX512-BF16; the LM head is int8 under every quantized format), `--weights int4` through
+PyTorch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` (the path before the kernels),
+and the default float weights (bfloat16 here). For each batch size each
 engine holds that many requests decoding (64-word prompts, greedy, ignore_eos); every round runs
 a few steps of each in turn, so the machine's load falls on all alike. A prefill of 16 fresh
 prompts is timed the same way, and each layer shape's linear at a few row counts. Prints one
@@ -33,7 +35,7 @@ import torch  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.bench import machine  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
-from kernels import cpu_int4, onednn, quant  # noqa: E402
+from kernels import cpu_quant, onednn, quant  # noqa: E402
 from monitor.loadgen import make_prompt  # noqa: E402
 
 SIDES = ("c_int4", "pytorch_int4", "bfloat16")
@@ -42,15 +44,16 @@ SIDES = ("c_int4", "pytorch_int4", "bfloat16")
 def engines() -> dict[str, LLM]:
     """The three engines; PyTorch's op is what prepare_linear falls back to without the kernel."""
     out = {"c_int4": LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))}
-    prepare = cpu_int4.prepare
-    cpu_int4.prepare = lambda q: None
+    prepare = cpu_quant.prepare
+    cpu_quant.prepare = lambda q: None
     try:
         out["pytorch_int4"] = LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))
     finally:
-        cpu_int4.prepare = prepare
+        cpu_quant.prepare = prepare
     out["bfloat16"] = LLM(EngineConfig("smollm2-135m-instruct"))
     kinds = {side: type(llm.model.layers[0].qkv).__name__ for side, llm in out.items()}
-    if kinds["c_int4"] != "Int4Linear":
+    if kinds["c_int4"] != "Int4Linear" or not isinstance(out["c_int4"].model.lm_head,
+                                                           cpu_quant.Int8Linear):
         raise SystemExit("The int4 kernel does not run here (it needs AVX512-BF16 and a C "
                          f"compiler; the engine holds {kinds['c_int4']}): nothing to compare.")
     return out
@@ -98,32 +101,38 @@ def prefill_steps(llms: dict[str, LLM], prompts: int, rounds: int) -> dict:
 
 
 def layer_linears(llm: LLM, rounds: int) -> dict:
-    """Each layer shape's linear at decode and prefill row counts: the kernel (its tile loop
-    below cpu_int4.DEQUANTIZE_ROWS rows, the decoded weight from there), PyTorch's op on the
-    same codes, and oneDNN bfloat16 on the same weight decoded."""
+    """Each layer shape's linear and the LM head at decode and prefill row counts: the kernel
+    (int4: its tile loop below cpu_quant.DEQUANTIZE_ROWS rows, the decoded weight from there),
+    PyTorch's op on the same codes, and oneDNN bfloat16 on the same weight decoded."""
     layer = llm.model.layers[0]
+    kernels = {name: getattr(layer, name) for name in ("qkv", "o", "gate_up", "down")}
+    kernels["lm_head (int8)"] = llm.model.lm_head
     out = {}
-    for name in ("qkv", "o", "gate_up", "down"):
-        kernel = getattr(layer, name)
+    for name, kernel in kernels.items():
         codes = _codes(kernel)
-        theirs = quant.PackedInt4(codes)
+        theirs = quant.PackedInt4(codes) if codes.bits == 4 else quant.PackedInt8(codes)
         dense = onednn.prepare_linear(codes.dequantize(torch.bfloat16))
         shape = f"{name} {kernel.out_features}x{kernel.in_features}"
         out[shape] = {}
         for rows in (1, 16, 64, 256):
             x = torch.randn(rows, kernel.in_features).to(torch.bfloat16)
-            times = {"c_int4": _time(functools.partial(kernel.linear, x), rounds),
-                     "pytorch_int4": _time(functools.partial(theirs.linear, x), rounds),
+            times = {"c": _time(functools.partial(kernel.linear, x), rounds),
+                     "pytorch": _time(functools.partial(theirs.linear, x), rounds),
                      "bfloat16": _time(functools.partial(onednn.linear, x, dense), rounds)}
             out[shape][str(rows)] = {side: round(t, 1) for side, t in times.items()}
     return out
 
 
-def _codes(kernel: cpu_int4.Int4Linear) -> quant.QuantizedWeight:
-    """The kernel's weight back as a QuantizedWeight (codes unpacked, float16 scales)."""
-    tiles, pairs = kernel.codes.shape[:2]
-    nibbles = torch.stack((kernel.codes & 15, kernel.codes >> 4), dim=2)  # [t, p, 2, 16]
-    codes = nibbles.view(tiles, pairs, 2, 8, 2).permute(0, 2, 3, 1, 4).reshape(tiles * 16, -1)
+def _codes(kernel) -> quant.QuantizedWeight:
+    """A kernel's weight back as a QuantizedWeight (codes unpacked, scales as it holds them)."""
+    tiles = kernel.codes.shape[0]
+    if isinstance(kernel, cpu_quant.Int8Linear):
+        codes = kernel.codes.view(tiles, -1, 16, 2).permute(0, 2, 1, 3).reshape(tiles * 16, -1)
+        return quant.QuantizedWeight(codes.contiguous(), kernel.scales.float()[:, None], None, 8,
+                                     kernel.padded_in, kernel.padded_in)
+    doubles = kernel.codes.shape[1]
+    nibbles = torch.stack((kernel.codes & 15, kernel.codes >> 4), dim=2)  # [t, d, pair, 32]
+    codes = nibbles.view(tiles, doubles, 2, 16, 2).permute(0, 3, 1, 2, 4).reshape(tiles * 16, -1)
     groups = kernel.scales.shape[1]
     per_row = lambda v: v.permute(0, 2, 1).reshape(tiles * 16, groups).float()  # noqa: E731
     return quant.QuantizedWeight(quant.pack_nibbles(codes), per_row(kernel.scales),

@@ -6,9 +6,9 @@ rotary and SwiGLU from small C kernels (kernels/cpu_kernels.py); Triton on CUDA)
 reference for one device and dtype without the model knowing.
 `SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere. Each table's
 `prepare_linear` / `linear` also take weight-only quantized weights (kernels/quant.py): the
-reference dequantizes them per call, the oneDNN table runs int4 through the C kernel of
-kernels/cpu_int4.py where the CPU has AVX512-BF16, else PyTorch's packed int8 / int4 ops where
-they exist.
+reference dequantizes them per call, the oneDNN table runs int4 and per-channel int8 through the
+C kernels of kernels/cpu_quant.py where the CPU has AVX512-BF16, else PyTorch's packed int8 /
+int4 ops where they exist.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import cpu_int4, cpu_kernels, onednn, quant, reference
+from kernels import cpu_kernels, cpu_quant, onednn, quant, reference
 from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 
 OPS = ("prepare_linear", "linear", "rms_norm", "rotary", "silu_and_mul", "store_kv",
@@ -52,9 +52,10 @@ def _quant_aware(prepare, linear, prepare_quantized):
 
 
 def _prepare_cpu_quantized(q: quant.QuantizedWeight):
-    """The CPU's form of a quantized weight: int4 through the C kernel where the CPU has
-    AVX512-BF16, else PyTorch's packed int8 / int4 ops, else the dequantizing reference."""
-    return cpu_int4.prepare(q) or quant.prepare_packed(q)
+    """The CPU's form of a quantized weight: int4 / per-channel int8 through the C kernels where
+    the CPU has AVX512-BF16, else PyTorch's packed int8 / int4 ops, else the dequantizing
+    reference."""
+    return cpu_quant.prepare(q) or quant.prepare_packed(q)
 
 
 _BACKENDS: dict[str, SimpleNamespace] = {"reference": _table("reference")}

@@ -321,51 +321,64 @@ int silu_and_mul(const void *x, void *out, int64_t rows, int64_t width, int bf16
 /* ---- int4 weights times bfloat16 activations (AVX512-BF16) ----
  * y[rows, out] = x[rows, in] @ W^T, with W held as 4-bit codes in groups of `group` inputs:
  * w = code * scale + min (llama.cpp's Q4_1 and the engine's int4). PyTorch's CPU int4 matmul
- * is 2-3x slower than oneDNN bfloat16 from 16 rows up; here each 16-output tile's weights are
- * decoded once into bfloat16 registers and multiplied into up to 16 rows at a time with
- * VDPBF16PS (products of bfloat16 pairs summed in float32), so a batch pays the decode once.
+ * is 2-3x slower than oneDNN bfloat16 from 16 rows up, and decodes every weight to float.
  *
- * Layout (kernels/cpu_kernels.py's pack_int4 writes it): outputs in tiles of 16, inputs in pairs.
- * codes [tiles, pairs, 16] bytes: byte b of pair p of tile t holds in its low nibble the code of
- * output 16t + b/2 at input 2p + b%2, and in its high nibble that of output 16t + 8 + b/2 at the
- * same input, so one 16-byte load widens into the 32 bfloat16 weights VDPBF16PS pairs with 16
- * (input 2p, 2p+1) activation pairs. scales, mins: float16 [tiles, groups, 16]. x: bfloat16
- * [rows, in] (inputs padded to whole groups), read as one 32-bit pair per input pair. */
+ * Here the codes never become weights. Each code c enters VDPBF16PS (products of bfloat16
+ * pairs summed in float32) as the bfloat16 number 128 + c, whose bits are 0x4300 | c: one
+ * integer OR. A group's dot products with those, then, per output lane,
+ *     sum_k x_k (c_k s + min) = s * sum_k x_k (128 + c_k) + (min - 128 s) * sum_k x_k,
+ * so the scale and min cost two FMAs per row per group, and the decode two integer ops per 32
+ * codes, whatever the number of rows. The 128 offset is exact in bfloat16 products and its sum
+ * is removed in float32 (a relative error near 2^-16 of the output, below bfloat16's rounding).
+ *
+ * Layout (kernels/cpu_int4.py's pack writes it): outputs in tiles of 16, inputs in pairs, pairs
+ * in twos. codes [tiles, pairs / 2, 32] bytes: byte e of double pair d holds in its low nibble
+ * element e of pair 2d and in its high nibble element e of pair 2d + 1, where element e of pair
+ * p is output 16t + e/2 at input 2p + e%2 (the order VDPBF16PS pairs them with a broadcast
+ * activation pair). scales, mins: float16 [tiles, groups, 16]. x: bfloat16 [rows, in] (inputs
+ * padded to whole groups), read as one 32-bit word per input pair. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-static const int32_t PAIR_LOW[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-static const int32_t PAIR_HIGH[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+static inline float bf16_to_f32(uint16_t half) {
+    const uint32_t bits = (uint32_t)half << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+#define INT4_ROW_BLOCK 8 /* rows per pass: two float32 accumulators each, in registers */
 
 /* One tile's 16 outputs for `mb` rows (a constant at each call site, so the accumulators stay
- * in registers). */
+ * in registers). xsum: [rows, groups] sums of the rows' bfloat16 inputs per group. */
 static inline __attribute__((always_inline)) void int4_tile_rows(
-    const int mb, const uint32_t *x, int64_t pairs, const uint8_t *codes,
-    const uint16_t *scales, const uint16_t *mins, int64_t groups, int64_t group_pairs, void *y,
-    int64_t out, int y_bf16) {
-    __m512 acc[16];
+    const int mb, const uint32_t *x, int64_t pairs, const float *xsum, int64_t groups,
+    const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group_pairs,
+    void *y, int64_t out, int y_bf16) {
+    __m512 acc[INT4_ROW_BLOCK], part[INT4_ROW_BLOCK];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
-    const __m512i low_idx = _mm512_loadu_si512(PAIR_LOW), high_idx = _mm512_loadu_si512(PAIR_HIGH);
-    const __m512i nibble = _mm512_set1_epi32(15);
+    const __m512i nibble = _mm512_set1_epi16(15), offset = _mm512_set1_epi16(0x4300);
     for (int64_t g = 0; g < groups; g++) {
-        /* The group's 16 scales and mins, each repeated for the two inputs of a pair. */
+        for (int m = 0; m < mb; m++) part[m] = _mm512_setzero_ps();
+        for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p += 2) {
+            const __m512i v =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + p * 16)));
+            /* (v & 15) | 0x4300 in one ternary-logic op; the high nibbles need only the OR. */
+            const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(v, nibble, offset, 0xEA);
+            const __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), offset);
+            for (int m = 0; m < mb; m++) {
+                part[m] = _mm512_dpbf16_ps(
+                    part[m], (__m512bh)_mm512_set1_epi32((int)x[m * pairs + p]), w0);
+                part[m] = _mm512_dpbf16_ps(
+                    part[m], (__m512bh)_mm512_set1_epi32((int)x[m * pairs + p + 1]), w1);
+            }
+        }
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
         const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * 16)));
-        const __m512 s_low = _mm512_permutexvar_ps(low_idx, s);
-        const __m512 s_high = _mm512_permutexvar_ps(high_idx, s);
-        const __m512 m_low = _mm512_permutexvar_ps(low_idx, mn);
-        const __m512 m_high = _mm512_permutexvar_ps(high_idx, mn);
-        for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p++) {
-            const __m512i v =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + p * 16)));
-            const __m512 low = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), s_low, m_low);
-            const __m512 high = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s_high, m_high);
-            const __m512bh w = _mm512_cvtne2ps_pbh(high, low);
-            for (int m = 0; m < mb; m++)
-                acc[m] = _mm512_dpbf16_ps(
-                    acc[m], (__m512bh)_mm512_set1_epi32((int)x[m * pairs + p]), w);
+        const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, mn); /* min - 128 s */
+        for (int m = 0; m < mb; m++) {
+            acc[m] = _mm512_fmadd_ps(part[m], s, acc[m]);
+            acc[m] = _mm512_fmadd_ps(shift, _mm512_set1_ps(xsum[m * groups + g]), acc[m]);
         }
     }
     for (int m = 0; m < mb; m++) {
@@ -377,10 +390,10 @@ static inline __attribute__((always_inline)) void int4_tile_rows(
     }
 }
 
-#define INT4_ROWS(n)                                                                        \
-    case n:                                                                                 \
-        int4_tile_rows(n, xr, pairs, tile_codes, tile_scales, tile_mins, groups, group / 2, \
-                       yr, out, y_bf16);                                                    \
+#define INT4_ROWS(n)                                                                           \
+    case n:                                                                                    \
+        int4_tile_rows(n, xr, pairs, xs, groups, tile_codes, tile_scales, tile_mins, group / 2, \
+                       yr, out, y_bf16);                                                       \
         break;
 
 int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
@@ -388,35 +401,42 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 int64_t group, int y_bf16, int threads) {
     if (out % 16 || group % 32 || in_padded % group) return -1;
     const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
+    float *xsum = malloc(sizeof(float) * rows * groups);
+    if (xsum == NULL) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int64_t k = g * group; k < (g + 1) * group; k++)
+                sum += bf16_to_f32(((const uint16_t *)x)[r * in_padded + k]);
+            xsum[r * groups + g] = sum;
+        }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *tile_codes = codes + t * pairs * 16;
         const uint16_t *tile_scales = scales + t * groups * 16, *tile_mins = mins + t * groups * 16;
-        for (int64_t r = 0; r < rows; r += 16) {
+        for (int64_t r = 0; r < rows; r += INT4_ROW_BLOCK) {
             const uint32_t *xr = (const uint32_t *)x + r * pairs;
+            const float *xs = xsum + r * groups;
             void *yr = y_bf16 ? (void *)((uint16_t *)y + r * out + t * 16)
                               : (void *)((float *)y + r * out + t * 16);
-            switch (rows - r < 16 ? rows - r : 16) {
+            switch (rows - r < INT4_ROW_BLOCK ? rows - r : INT4_ROW_BLOCK) {
                 INT4_ROWS(1) INT4_ROWS(2) INT4_ROWS(3) INT4_ROWS(4)
                 INT4_ROWS(5) INT4_ROWS(6) INT4_ROWS(7) INT4_ROWS(8)
-                INT4_ROWS(9) INT4_ROWS(10) INT4_ROWS(11) INT4_ROWS(12)
-                INT4_ROWS(13) INT4_ROWS(14) INT4_ROWS(15) INT4_ROWS(16)
             }
         }
     }
+    free(xsum);
     return 0;
 }
 
-/* The weight as bfloat16 [out, in_padded] (the same decode, for prefill-sized batches, which
- * oneDNN's bfloat16 matmul runs faster than the tile loop above). */
+/* The weight as bfloat16 [out, in_padded], code * scale + min rounded once (for prefill-sized
+ * batches, which oneDNN's bfloat16 matmul runs faster than the tile loop above). */
 int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
                     uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
     if (out % 16 || group % 32 || in_padded % group) return -1;
     const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
-    const __m512i low_idx = _mm512_loadu_si512(PAIR_LOW), high_idx = _mm512_loadu_si512(PAIR_HIGH);
     const __m512i nibble = _mm512_set1_epi32(15);
-    /* Lane i of a decoded pair is output 16t + i's inputs (2p, 2p + 1): one 32-bit word of
-     * row 16t + i, at word p of that row. */
+    /* Lane i of a pair is output 16t + i's inputs (2p, 2p + 1): word p of row 16t + i. */
     const __m512i rows_at = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32((int)pairs));
@@ -428,26 +448,94 @@ int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t
                 _mm256_loadu_si256((const __m256i *)(scales + (t * groups + g) * 16)));
             const __m512 mn = _mm512_cvtph_ps(
                 _mm256_loadu_si256((const __m256i *)(mins + (t * groups + g) * 16)));
-            const __m512 s_low = _mm512_permutexvar_ps(low_idx, s);
-            const __m512 s_high = _mm512_permutexvar_ps(high_idx, s);
-            const __m512 m_low = _mm512_permutexvar_ps(low_idx, mn);
-            const __m512 m_high = _mm512_permutexvar_ps(high_idx, mn);
-            for (int64_t p = g * (group / 2); p < (g + 1) * (group / 2); p++) {
-                const __m512i v = _mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(codes + (t * pairs + p) * 16)));
-                const __m512 low = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), s_low, m_low);
-                const __m512 high = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s_high, m_high);
-                _mm512_i32scatter_epi32(tile_w + p, rows_at,
-                                        (__m512i)_mm512_cvtne2ps_pbh(high, low), 4);
+            for (int64_t p = g * (group / 2); p < (g + 1) * (group / 2); p += 2) {
+                const __m512i v = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(codes + (t * pairs + p) * 16)));
+                /* Pair p's codes in the low nibbles, pair p + 1's in the high ones; as 32-bit
+                 * lanes, lane i holds input 2p's code in its low half, 2p + 1's in its high. */
+                const __m512i halves[2] = {v, _mm512_srli_epi16(v, 4)};
+                for (int h = 0; h < 2; h++) {
+                    const __m512i even = _mm512_and_si512(halves[h], nibble);
+                    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(halves[h], 16), nibble);
+                    const __m512 even_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s, mn);
+                    const __m512 odd_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s, mn);
+                    const __m512i word = _mm512_or_si512(
+                        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even_w)),
+                        _mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd_w)), 16));
+                    _mm512_i32scatter_epi32(tile_w + p + h, rows_at, word, 4);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- int8 weights (per output channel) times bfloat16 activations ----
+ * y = s[n] * sum_k x_k c_k: the scale is one multiply per output at the end, so each code only
+ * has to become bfloat16 (exact: integers up to 256 are), which costs 5 vector ops per 32 codes
+ * shared by up to 16 rows. PyTorch's `_weight_int8pack_mm` ran the demo model's 49152-row LM
+ * head (int8 under every quantized format) at 13.8 ms for 16 rows against oneDNN bfloat16's 3.9.
+ * codes [tiles, pairs, 32] int8, element e of pair p being output 16t + e/2 at input 2p + e%2;
+ * scales bfloat16 [out] (as PyTorch's op holds them); x bfloat16 [rows, in_padded] (inputs
+ * padded to an even count). */
+#define INT8_ROW_BLOCK 16
+
+static inline __attribute__((always_inline)) void int8_tile_rows(
+    const int mb, const uint32_t *x, int64_t pairs, const int8_t *codes, const uint16_t *scales,
+    void *y, int64_t out, int y_bf16) {
+    __m512 acc[INT8_ROW_BLOCK];
+    for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512 low = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + p * 32))));
+        const __m512 high = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + p * 32 + 16))));
+        const __m512bh w = _mm512_cvtne2ps_pbh(high, low);
+        for (int m = 0; m < mb; m++)
+            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32((int)x[m * pairs + p]),
+                                      w);
+    }
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)scales)), 16));
+    for (int m = 0; m < mb; m++) {
+        const __m512 v = _mm512_mul_ps(acc[m], s);
+        if (y_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * out),
+                                (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_storeu_ps((float *)y + m * out, v);
+    }
+}
+
+#define INT8_ROWS(n)                                                                  \
+    case n:                                                                           \
+        int8_tile_rows(n, xr, pairs, tile_codes, scales + t * 16, yr, out, y_bf16); \
+        break;
+
+int int8_linear(const void *x, const int8_t *codes, const uint16_t *scales, void *y, int64_t rows,
+                int64_t in_padded, int64_t out, int y_bf16, int threads) {
+    if (out % 16 || in_padded % 2) return -1;
+    const int64_t tiles = out / 16, pairs = in_padded / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t *tile_codes = codes + t * pairs * 32;
+        for (int64_t r = 0; r < rows; r += INT8_ROW_BLOCK) {
+            const uint32_t *xr = (const uint32_t *)x + r * pairs;
+            void *yr = y_bf16 ? (void *)((uint16_t *)y + r * out + t * 16)
+                              : (void *)((float *)y + r * out + t * 16);
+            switch (rows - r < INT8_ROW_BLOCK ? rows - r : INT8_ROW_BLOCK) {
+                INT8_ROWS(1) INT8_ROWS(2) INT8_ROWS(3) INT8_ROWS(4)
+                INT8_ROWS(5) INT8_ROWS(6) INT8_ROWS(7) INT8_ROWS(8)
+                INT8_ROWS(9) INT8_ROWS(10) INT8_ROWS(11) INT8_ROWS(12)
+                INT8_ROWS(13) INT8_ROWS(14) INT8_ROWS(15) INT8_ROWS(16)
             }
         }
     }
     return 0;
 }
 #else
-/* Without AVX512-BF16 the int4 weights keep PyTorch's packed op (kernels/quant.py). */
+/* Without AVX512-BF16 int4 and int8 weights keep PyTorch's packed ops (kernels/quant.py). */
 int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 const uint16_t *mins, void *y, int64_t rows, int64_t in_padded, int64_t out,
                 int64_t group, int y_bf16, int threads) {
@@ -456,6 +544,11 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
 
 int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
                     uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
+    return -1;
+}
+
+int int8_linear(const void *x, const int8_t *codes, const uint16_t *scales, void *y, int64_t rows,
+                int64_t in_padded, int64_t out, int y_bf16, int threads) {
     return -1;
 }
 #endif

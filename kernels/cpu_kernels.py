@@ -25,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -82,6 +83,19 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _prune(built: Path, unused_days: float = 30) -> None:
+    """Remove the cache's other builds not loaded for `unused_days` (each source edit, compiler
+    or CPU change leaves one behind). A process holding one keeps it mapped; a later one that
+    wants it back builds it again in under a second."""
+    cutoff = time.time() - unused_days * 86400
+    for old in built.parent.glob("cpu_kernels-*.so"):
+        try:
+            if old != built and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # another process pruned it first, or the directory is read-only
+            pass
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("SERVESCOPE_CPU_KERNELS", "1") == "0":
@@ -94,7 +108,9 @@ def _library() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             _build(compiler, path)
+            _prune(path)
         lib = ctypes.CDLL(str(path))
+        os.utime(path)  # marks it used, for _prune
     except subprocess.CalledProcessError as exc:
         log.warning("The CPU kernels did not build (%s: %s): using the torch reference ops.",
                     compiler, exc.stderr.decode(errors="replace").strip()[-500:])

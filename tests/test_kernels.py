@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -340,6 +341,29 @@ def test_without_a_working_compiler_decode_attention_runs_the_torch_path(tmp_pat
     assert "available False" in done.stdout
     assert "The CPU kernels did not build" in done.stderr
     assert not list(tmp_path.iterdir())  # no half-written library left behind
+
+
+@pytest.mark.skipif(cpu_kernels._library() is None,
+                    reason="the C kernels did not build here (no C compiler)")
+def test_a_new_build_prunes_builds_unused_for_a_month(tmp_path):
+    """Each source edit, compiler or CPU leaves a build behind in the cache: a new build removes
+    those not loaded for 30 days, and nothing else."""
+    old, recent, other = (tmp_path / "cpu_kernels-0000000000000000.so",
+                          tmp_path / "cpu_kernels-1111111111111111.so", tmp_path / "notes.txt")
+    for path in (old, recent, other):
+        path.write_bytes(b"x")
+    month_ago = time.time() - 31 * 86400
+    os.utime(old, (month_ago, month_ago))
+    os.utime(other, (month_ago, month_ago))
+    env = {**os.environ, "SERVESCOPE_KERNEL_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", "from kernels import cpu_kernels\n"
+                           "print('built', cpu_kernels._library() is not None)"],
+                          env=env, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert "built True" in done.stdout, done.stderr
+    left = {p.name for p in tmp_path.iterdir()}
+    assert old.name not in left and {recent.name, other.name} <= left
+    assert len([name for name in left if name.endswith(".so")]) == 2  # recent and the new one
 
 
 @pytest.mark.skipif(cpu_kernels._library() is None,

@@ -1,0 +1,249 @@
+"""Int4 and int8 weights times bfloat16 activations on CPUs with AVX512-BF16 (cpu_kernels.c's
+int4_linear and int8_linear).
+
+PyTorch's CPU quantized matmuls decode every weight for every block of rows: its int4 op
+(`_weight_int4pack_mm_for_cpu`, kernels/quant.PackedInt4) is 2-3x slower than oneDNN's bfloat16
+matmul from 16 rows up, and its int8 op (`_weight_int8pack_mm`) ran the demo model's LM head
+(int8 under every quantized format) 3.5x slower than bfloat16 at 16 rows, so a batch of decodes
+ran slower with quantized weights than with bfloat16 ones. The int4 kernel feeds the codes to
+VDPBF16PS as bfloat16 numbers (128 + code: an integer OR) and applies each group's scale and min
+to the group's sums, so decoding costs two integer ops per 32 codes (cpu_kernels.c says how); for
+prefill-sized batches it decodes the whole weight into bfloat16 and leaves the matmul to oneDNN,
+which is faster there. The int8 kernel converts each code to bfloat16 once per block of 16 rows
+and applies the channel's scale to the sum. Weights keep their footprint: int4 codes plus float16
+scales and mins (the 20 bytes per 32 weights of a GGUF Q4_1 block), int8 codes plus bfloat16
+scales, as PyTorch's ops hold them.
+
+Used where the C kernels build, the CPU has AVX512-BF16 and the self-check agrees with the
+dequantizing reference; elsewhere the weights keep PyTorch's packed ops (or the reference).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_kernels
+from kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
+
+log = logging.getLogger(__name__)
+
+# From this many rows (a prefill chunk) decoding the weight once into bfloat16 and running
+# oneDNN's matmul beats the tile kernel (benchmarks/cpu_int4.py measures both).
+DEQUANTIZE_ROWS = 192
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_kernels._library()
+    if lib is None:
+        return None
+    lib.int4_linear.argtypes = [_PTR] * 5 + [_I64] * 4 + [_INT, _INT]
+    lib.int4_dequantize.argtypes = [_PTR] * 4 + [_I64] * 3 + [_INT]
+    lib.int8_linear.argtypes = [_PTR] * 4 + [_I64] * 3 + [_INT, _INT]
+    lib.int4_linear.restype = lib.int4_dequantize.restype = lib.int8_linear.restype = _INT
+    return lib
+
+
+def pack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4_linear's layout (cpu_kernels.c): codes [tiles, pairs / 2, 32] bytes, where byte e of
+    double pair d holds element e of pair 2d in its low nibble and of pair 2d + 1 in its high
+    one, element e of pair p being output 16t + e/2 at input 2p + e%2; scales and mins float16
+    [tiles, groups, 16]."""
+    tiles, pairs = q.out_features // 16, q.padded_in // 2
+    codes = q.int_codes().to(torch.uint8).view(tiles, 16, pairs // 2, 2, 2)  # t, n, d, pair, k
+    codes = codes.permute(0, 2, 3, 1, 4).reshape(tiles, pairs // 2, 2, 32)
+    packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).contiguous()
+    groups = q.scales.shape[1]
+
+    def per_tile(values: torch.Tensor) -> torch.Tensor:
+        return values.view(tiles, 16, groups).permute(0, 2, 1).to(torch.float16).contiguous()
+
+    return packed, per_tile(q.scales), per_tile(q.mins)
+
+
+def _takes(q: QuantizedWeight) -> bool:
+    """Shapes and values the kernels handle: outputs a whole number of tiles of 16; int4 in
+    groups of 32 / 64 / 128 with scales and mins that float16 holds (they are float16 in GGUF
+    files); int8 per output channel (the format PyTorch's op takes too)."""
+    if q.out_features % 16:
+        return False
+    if q.bits == 8:
+        return q.group_size == q.in_features and q.mins is None
+    if q.bits != 4 or q.mins is None or q.group_size % 32:
+        return False
+    limits = torch.finfo(torch.float16).max
+    return bool(q.scales.abs().max() < limits and q.mins.abs().max() < limits)
+
+
+def _bf16_rows(x: torch.Tensor, in_features: int, padded_in: int) -> torch.Tensor:
+    """x as the kernels read it: contiguous bfloat16 rows, zero-padded to `padded_in`."""
+    x2 = x.reshape(-1, in_features)
+    if x2.dtype != torch.bfloat16:
+        x2 = x2.to(torch.bfloat16)
+    if padded_in != in_features:
+        x2 = F.pad(x2, (0, padded_in - in_features))
+    return x2.contiguous()
+
+
+def _output(x: torch.Tensor, rows: int, out_features: int) -> torch.Tensor:
+    """The kernels write bfloat16 for bfloat16 activations, float32 for any other."""
+    return torch.empty(rows, out_features,
+                       dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+
+
+class Int4Linear:
+    """An int4 weight in the kernel's layout; `linear` as QuantizedWeight.linear computes it, in
+    bfloat16 products with float32 sums."""
+
+    def __init__(self, q: QuantizedWeight) -> None:
+        self.codes, self.scales, self.mins = pack(q)
+        self.in_features, self.padded_in = q.in_features, q.padded_in
+        self.out_features, self.group_size = q.out_features, q.group_size
+        self.nbytes = self.codes.numel() + 2 * (self.scales.numel() + self.mins.numel())
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as bfloat16 [out, padded_in]."""
+        w = torch.empty(self.out_features, self.padded_in, dtype=torch.bfloat16)
+        _check(_library().int4_dequantize(
+            self.codes.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr(), w.data_ptr(),
+            self.padded_in, self.out_features, self.group_size, torch.get_num_threads()))
+        return w
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # ctypes is opaque to Dynamo: the op wraps the call
+            y = torch.ops.servescope.int4_linear(x, self.codes, self.scales, self.mins,
+                                                 self.group_size)
+        else:
+            y = self._linear(x)
+        return y if bias is None else y + bias
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = _bf16_rows(x, self.in_features, self.padded_in)
+        rows = x2.shape[0]
+        if rows >= DEQUANTIZE_ROWS:
+            y = F.linear(x2, self.dequantize())
+        else:
+            y = _output(x, rows, self.out_features)
+            _check(_library().int4_linear(
+                x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(),
+                self.mins.data_ptr(), y.data_ptr(), rows, self.padded_in, self.out_features,
+                self.group_size, int(y.dtype == torch.bfloat16), torch.get_num_threads()))
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear:
+    """A per-channel int8 weight in int8_linear's layout: codes [tiles, pairs, 32], element e of
+    pair p being output 16t + e/2 at input 2p + e%2; scales bfloat16 [out]."""
+
+    def __init__(self, q: QuantizedWeight) -> None:
+        codes = q.codes
+        if q.in_features % 2:
+            codes = F.pad(codes, (0, 1))
+        self.in_features, self.padded_in = q.in_features, codes.shape[1]
+        self.out_features = q.out_features
+        tiles, pairs = self.out_features // 16, self.padded_in // 2
+        self.codes = codes.view(tiles, 16, pairs, 2).permute(0, 2, 1, 3).reshape(
+            tiles, pairs, 32).contiguous()
+        self.scales = q.scales[:, 0].to(torch.bfloat16).contiguous()
+        self.nbytes = self.codes.numel() + 2 * self.scales.numel()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # ctypes is opaque to Dynamo: the op wraps the call
+            y = torch.ops.servescope.int8_linear(x, self.codes, self.scales)
+        else:
+            y = self._linear(x)
+        return y if bias is None else y + bias
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = _bf16_rows(x, self.in_features, self.padded_in)
+        y = _output(x, x2.shape[0], self.out_features)
+        _check(_library().int8_linear(
+            x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(), y.data_ptr(),
+            x2.shape[0], self.padded_in, self.out_features, int(y.dtype == torch.bfloat16),
+            torch.get_num_threads()))
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def _check(status: int) -> None:
+    if status != 0:  # only a build without AVX512-BF16, which available() has refused
+        raise RuntimeError("the CPU's quantized-weight kernels do not run on this CPU")
+
+
+@torch.library.custom_op("servescope::int4_linear", mutates_args=())
+def _int4_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor, group_size: int) -> torch.Tensor:
+    weight = Int4Linear.__new__(Int4Linear)
+    weight.codes, weight.scales, weight.mins, weight.group_size = codes, scales, mins, group_size
+    weight.out_features, weight.padded_in = codes.shape[0] * 16, codes.shape[1] * 4
+    weight.in_features = x.shape[-1]
+    return weight._linear(x)
+
+
+@_int4_linear_op.register_fake
+def _int4_linear_fake(x, codes, scales, mins, group_size):
+    return x.new_empty((*x.shape[:-1], codes.shape[0] * 16))
+
+
+@torch.library.custom_op("servescope::int8_linear", mutates_args=())
+def _int8_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    weight = Int8Linear.__new__(Int8Linear)
+    weight.codes, weight.scales = codes, scales
+    weight.out_features, weight.padded_in = codes.shape[0] * 16, codes.shape[1] * 2
+    weight.in_features = x.shape[-1]
+    return weight._linear(x)
+
+
+@_int8_linear_op.register_fake
+def _int8_linear_fake(x, codes, scales):
+    return x.new_empty((*x.shape[:-1], codes.shape[0] * 16))
+
+
+def prepare(q: QuantizedWeight) -> Int4Linear | Int8Linear | None:
+    """The kernels' form of a CPU int4 / int8 weight, or None where they do not apply."""
+    if q.codes.device.type != "cpu" or not _takes(q) or not available():
+        return None
+    return Int4Linear(q) if q.bits == 4 else Int8Linear(q)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels run here (AVX512-BF16) and agree with the dequantizing reference:
+    int4 on both paths (tiles of rows and the decoded weight), a partial row block, float32 and
+    bfloat16 activations and a group of 64; int8 on a partial and a whole row block, with an odd
+    input count."""
+    lib = _library()
+    if lib is None or not cpu_kernels.available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    cases = [(quantize_int4(torch.randn(48, 128, generator=gen), group), rows, dtype)
+             for rows, group, dtype in ((3, 32, torch.bfloat16), (21, 64, torch.float32),
+                                        (DEQUANTIZE_ROWS, 32, torch.bfloat16))]
+    cases += [(quantize_int8(torch.randn(32, 95, generator=gen)), rows, dtype)
+              for rows, dtype in ((5, torch.bfloat16), (16, torch.float32))]
+    for q, rows, dtype in cases:
+        x = torch.randn(rows, q.in_features, generator=gen).to(dtype)
+        weight = Int4Linear(q) if q.bits == 4 else Int8Linear(q)
+        try:
+            got = weight.linear(x).float()
+            decoded = weight.dequantize() if q.bits == 4 else None
+        except RuntimeError:
+            return _disagrees("build")
+        if decoded is not None and decoded.float().sub(q.dequantize()).abs().max() > 2e-2:
+            return _disagrees("decoded int4 weight")
+        want = q.linear(x.float())
+        # bfloat16 weights and activations: ~3 significant digits of the output's scale.
+        if (got - want).abs().max() > 2e-2 * want.abs().max():
+            return _disagrees(f"int{q.bits} {rows}-row product")
+    return True
+
+
+def _disagrees(what: str) -> bool:
+    log.info("The CPU's quantized-weight kernel (%s) disagrees with the reference, or the CPU "
+             "lacks AVX512-BF16: int4 / int8 weights use PyTorch's packed ops.", what)
+    return False
