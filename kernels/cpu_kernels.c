@@ -400,6 +400,7 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 const uint16_t *mins, void *y, int64_t rows, int64_t in_padded, int64_t out,
                 int64_t group, int y_bf16, int threads) {
     if (out % 16 || group % 32 || in_padded % group) return -1;
+    if (rows == 0) return 0;
     const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
     float *xsum = malloc(sizeof(float) * rows * groups);
     if (xsum == NULL) return -1;

@@ -126,14 +126,13 @@ class Int4Linear:
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _bf16_rows(x, self.in_features, self.padded_in)
         rows = x2.shape[0]
-        if rows >= DEQUANTIZE_ROWS:
-            y = F.linear(x2, self.dequantize())
-        else:
-            y = _output(x, rows, self.out_features)
-            _check(_library().int4_linear(
+        y = _output(x, rows, self.out_features)
+        # The tile loop returns non-zero only where it cannot allocate its row sums.
+        if rows >= DEQUANTIZE_ROWS or _library().int4_linear(
                 x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(),
                 self.mins.data_ptr(), y.data_ptr(), rows, self.padded_in, self.out_features,
-                self.group_size, int(y.dtype == torch.bfloat16), torch.get_num_threads()))
+                self.group_size, int(y.dtype == torch.bfloat16), torch.get_num_threads()) != 0:
+            y = F.linear(x2, self.dequantize())
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 

@@ -85,6 +85,13 @@ def test_the_kernels_hold_the_footprint_the_memory_estimate_counts():
 
 
 @needs_kernel
+@pytest.mark.parametrize("make", [lambda w: quant.quantize_int4(w, 32), quant.quantize_int8])
+def test_an_empty_batch_gives_an_empty_result(make):
+    weight = cpu_quant.prepare(make(_weight(32, 64, seed=4)))
+    assert weight.linear(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
+
+
+@needs_kernel
 def test_rows_in_a_batch_do_not_change_each_others_results():
     # Every row goes through the same tile code whatever else is in the batch (decode rows
     # batched with others must get the logits they get alone, up to the block they fall in).
