@@ -331,7 +331,7 @@ int silu_and_mul(const void *x, void *out, int64_t rows, int64_t width, int bf16
  * codes, whatever the number of rows. The 128 offset is exact in bfloat16 products and its sum
  * is removed in float32 (a relative error near 2^-16 of the output, below bfloat16's rounding).
  *
- * Layout (kernels/cpu_int4.py's pack writes it): outputs in tiles of 16, inputs in pairs, pairs
+ * Layout (kernels/cpu_quant.py's pack writes it): outputs in tiles of 16, inputs in pairs, pairs
  * in twos. codes [tiles, pairs / 2, 32] bytes: byte e of double pair d holds in its low nibble
  * element e of pair 2d and in its high nibble element e of pair 2d + 1, where element e of pair
  * p is output 16t + e/2 at input 2p + e%2 (the order VDPBF16PS pairs them with a broadcast
@@ -345,6 +345,20 @@ static inline float bf16_to_f32(uint16_t half) {
     float out;
     memcpy(&out, &bits, sizeof out);
     return out;
+}
+
+/* Where row `row` of tile t's 16 outputs starts in y [rows, out] (bfloat16 or float32). */
+static inline void *tile_output(void *y, int64_t row, int64_t out, int64_t t, int y_bf16) {
+    return y_bf16 ? (void *)((uint16_t *)y + row * out + t * 16)
+                  : (void *)((float *)y + row * out + t * 16);
+}
+
+/* One row's 16 outputs of a tile, rounded to bfloat16 or kept in float32. */
+static inline void store_tile_row(void *y, __m512 v, int y_bf16) {
+    if (y_bf16)
+        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(v));
+    else
+        _mm512_storeu_ps((float *)y, v);
 }
 
 #define INT4_ROW_BLOCK 8 /* rows per pass: two float32 accumulators each, in registers */
@@ -381,13 +395,8 @@ static inline __attribute__((always_inline)) void int4_tile_rows(
             acc[m] = _mm512_fmadd_ps(shift, _mm512_set1_ps(xsum[m * groups + g]), acc[m]);
         }
     }
-    for (int m = 0; m < mb; m++) {
-        if (y_bf16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * out),
-                                (__m256i)_mm512_cvtneps_pbh(acc[m]));
-        else
-            _mm512_storeu_ps((float *)y + m * out, acc[m]);
-    }
+    for (int m = 0; m < mb; m++)
+        store_tile_row(tile_output(y, m, out, 0, y_bf16), acc[m], y_bf16);
 }
 
 #define INT4_ROWS(n)                                                                           \
@@ -418,8 +427,7 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
         for (int64_t r = 0; r < rows; r += INT4_ROW_BLOCK) {
             const uint32_t *xr = (const uint32_t *)x + r * pairs;
             const float *xs = xsum + r * groups;
-            void *yr = y_bf16 ? (void *)((uint16_t *)y + r * out + t * 16)
-                              : (void *)((float *)y + r * out + t * 16);
+            void *yr = tile_output(y, r, out, t, y_bf16);
             switch (rows - r < INT4_ROW_BLOCK ? rows - r : INT4_ROW_BLOCK) {
                 INT4_ROWS(1) INT4_ROWS(2) INT4_ROWS(3) INT4_ROWS(4)
                 INT4_ROWS(5) INT4_ROWS(6) INT4_ROWS(7) INT4_ROWS(8)
@@ -499,14 +507,8 @@ static inline __attribute__((always_inline)) void int8_tile_rows(
     }
     const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)scales)), 16));
-    for (int m = 0; m < mb; m++) {
-        const __m512 v = _mm512_mul_ps(acc[m], s);
-        if (y_bf16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * out),
-                                (__m256i)_mm512_cvtneps_pbh(v));
-        else
-            _mm512_storeu_ps((float *)y + m * out, v);
-    }
+    for (int m = 0; m < mb; m++)
+        store_tile_row(tile_output(y, m, out, 0, y_bf16), _mm512_mul_ps(acc[m], s), y_bf16);
 }
 
 #define INT8_ROWS(n)                                                                  \
@@ -523,8 +525,7 @@ int int8_linear(const void *x, const int8_t *codes, const uint16_t *scales, void
         const int8_t *tile_codes = codes + t * pairs * 32;
         for (int64_t r = 0; r < rows; r += INT8_ROW_BLOCK) {
             const uint32_t *xr = (const uint32_t *)x + r * pairs;
-            void *yr = y_bf16 ? (void *)((uint16_t *)y + r * out + t * 16)
-                              : (void *)((float *)y + r * out + t * 16);
+            void *yr = tile_output(y, r, out, t, y_bf16);
             switch (rows - r < INT8_ROW_BLOCK ? rows - r : INT8_ROW_BLOCK) {
                 INT8_ROWS(1) INT8_ROWS(2) INT8_ROWS(3) INT8_ROWS(4)
                 INT8_ROWS(5) INT8_ROWS(6) INT8_ROWS(7) INT8_ROWS(8)

@@ -16,6 +16,7 @@ under the user's cache directory; SERVESCOPE_CPU_KERNELS=0 turns the kernels off
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -89,11 +90,10 @@ def _prune(built: Path, unused_days: float = 30) -> None:
     wants it back builds it again in under a second."""
     cutoff = time.time() - unused_days * 86400
     for old in built.parent.glob("cpu_kernels-*.so"):
-        try:
+        # OSError: another process pruned it first, or the directory is read-only.
+        with contextlib.suppress(OSError):
             if old != built and old.stat().st_mtime < cutoff:
                 old.unlink()
-        except OSError:  # another process pruned it first, or the directory is read-only
-            pass
 
 
 @functools.cache

@@ -81,8 +81,9 @@ def _takes(q: QuantizedWeight) -> bool:
     return bool(q.scales.abs().max() < limits and q.mins.abs().max() < limits)
 
 
-def _bf16_rows(x: torch.Tensor, in_features: int, padded_in: int) -> torch.Tensor:
+def _bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
     """x as the kernels read it: contiguous bfloat16 rows, zero-padded to `padded_in`."""
+    in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
     if x2.dtype != torch.bfloat16:
         x2 = x2.to(torch.bfloat16)
@@ -97,6 +98,72 @@ def _output(x: torch.Tensor, rows: int, out_features: int) -> torch.Tensor:
                        dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
 
 
+def _int4_decoded(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                  group_size: int) -> torch.Tensor:
+    """An int4 weight in pack's layout as bfloat16 [out, padded_in]."""
+    out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
+    w = torch.empty(out, padded_in, dtype=torch.bfloat16)
+    _check(_library().int4_dequantize(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                                      w.data_ptr(), padded_in, out, group_size,
+                                      torch.get_num_threads()))
+    return w
+
+
+def _int4_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                  mins: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x @ W^T for an int4 weight in pack's layout (the tile loop, or from DEQUANTIZE_ROWS rows
+    the decoded weight through oneDNN)."""
+    out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
+    x2 = _bf16_rows(x, padded_in)
+    rows = x2.shape[0]
+    y = _output(x, rows, out)
+    # The tile loop returns non-zero only where it cannot allocate its row sums.
+    if rows >= DEQUANTIZE_ROWS or _library().int4_linear(
+            x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
+            rows, padded_in, out, group_size, int(y.dtype == torch.bfloat16),
+            torch.get_num_threads()) != 0:
+        y = F.linear(x2, _int4_decoded(codes, scales, mins, group_size))
+    return y.to(x.dtype).view(*x.shape[:-1], out)
+
+
+def _int8_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x @ W^T for a per-channel int8 weight in Int8Linear's layout."""
+    out, padded_in = codes.shape[0] * 16, codes.shape[1] * 2
+    x2 = _bf16_rows(x, padded_in)
+    y = _output(x, x2.shape[0], out)
+    _check(_library().int8_linear(x2.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                  y.data_ptr(), x2.shape[0], padded_in, out,
+                                  int(y.dtype == torch.bfloat16), torch.get_num_threads()))
+    return y.to(x.dtype).view(*x.shape[:-1], out)
+
+
+def _check(status: int) -> None:
+    if status != 0:  # only a build without AVX512-BF16, which available() has refused
+        raise RuntimeError("the CPU's quantized-weight kernels do not run on this CPU")
+
+
+# ctypes is opaque to Dynamo: inside compiled code the calls go through these custom ops.
+@torch.library.custom_op("servescope::int4_linear", mutates_args=())
+def _int4_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor, group_size: int) -> torch.Tensor:
+    return _int4_forward(x, codes, scales, mins, group_size)
+
+
+@_int4_linear_op.register_fake
+def _int4_linear_fake(x, codes, scales, mins, group_size):
+    return x.new_empty((*x.shape[:-1], codes.shape[0] * 16))
+
+
+@torch.library.custom_op("servescope::int8_linear", mutates_args=())
+def _int8_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return _int8_forward(x, codes, scales)
+
+
+@_int8_linear_op.register_fake
+def _int8_linear_fake(x, codes, scales):
+    return x.new_empty((*x.shape[:-1], codes.shape[0] * 16))
+
+
 class Int4Linear:
     """An int4 weight in the kernel's layout; `linear` as QuantizedWeight.linear computes it, in
     bfloat16 products with float32 sums."""
@@ -109,31 +176,13 @@ class Int4Linear:
 
     def dequantize(self) -> torch.Tensor:
         """The weight as bfloat16 [out, padded_in]."""
-        w = torch.empty(self.out_features, self.padded_in, dtype=torch.bfloat16)
-        _check(_library().int4_dequantize(
-            self.codes.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr(), w.data_ptr(),
-            self.padded_in, self.out_features, self.group_size, torch.get_num_threads()))
-        return w
+        return _int4_decoded(self.codes, self.scales, self.mins, self.group_size)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # ctypes is opaque to Dynamo: the op wraps the call
-            y = torch.ops.servescope.int4_linear(x, self.codes, self.scales, self.mins,
-                                                 self.group_size)
-        else:
-            y = self._linear(x)
+        forward = (torch.ops.servescope.int4_linear if torch.compiler.is_compiling()
+                   else _int4_forward)
+        y = forward(x, self.codes, self.scales, self.mins, self.group_size)
         return y if bias is None else y + bias
-
-    def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _bf16_rows(x, self.in_features, self.padded_in)
-        rows = x2.shape[0]
-        y = _output(x, rows, self.out_features)
-        # The tile loop returns non-zero only where it cannot allocate its row sums.
-        if rows >= DEQUANTIZE_ROWS or _library().int4_linear(
-                x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(),
-                self.mins.data_ptr(), y.data_ptr(), rows, self.padded_in, self.out_features,
-                self.group_size, int(y.dtype == torch.bfloat16), torch.get_num_threads()) != 0:
-            y = F.linear(x2, self.dequantize())
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
 class Int8Linear:
@@ -153,54 +202,10 @@ class Int8Linear:
         self.nbytes = self.codes.numel() + 2 * self.scales.numel()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # ctypes is opaque to Dynamo: the op wraps the call
-            y = torch.ops.servescope.int8_linear(x, self.codes, self.scales)
-        else:
-            y = self._linear(x)
+        forward = (torch.ops.servescope.int8_linear if torch.compiler.is_compiling()
+                   else _int8_forward)
+        y = forward(x, self.codes, self.scales)
         return y if bias is None else y + bias
-
-    def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _bf16_rows(x, self.in_features, self.padded_in)
-        y = _output(x, x2.shape[0], self.out_features)
-        _check(_library().int8_linear(
-            x2.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(), y.data_ptr(),
-            x2.shape[0], self.padded_in, self.out_features, int(y.dtype == torch.bfloat16),
-            torch.get_num_threads()))
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-
-
-def _check(status: int) -> None:
-    if status != 0:  # only a build without AVX512-BF16, which available() has refused
-        raise RuntimeError("the CPU's quantized-weight kernels do not run on this CPU")
-
-
-@torch.library.custom_op("servescope::int4_linear", mutates_args=())
-def _int4_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                    mins: torch.Tensor, group_size: int) -> torch.Tensor:
-    weight = Int4Linear.__new__(Int4Linear)
-    weight.codes, weight.scales, weight.mins, weight.group_size = codes, scales, mins, group_size
-    weight.out_features, weight.padded_in = codes.shape[0] * 16, codes.shape[1] * 4
-    weight.in_features = x.shape[-1]
-    return weight._linear(x)
-
-
-@_int4_linear_op.register_fake
-def _int4_linear_fake(x, codes, scales, mins, group_size):
-    return x.new_empty((*x.shape[:-1], codes.shape[0] * 16))
-
-
-@torch.library.custom_op("servescope::int8_linear", mutates_args=())
-def _int8_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    weight = Int8Linear.__new__(Int8Linear)
-    weight.codes, weight.scales = codes, scales
-    weight.out_features, weight.padded_in = codes.shape[0] * 16, codes.shape[1] * 2
-    weight.in_features = x.shape[-1]
-    return weight._linear(x)
-
-
-@_int8_linear_op.register_fake
-def _int8_linear_fake(x, codes, scales):
-    return x.new_empty((*x.shape[:-1], codes.shape[0] * 16))
 
 
 def prepare(q: QuantizedWeight) -> Int4Linear | Int8Linear | None:
