@@ -20,7 +20,6 @@ dequantizing reference; elsewhere the weights keep PyTorch's packed ops (or the 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 
@@ -35,19 +34,7 @@ log = logging.getLogger(__name__)
 # From this many rows (a prefill chunk) decoding the weight once into bfloat16 and running
 # oneDNN's matmul beats the tile kernel (benchmarks/cpu_int4.py measures both).
 DEQUANTIZE_ROWS = 192
-_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = cpu_kernels._library()
-    if lib is None:
-        return None
-    lib.int4_linear.argtypes = [_PTR] * 5 + [_I64] * 4 + [_INT, _INT]
-    lib.int4_dequantize.argtypes = [_PTR] * 4 + [_I64] * 3 + [_INT]
-    lib.int8_linear.argtypes = [_PTR] * 4 + [_I64] * 3 + [_INT, _INT]
-    lib.int4_linear.restype = lib.int4_dequantize.restype = lib.int8_linear.restype = _INT
-    return lib
+_library = cpu_kernels._library  # one shared object; its C signatures are declared there
 
 
 def pack(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
