@@ -23,7 +23,6 @@ import functools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -32,8 +31,13 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench import machine  # noqa: E402
+from engine import LLM  # noqa: E402
+from engine.bench import (  # noqa: E402
+    alternating_decode_ms,
+    alternating_prefill_ms,
+    machine,
+    median_call_us,
+)
 from engine.engine_config import EngineConfig  # noqa: E402
 from kernels import cpu_quant, onednn, quant  # noqa: E402
 from monitor.loadgen import make_prompt  # noqa: E402
@@ -62,42 +66,13 @@ def engines() -> dict[str, LLM]:
 def decode_steps(llms: dict[str, LLM], batch: int, rounds: int, steps: int) -> dict:
     rng = np.random.default_rng(batch)
     prompts = [make_prompt(64, rng) for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=rounds * (steps + 1) + 8,
-                            ignore_eos=True)
-    for llm in llms.values():
-        for prompt in prompts:
-            llm.add_request(prompt, params)
-        for _ in range(3):  # the prefill, then warm decode steps
-            llm.step()
-    step_ms = {side: [] for side in SIDES}
-    for _ in range(rounds):
-        for side in SIDES:
-            llms[side].step()
-            start = time.perf_counter()
-            for _ in range(steps):
-                llms[side].step()
-            step_ms[side].append((time.perf_counter() - start) / steps * 1e3)
-    for llm in llms.values():  # finish the requests, so the next batch starts empty
-        while llm.has_unfinished():
-            llm.step()
-    return _summary(step_ms)
+    return _summary(alternating_decode_ms(llms, prompts, rounds, steps))
 
 
 def prefill_steps(llms: dict[str, LLM], prompts: int, rounds: int) -> dict:
     rng = np.random.default_rng(prompts)
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    step_ms = {side: [] for side in SIDES}
-    for round_ in range(rounds + 1):
-        batch = [make_prompt(64, rng) for _ in range(prompts)]
-        for side in SIDES:
-            for prompt in batch:
-                llms[side].add_request(prompt, params)
-            start = time.perf_counter()
-            while llms[side].has_unfinished():
-                llms[side].step()
-            if round_:  # the first round warms every side up
-                step_ms[side].append((time.perf_counter() - start) * 1e3)
-    return _summary(step_ms)
+    batches = [[make_prompt(64, rng) for _ in range(prompts)] for _ in range(rounds + 1)]
+    return _summary(alternating_prefill_ms(llms, batches))
 
 
 def layer_linears(llm: LLM, rounds: int) -> dict:
@@ -140,13 +115,7 @@ def _codes(kernel) -> quant.QuantizedWeight:
 
 
 def _time(fn, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(max(rounds, 5) * 4):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
+    return median_call_us(fn, max(rounds, 5) * 4)
 
 
 def _summary(step_ms: dict) -> dict:

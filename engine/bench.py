@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,6 +104,60 @@ def measure_throughput(llm, concurrency: int, prompt_tokens: int, new_tokens: in
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     return sum(len(o.token_ids) for o in outputs) / elapsed
+
+
+def alternating_decode_ms(llms: dict, prompts: list, rounds: int, steps: int) -> dict:
+    """Decode step times (ms, one per round) of several engines holding the same requests
+    (greedy, EOS ignored): each round runs one untimed step and `steps` timed ones of each engine
+    in turn, so the machine's load falls on all alike. The requests are finished afterwards, so
+    the engines come back empty."""
+    params = SamplingParams(temperature=0.0, max_tokens=rounds * (steps + 1) + 8,
+                            ignore_eos=True)
+    for llm in llms.values():
+        for prompt in prompts:
+            llm.add_request(prompt, params)
+        for _ in range(3):  # the prefill, then warm decode steps
+            llm.step()
+    step_ms = {side: [] for side in llms}
+    for _ in range(rounds):
+        for side, llm in llms.items():
+            llm.step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                llm.step()
+            step_ms[side].append((time.perf_counter() - start) / steps * 1e3)
+    for llm in llms.values():
+        while llm.has_unfinished():
+            llm.step()
+    return step_ms
+
+
+def alternating_prefill_ms(llms: dict, batches: list) -> dict:
+    """The time (ms) each engine takes to prefill each batch of prompts (one new token each),
+    engines in turn per batch; the first batch warms them up and is not counted."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    step_ms = {side: [] for side in llms}
+    for i, batch in enumerate(batches):
+        for side, llm in llms.items():
+            for prompt in batch:
+                llm.add_request(prompt, params)
+            start = time.perf_counter()
+            while llm.has_unfinished():
+                llm.step()
+            if i:
+                step_ms[side].append((time.perf_counter() - start) * 1e3)
+    return step_ms
+
+
+def median_call_us(fn, repeats: int) -> float:
+    """The median time (us) of `repeats` calls of fn after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
 
 
 def machine() -> dict:

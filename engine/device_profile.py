@@ -164,9 +164,11 @@ def demo_shape(llm) -> dict:
     (every weight but the embedding table, of which it looks up one row; a tied head prepared
     apart from it is a matrix of its own, read in full) and the LM head's share of them (a
     prompt's tokens skip the head, but its last)."""
+    from engine.model import weight_nbytes
+
     model = llm.model
     embedding = model.embed.numel() * model.embed.element_size()
-    head = model.lm_head.numel() * model.lm_head.element_size()
+    head = weight_nbytes(model.lm_head)
     read = llm.weight_bytes - (embedding if model.lm_head is not model.embed else 0)
     return {"read_bytes": read, "head_bytes": head}
 

@@ -57,7 +57,7 @@ class LlamaModel:
         self._prepare_linears(head)
         # Bytes held, as prepared: a tied head re-laid out or quantized is a second matrix
         # beside the embedding (whose lookup needs the original).
-        self.weight_bytes = sum(_nbytes(w) for w in self._weights())
+        self.weight_bytes = sum(weight_nbytes(w) for w in self._weights())
         self.weights_from_gguf_blocks = 0 if quantizer is None else quantizer.from_blocks
         freq_factors = tensors.get("rope_freqs.weight")
         self.inv_freq = inv_frequencies(config, freq_factors).to(device)  # float32
@@ -158,7 +158,7 @@ class _Taker:
         return self(*names) if all(n in self.tensors for n in names) else None
 
 
-def _nbytes(weight) -> int:
+def weight_nbytes(weight) -> int:
     """Bytes of a float tensor, or of a quantized weight in whatever form it was prepared."""
     if isinstance(weight, torch.Tensor):
         return weight.numel() * weight.element_size()

@@ -1,7 +1,8 @@
 """Attention, norm and rotary ops: torch references behind one dispatch point.
 
-Every op the model runs is looked up here, so a faster implementation (oneDNN linear layers on
-the CPU in float32 and, where the CPU runs it natively, bfloat16, with decode attention, RMSNorm,
+Every op the model runs is looked up here, so a faster implementation (on the CPU: oneDNN linear
+layers in float32, bfloat16 ones through a C tile kernel where the CPU has AVX512-BF16
+(kernels/cpu_linear.py; else oneDNN where it runs bfloat16 natively), decode attention, RMSNorm,
 rotary and SwiGLU from small C kernels (kernels/cpu_kernels.py); Triton on CUDA) can replace the
 reference for one device and dtype without the model knowing.
 `SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere. Each table's
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import cpu_kernels, cpu_quant, onednn, quant, reference
+from kernels import cpu_kernels, cpu_linear, cpu_quant, onednn, quant, reference
 from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 
 OPS = ("prepare_linear", "linear", "rms_norm", "rotary", "silu_and_mul", "store_kv",
@@ -51,6 +52,13 @@ def _quant_aware(prepare, linear, prepare_quantized):
     return prepare_any, linear_any
 
 
+def _prepare_cpu_linear(weight: torch.Tensor):
+    """The CPU's form of a float weight: bfloat16 through the C tile kernel where the CPU has
+    AVX512-BF16 (kernels/cpu_linear.py), else (float32, or that kernel absent) oneDNN's packed
+    layout."""
+    return cpu_linear.prepare(weight) or onednn.prepare_linear(weight)
+
+
 def _prepare_cpu_quantized(q: quant.QuantizedWeight):
     """The CPU's form of a quantized weight: int4 / per-channel int8 through the C kernels where
     the CPU has AVX512-BF16, else PyTorch's packed int8 / int4 ops, else the dequantizing
@@ -63,11 +71,12 @@ _BACKENDS: dict[str, SimpleNamespace] = {"reference": _table("reference")}
 # other ops follow the input's dtype).
 ONEDNN_DTYPES = tuple(dtype for dtype in onednn.DTYPES if onednn.available(dtype))
 if ONEDNN_DTYPES:
-    # The CPU table: oneDNN linears, and decode attention, RMSNorm, rotary and SwiGLU from the C
-    # kernels (built on first use; where they do not build or pass their self-check, or do not
-    # take a call's dtype or shape, the reference's ops run).
+    # The CPU table: oneDNN linears (bfloat16 ones through the C tile kernel where it runs), and
+    # decode attention, RMSNorm, rotary and SwiGLU from the C kernels (built on first use; where
+    # they do not build or pass their self-check, or do not take a call's dtype or shape, the
+    # reference's ops run).
     _BACKENDS["onednn"] = _table("onednn", prepare_quantized=_prepare_cpu_quantized,
-                                 prepare_linear=onednn.prepare_linear, linear=onednn.linear,
+                                 prepare_linear=_prepare_cpu_linear, linear=onednn.linear,
                                  **cpu_kernels.OPS)
 # Importing triton takes a while and is only needed on CUDA: its table is built on first use.
 _HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -361,12 +361,76 @@ static inline void store_tile_row(void *y, __m512 v, int y_bf16) {
         _mm512_storeu_ps((float *)y, v);
 }
 
+/* The tile loops below share one shape: a tile is 16 outputs, its weight one 64-byte vector per
+ * input pair, and each product is VDPBF16PS of that vector with one row's activation pair
+ * broadcast to all lanes. Two things keep them near the CPU's VDPBF16PS rate (measured on a Zen
+ * 4 EPYC, benchmarks/cpu_bf16.py):
+ * - the activation pair enters as an embedded broadcast from memory ({1to16}). GCC compiles
+ *   _mm512_set1_epi32 from memory to a separate VPBROADCASTD, which took a vector slot per
+ *   product and held the loops to half the rate; one asm statement fixes the instruction form.
+ * - a row block's activations are laid out pair-major ([pairs, block] words, by_pair) so the mb
+ *   broadcasts of a pair are one base address plus constants, not mb row pointers that spill.
+ * The weight stream is prefetched PREFETCH_BYTES ahead of the loads. */
+#define ROW_BLOCK 16      /* rows per pass: one float32 accumulator each, in registers */
+#define PREFETCH_BYTES 1024
+
+#define DP_BROADCAST(acc, w, word)                                                       \
+    __asm__("vdpbf16ps %[x]%{1to16%}, %[wv], %[a]" : [a] "+v"(acc) : [wv] "v"(w),        \
+            [x] "m"(*(word)))
+
+static inline void prefetch_ahead(const void *at) {
+    _mm_prefetch((const char *)at + PREFETCH_BYTES, _MM_HINT_T0);
+}
+
+/* x [rows, pairs] words rearranged as blocks of `block` rows, each [pairs, mb] (mb: the block's
+ * rows), in parallel over blocks; xt has rows * pairs words. Called inside a parallel region. */
+static inline void by_pair(const uint32_t *x, uint32_t *xt, int64_t rows, int64_t pairs,
+                           int block) {
+#pragma omp for schedule(static)
+    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+        const int64_t mb = rows - r0 < block ? rows - r0 : block;
+        uint32_t *dst = xt + r0 * pairs;
+        for (int64_t p = 0; p < pairs; p++)
+            for (int64_t m = 0; m < mb; m++) dst[p * mb + m] = x[(r0 + m) * pairs + p];
+    }
+}
+
+/* 16 bfloat16 values as float32 (a bias, an int8 tile's scales). */
+static inline __m512 load_bf16x16(const uint16_t *at) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
+}
+
+/* ---- bfloat16 weights times bfloat16 activations ----
+ * oneDNN's packed bfloat16 matmul ran the demo model's decode-sized products at 40-60% of this
+ * CPU's VDPBF16PS rate (1-16 rows: its weight stream and products do not overlap); this loop
+ * runs them 1.3-1.9x faster and matches oneDNN at prefill sizes (benchmarks/cpu_bf16.py), so
+ * one layout serves both and the weight is held once. w [tiles, pairs, 32] bfloat16, element e
+ * of pair p being output 16t + e/2 at input 2p + e%2 (int8_linear's layout); bias bfloat16
+ * [out] or NULL, added in float32 before the output's rounding. */
+static inline __attribute__((always_inline)) void bf16_tile_rows(
+    const int mb, const uint32_t *xt, int64_t pairs, const uint16_t *w, const uint16_t *bias,
+    void *y, int64_t out, int y_bf16) {
+    __m512 acc[ROW_BLOCK];
+    const __m512 start = bias == NULL ? _mm512_setzero_ps() : load_bf16x16(bias);
+    for (int m = 0; m < mb; m++) acc[m] = start;
+    for (int64_t p = 0; p < pairs; p++) {
+        prefetch_ahead(w + p * 32);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + p * 32));
+        const uint32_t *words = xt + p * mb;
+        for (int m = 0; m < mb; m++) DP_BROADCAST(acc[m], wv, words + m);
+    }
+    for (int m = 0; m < mb; m++)
+        store_tile_row(tile_output(y, m, out, 0, y_bf16), acc[m], y_bf16);
+}
+
 #define INT4_ROW_BLOCK 8 /* rows per pass: two float32 accumulators each, in registers */
 
 /* One tile's 16 outputs for `mb` rows (a constant at each call site, so the accumulators stay
- * in registers). xsum: [rows, groups] sums of the rows' bfloat16 inputs per group. */
+ * in registers). xt: the row block in by_pair's layout; xsum: [rows, groups] sums of the rows'
+ * bfloat16 inputs per group. */
 static inline __attribute__((always_inline)) void int4_tile_rows(
-    const int mb, const uint32_t *x, int64_t pairs, const float *xsum, int64_t groups,
+    const int mb, const uint32_t *xt, int64_t pairs, const float *xsum, int64_t groups,
     const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group_pairs,
     void *y, int64_t out, int y_bf16) {
     __m512 acc[INT4_ROW_BLOCK], part[INT4_ROW_BLOCK];
@@ -375,16 +439,16 @@ static inline __attribute__((always_inline)) void int4_tile_rows(
     for (int64_t g = 0; g < groups; g++) {
         for (int m = 0; m < mb; m++) part[m] = _mm512_setzero_ps();
         for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p += 2) {
+            prefetch_ahead(codes + p * 16);
             const __m512i v =
                 _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + p * 16)));
             /* (v & 15) | 0x4300 in one ternary-logic op; the high nibbles need only the OR. */
             const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(v, nibble, offset, 0xEA);
             const __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), offset);
+            const uint32_t *words = xt + p * mb;
             for (int m = 0; m < mb; m++) {
-                part[m] = _mm512_dpbf16_ps(
-                    part[m], (__m512bh)_mm512_set1_epi32((int)x[m * pairs + p]), w0);
-                part[m] = _mm512_dpbf16_ps(
-                    part[m], (__m512bh)_mm512_set1_epi32((int)x[m * pairs + p + 1]), w1);
+                DP_BROADCAST(part[m], w0, words + m);
+                DP_BROADCAST(part[m], w1, words + mb + m);
             }
         }
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
@@ -412,7 +476,12 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
     if (rows == 0) return 0;
     const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
     float *xsum = malloc(sizeof(float) * rows * groups);
-    if (xsum == NULL) return -1;
+    uint32_t *xt = malloc(sizeof(uint32_t) * rows * pairs);
+    if (xsum == NULL || xt == NULL) {
+        free(xsum);
+        free(xt);
+        return -1;
+    }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++) {
             float sum = 0.0f;
@@ -420,21 +489,27 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 sum += bf16_to_f32(((const uint16_t *)x)[r * in_padded + k]);
             xsum[r * groups + g] = sum;
         }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *tile_codes = codes + t * pairs * 16;
-        const uint16_t *tile_scales = scales + t * groups * 16, *tile_mins = mins + t * groups * 16;
-        for (int64_t r = 0; r < rows; r += INT4_ROW_BLOCK) {
-            const uint32_t *xr = (const uint32_t *)x + r * pairs;
-            const float *xs = xsum + r * groups;
-            void *yr = tile_output(y, r, out, t, y_bf16);
-            switch (rows - r < INT4_ROW_BLOCK ? rows - r : INT4_ROW_BLOCK) {
-                INT4_ROWS(1) INT4_ROWS(2) INT4_ROWS(3) INT4_ROWS(4)
-                INT4_ROWS(5) INT4_ROWS(6) INT4_ROWS(7) INT4_ROWS(8)
+#pragma omp parallel num_threads(threads)
+    {
+        by_pair((const uint32_t *)x, xt, rows, pairs, INT4_ROW_BLOCK);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint8_t *tile_codes = codes + t * pairs * 16;
+            const uint16_t *tile_scales = scales + t * groups * 16;
+            const uint16_t *tile_mins = mins + t * groups * 16;
+            for (int64_t r = 0; r < rows; r += INT4_ROW_BLOCK) {
+                const uint32_t *xr = xt + r * pairs;
+                const float *xs = xsum + r * groups;
+                void *yr = tile_output(y, r, out, t, y_bf16);
+                switch (rows - r < INT4_ROW_BLOCK ? rows - r : INT4_ROW_BLOCK) {
+                    INT4_ROWS(1) INT4_ROWS(2) INT4_ROWS(3) INT4_ROWS(4)
+                    INT4_ROWS(5) INT4_ROWS(6) INT4_ROWS(7) INT4_ROWS(8)
+                }
             }
         }
     }
     free(xsum);
+    free(xt);
     return 0;
 }
 
@@ -488,53 +563,82 @@ int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t
  * codes [tiles, pairs, 32] int8, element e of pair p being output 16t + e/2 at input 2p + e%2;
  * scales bfloat16 [out] (as PyTorch's op holds them); x bfloat16 [rows, in_padded] (inputs
  * padded to an even count). */
-#define INT8_ROW_BLOCK 16
-
 static inline __attribute__((always_inline)) void int8_tile_rows(
-    const int mb, const uint32_t *x, int64_t pairs, const int8_t *codes, const uint16_t *scales,
+    const int mb, const uint32_t *xt, int64_t pairs, const int8_t *codes, const uint16_t *scales,
     void *y, int64_t out, int y_bf16) {
-    __m512 acc[INT8_ROW_BLOCK];
+    __m512 acc[ROW_BLOCK];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
+        prefetch_ahead(codes + p * 32);
         const __m512 low = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + p * 32))));
         const __m512 high = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + p * 32 + 16))));
         const __m512bh w = _mm512_cvtne2ps_pbh(high, low);
-        for (int m = 0; m < mb; m++)
-            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32((int)x[m * pairs + p]),
-                                      w);
+        const uint32_t *words = xt + p * mb;
+        for (int m = 0; m < mb; m++) DP_BROADCAST(acc[m], w, words + m);
     }
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)scales)), 16));
+    const __m512 s = load_bf16x16(scales);
     for (int m = 0; m < mb; m++)
         store_tile_row(tile_output(y, m, out, 0, y_bf16), _mm512_mul_ps(acc[m], s), y_bf16);
 }
 
-#define INT8_ROWS(n)                                                                  \
-    case n:                                                                           \
-        int8_tile_rows(n, xr, pairs, tile_codes, scales + t * 16, yr, out, y_bf16); \
+enum { WEIGHT_BF16, WEIGHT_INT8 };
+
+/* Rows r.. r + mb of tile t, for a weight kind (a constant wherever this is inlined). per_out:
+ * the bfloat16 weight's bias (or NULL), the int8 weight's scales. */
+static inline __attribute__((always_inline)) void tile_rows(
+    int kind, const int mb, const uint32_t *xt, int64_t pairs, int64_t t, const void *w,
+    const uint16_t *per_out, void *y, int64_t out, int y_bf16) {
+    if (kind == WEIGHT_BF16)
+        bf16_tile_rows(mb, xt, pairs, (const uint16_t *)w + t * pairs * 32,
+                       per_out == NULL ? NULL : per_out + t * 16, y, out, y_bf16);
+    else
+        int8_tile_rows(mb, xt, pairs, (const int8_t *)w + t * pairs * 32, per_out + t * 16, y,
+                       out, y_bf16);
+}
+
+#define TILE_ROWS(n)                                                              \
+    case n:                                                                       \
+        tile_rows(kind, n, xt + r * pairs, pairs, t, w, per_out, yr, out, y_bf16); \
         break;
+
+/* y [rows, out] = x [rows, in_padded] @ W^T for the weights in tiles of 32 values a pair. */
+static inline __attribute__((always_inline)) int tiles_linear(
+    int kind, const void *x, const void *w, const uint16_t *per_out, void *y, int64_t rows,
+    int64_t in_padded, int64_t out, int y_bf16, int threads) {
+    if (out % 16 || in_padded % 2) return -1;
+    if (rows == 0) return 0;
+    const int64_t tiles = out / 16, pairs = in_padded / 2;
+    uint32_t *xt = malloc(sizeof(uint32_t) * rows * pairs);
+    if (xt == NULL) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        by_pair((const uint32_t *)x, xt, rows, pairs, ROW_BLOCK);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+                void *yr = tile_output(y, r, out, t, y_bf16);
+                switch (rows - r < ROW_BLOCK ? rows - r : ROW_BLOCK) {
+                    TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4)
+                    TILE_ROWS(5) TILE_ROWS(6) TILE_ROWS(7) TILE_ROWS(8)
+                    TILE_ROWS(9) TILE_ROWS(10) TILE_ROWS(11) TILE_ROWS(12)
+                    TILE_ROWS(13) TILE_ROWS(14) TILE_ROWS(15) TILE_ROWS(16)
+                }
+            }
+    }
+    free(xt);
+    return 0;
+}
+
+int bf16_linear(const void *x, const uint16_t *w, const uint16_t *bias, void *y, int64_t rows,
+                int64_t in_padded, int64_t out, int y_bf16, int threads) {
+    return tiles_linear(WEIGHT_BF16, x, w, bias, y, rows, in_padded, out, y_bf16, threads);
+}
 
 int int8_linear(const void *x, const int8_t *codes, const uint16_t *scales, void *y, int64_t rows,
                 int64_t in_padded, int64_t out, int y_bf16, int threads) {
-    if (out % 16 || in_padded % 2) return -1;
-    const int64_t tiles = out / 16, pairs = in_padded / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int8_t *tile_codes = codes + t * pairs * 32;
-        for (int64_t r = 0; r < rows; r += INT8_ROW_BLOCK) {
-            const uint32_t *xr = (const uint32_t *)x + r * pairs;
-            void *yr = tile_output(y, r, out, t, y_bf16);
-            switch (rows - r < INT8_ROW_BLOCK ? rows - r : INT8_ROW_BLOCK) {
-                INT8_ROWS(1) INT8_ROWS(2) INT8_ROWS(3) INT8_ROWS(4)
-                INT8_ROWS(5) INT8_ROWS(6) INT8_ROWS(7) INT8_ROWS(8)
-                INT8_ROWS(9) INT8_ROWS(10) INT8_ROWS(11) INT8_ROWS(12)
-                INT8_ROWS(13) INT8_ROWS(14) INT8_ROWS(15) INT8_ROWS(16)
-            }
-        }
-    }
-    return 0;
+    return tiles_linear(WEIGHT_INT8, x, codes, scales, y, rows, in_padded, out, y_bf16, threads);
 }
 #else
 /* Without AVX512-BF16 int4 and int8 weights keep PyTorch's packed ops (kernels/quant.py). */
@@ -550,6 +654,11 @@ int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t
 }
 
 int int8_linear(const void *x, const int8_t *codes, const uint16_t *scales, void *y, int64_t rows,
+                int64_t in_padded, int64_t out, int y_bf16, int threads) {
+    return -1;
+}
+
+int bf16_linear(const void *x, const uint16_t *w, const uint16_t *bias, void *y, int64_t rows,
                 int64_t in_padded, int64_t out, int y_bf16, int threads) {
     return -1;
 }

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
+from kernels.cpu_linear import bf16_rows, check, output, tile_layout
 from kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -68,29 +69,12 @@ def _takes(q: QuantizedWeight) -> bool:
     return bool(q.scales.abs().max() < limits and q.mins.abs().max() < limits)
 
 
-def _bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
-    """x as the kernels read it: contiguous bfloat16 rows, zero-padded to `padded_in`."""
-    in_features = x.shape[-1]
-    x2 = x.reshape(-1, in_features)
-    if x2.dtype != torch.bfloat16:
-        x2 = x2.to(torch.bfloat16)
-    if padded_in != in_features:
-        x2 = F.pad(x2, (0, padded_in - in_features))
-    return x2.contiguous()
-
-
-def _output(x: torch.Tensor, rows: int, out_features: int) -> torch.Tensor:
-    """The kernels write bfloat16 for bfloat16 activations, float32 for any other."""
-    return torch.empty(rows, out_features,
-                       dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
-
-
 def _int4_decoded(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                   group_size: int) -> torch.Tensor:
     """An int4 weight in pack's layout as bfloat16 [out, padded_in]."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
     w = torch.empty(out, padded_in, dtype=torch.bfloat16)
-    _check(_library().int4_dequantize(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+    check(_library().int4_dequantize(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
                                       w.data_ptr(), padded_in, out, group_size,
                                       torch.get_num_threads()))
     return w
@@ -101,9 +85,9 @@ def _int4_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     """x @ W^T for an int4 weight in pack's layout (the tile loop, or from DEQUANTIZE_ROWS rows
     the decoded weight through oneDNN)."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
-    x2 = _bf16_rows(x, padded_in)
+    x2 = bf16_rows(x, padded_in)
     rows = x2.shape[0]
-    y = _output(x, rows, out)
+    y = output(x, rows, out)
     # The tile loop returns non-zero only where it cannot allocate its row sums.
     if rows >= DEQUANTIZE_ROWS or _library().int4_linear(
             x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
@@ -116,17 +100,12 @@ def _int4_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 def _int8_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x @ W^T for a per-channel int8 weight in Int8Linear's layout."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 2
-    x2 = _bf16_rows(x, padded_in)
-    y = _output(x, x2.shape[0], out)
-    _check(_library().int8_linear(x2.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+    x2 = bf16_rows(x, padded_in)
+    y = output(x, x2.shape[0], out)
+    check(_library().int8_linear(x2.data_ptr(), codes.data_ptr(), scales.data_ptr(),
                                   y.data_ptr(), x2.shape[0], padded_in, out,
                                   int(y.dtype == torch.bfloat16), torch.get_num_threads()))
     return y.to(x.dtype).view(*x.shape[:-1], out)
-
-
-def _check(status: int) -> None:
-    if status != 0:  # only a build without AVX512-BF16, which available() has refused
-        raise RuntimeError("the CPU's quantized-weight kernels do not run on this CPU")
 
 
 # ctypes is opaque to Dynamo: inside compiled code the calls go through these custom ops.
@@ -182,9 +161,7 @@ class Int8Linear:
             codes = F.pad(codes, (0, 1))
         self.in_features, self.padded_in = q.in_features, codes.shape[1]
         self.out_features = q.out_features
-        tiles, pairs = self.out_features // 16, self.padded_in // 2
-        self.codes = codes.view(tiles, 16, pairs, 2).permute(0, 2, 1, 3).reshape(
-            tiles, pairs, 32).contiguous()
+        self.codes = tile_layout(codes)
         self.scales = q.scales[:, 0].to(torch.bfloat16).contiguous()
         self.nbytes = self.codes.numel() + 2 * self.scales.numel()
 

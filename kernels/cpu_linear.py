@@ -1,0 +1,154 @@
+"""Bfloat16 weights through cpu_kernels.c's tile loop (bf16_linear) on CPUs with AVX512-BF16, and
+the tile layout that loop shares with the int8 kernel (kernels/cpu_quant.py).
+
+oneDNN's packed bfloat16 matmul (kernels/onednn.py) ran the demo model's decode-sized products
+(1-16 rows) at 40-60% of this CPU's VDPBF16PS rate: at those sizes a matmul is one pass over the
+weight, and oneDNN's pass neither streams the weight at the memory's rate nor multiplies at the
+vector units'. The tile loop overlaps the two (cpu_kernels.c says how) and ran a decode step's
+linears 1.3-1.9x faster, while matching oneDNN from a few hundred rows up (prefill), so one
+layout serves every step and the weight is held once, as oneDNN's packed copy was
+(benchmarks/cpu_bf16.py measures both, alternating in one process). Where the kernel does not
+build, the CPU lacks AVX512-BF16, the self-check disagrees or a shape has outputs that are not
+a whole number of tiles of 16, the weight keeps oneDNN's layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_kernels
+
+log = logging.getLogger(__name__)
+
+_library = cpu_kernels._library  # one shared object; its C signatures are declared there
+
+
+def tile_layout(matrix: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight (in even) as [tiles, pairs, 32]: element e of pair p of tile t is
+    output 16t + e/2 at input 2p + e%2, the order VDPBF16PS pairs them with a broadcast
+    activation pair."""
+    out, padded_in = matrix.shape
+    return matrix.view(out // 16, 16, padded_in // 2, 2).permute(0, 2, 1, 3).reshape(
+        out // 16, padded_in // 2, 32).contiguous()
+
+
+def bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
+    """x as the kernels read it: contiguous bfloat16 rows, zero-padded to `padded_in`."""
+    in_features = x.shape[-1]
+    x2 = x.reshape(-1, in_features)
+    if x2.dtype != torch.bfloat16:
+        x2 = x2.to(torch.bfloat16)
+    if padded_in != in_features:
+        x2 = F.pad(x2, (0, padded_in - in_features))
+    return x2.contiguous()
+
+
+def output(x: torch.Tensor, rows: int, out_features: int) -> torch.Tensor:
+    """The kernels write bfloat16 for bfloat16 activations, float32 for any other."""
+    return torch.empty(rows, out_features,
+                       dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+
+
+def check(status: int) -> None:
+    if status != 0:  # only a build without AVX512-BF16, which the self-checks have refused
+        raise RuntimeError("the CPU's bfloat16 tile kernels do not run on this CPU")
+
+
+def _bf16_forward(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + bias for a bfloat16 weight in tile_layout."""
+    out, padded_in = tiles.shape[0] * 16, tiles.shape[1] * 2
+    x2 = bf16_rows(x, padded_in)
+    y = output(x, x2.shape[0], out)
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    check(_library().bf16_linear(x2.data_ptr(), tiles.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                 x2.shape[0], padded_in, out, int(y.dtype == torch.bfloat16),
+                                 torch.get_num_threads()))
+    return y.to(x.dtype).view(*x.shape[:-1], out)
+
+
+# ctypes is opaque to Dynamo: inside compiled code the call goes through this custom op.
+@torch.library.custom_op("servescope::bf16_linear", mutates_args=())
+def _bf16_linear_op(x: torch.Tensor, tiles: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    return _bf16_forward(x, tiles, bias)
+
+
+@_bf16_linear_op.register_fake
+def _bf16_linear_fake(x, tiles, bias):
+    return x.new_empty((*x.shape[:-1], tiles.shape[0] * 16))
+
+
+class Bf16Linear:
+    """A bfloat16 weight in tile_layout (inputs padded to an even count); `linear` computes
+    x @ W^T + bias in bfloat16 products with float32 sums, as oneDNN does."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        padded = weight if self.in_features % 2 == 0 else F.pad(weight, (0, 1))
+        self.padded_in = padded.shape[1]
+        self.tiles = tile_layout(padded.to(torch.bfloat16))
+        self.nbytes = self.tiles.numel() * self.tiles.element_size()
+
+    def dense(self) -> torch.Tensor:
+        """The weight back as bfloat16 [out, in]."""
+        tiles, pairs = self.tiles.shape[:2]
+        return self.tiles.view(tiles, pairs, 16, 2).permute(0, 2, 1, 3).reshape(
+            self.out_features, self.padded_in)[:, : self.in_features]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        forward = (torch.ops.servescope.bf16_linear if torch.compiler.is_compiling()
+                   else _bf16_forward)
+        return forward(x, self.tiles, bias)
+
+
+def takes(weight: torch.Tensor) -> bool:
+    """Weights the kernel runs: bfloat16 on the CPU, outputs a whole number of tiles of 16."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.shape[0] % 16 == 0)
+
+
+def prepare(weight: torch.Tensor) -> Bf16Linear | None:
+    """The kernel's form of a bfloat16 CPU weight, or None where it does not apply."""
+    if not takes(weight) or not available():
+        return None
+    return Bf16Linear(weight)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel runs here (AVX512-BF16) and agrees with F.linear on the same bfloat16
+    values: one row, a partial and a whole row block and more than one block, with and without a
+    bias, an odd input count, bfloat16 and float32 activations."""
+    lib = _library()
+    if lib is None or not cpu_kernels.available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    for rows, in_features, with_bias, dtype in ((1, 96, False, torch.bfloat16),
+                                                (7, 95, True, torch.bfloat16),
+                                                (16, 64, True, torch.float32),
+                                                (37, 64, False, torch.bfloat16)):
+        weight = torch.randn(48, in_features, generator=gen).to(torch.bfloat16)
+        bias = torch.randn(48, generator=gen).to(torch.bfloat16) if with_bias else None
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        try:
+            got = Bf16Linear(weight).linear(x, bias).float()
+        except RuntimeError:
+            return _disagrees("build")
+        want = F.linear(x.to(torch.bfloat16).float(), weight.float(),
+                        None if bias is None else bias.float())
+        # Products of bfloat16 values summed in float32, rounded once to bfloat16 (2^-9).
+        if got.shape != want.shape or (got - want).abs().max() > 2e-2 * want.abs().max():
+            return _disagrees(f"{rows}-row product")
+    return True
+
+
+def _disagrees(what: str) -> bool:
+    log.info("The CPU's bfloat16 tile kernel (%s) disagrees with F.linear, or the CPU lacks "
+             "AVX512-BF16: bfloat16 weights use oneDNN's packed matmul.", what)
+    return False

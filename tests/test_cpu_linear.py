@@ -1,0 +1,139 @@
+"""The CPU's bfloat16 tile kernel (kernels/cpu_linear.py, cpu_kernels.c's bf16_linear) against
+F.linear on the same bfloat16 values, in the dispatch table, and in the demo model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import cpu_linear, onednn
+from tests.test_cpu_quant import _PROMPT, _has_avx512_bf16, _weight, needs_kernel
+
+
+def test_the_kernel_is_used_exactly_where_the_cpu_has_avx512_bf16():
+    assert cpu_linear.available() == _has_avx512_bf16()
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # bfloat16 products summed in float32 in another order than F.linear's, the output rounded
+    # to bfloat16 (2^-9 relative): a few 2^-9 of sum |x| |w|.
+    return 2**-7 * (x.float().abs() @ w.float().abs().T) + 1e-4
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 300])
+@pytest.mark.parametrize("in_f", [96, 95, 1536])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_linear_computes_f_linear(rows, in_f, dtype):
+    # Row counts below, at and across the 16-row blocks; an odd input count (padded to a pair).
+    w = _weight(48, in_f, seed=rows).to(torch.bfloat16)
+    bias = torch.randn(48).to(torch.bfloat16)
+    x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(in_f)).to(dtype)
+    weight = cpu_linear.prepare(w)
+    assert isinstance(weight, cpu_linear.Bf16Linear)
+    got = weight.linear(x, bias)
+    assert got.dtype == dtype and got.shape == (rows, 48)
+    want = F.linear(x.to(torch.bfloat16).float(), w.float(), bias.float())
+    assert ((got.float() - want).abs() <= _bound(x, w)).all()
+    assert torch.equal(weight.dense(), w)
+
+
+@needs_kernel
+def test_a_batch_of_leading_dimensions_keeps_its_shape():
+    weight = cpu_linear.prepare(_weight(32, 64, seed=1).to(torch.bfloat16))
+    x = torch.randn(3, 5, 64).to(torch.bfloat16)
+    got = weight.linear(x)
+    assert got.shape == (3, 5, 32)
+    torch.testing.assert_close(got[1], weight.linear(x[1]))
+
+
+@needs_kernel
+def test_an_empty_batch_gives_an_empty_result():
+    weight = cpu_linear.prepare(_weight(32, 64, seed=4).to(torch.bfloat16))
+    assert weight.linear(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
+
+
+@needs_kernel
+def test_rows_in_a_batch_do_not_change_each_others_results():
+    # Every row's sums run in the same order whatever else is in the batch, so a decode row
+    # batched with others gets the logits it gets alone (oneDNN's blocking does not promise it).
+    weight = cpu_linear.prepare(_weight(64, 128, seed=7).to(torch.bfloat16))
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    together = weight.linear(x)
+    for i in (0, 15, 16, 32, 299):
+        assert torch.equal(weight.linear(x[i : i + 1])[0], together[i])
+    assert torch.equal(weight.linear(x[10:27]), together[10:27])
+
+
+def test_weights_the_kernel_does_not_take_keep_onednns_layout():
+    assert cpu_linear.prepare(_weight(40, 64, seed=5).to(torch.bfloat16)) is None  # 40 outputs
+    assert cpu_linear.prepare(_weight(32, 64, seed=5)) is None  # float32
+    if onednn.available(torch.bfloat16):
+        ops = kernels.ops_for("cpu", torch.bfloat16)
+        packed = ops.prepare_linear(_weight(40, 64, seed=5).to(torch.bfloat16))
+        assert isinstance(packed, torch.Tensor)  # oneDNN's packed weight
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        assert ops.linear(x, packed).shape == (3, 40)
+
+
+@needs_kernel
+def test_the_cpu_table_runs_bfloat16_weights_through_the_kernel():
+    ops = kernels.ops_for("cpu", torch.bfloat16)
+    w = _weight(64, 96, seed=1).to(torch.bfloat16)
+    prepared = ops.prepare_linear(w)
+    assert isinstance(prepared, cpu_linear.Bf16Linear)
+    x = torch.randn(4, 96).to(torch.bfloat16)
+    bias = torch.randn(64).to(torch.bfloat16)
+    want = F.linear(x.float(), w.float(), bias.float())
+    assert ((ops.linear(x, prepared, bias).float() - want).abs() <= _bound(x, w)).all()
+    # float32 weights keep oneDNN's packed layout.
+    assert isinstance(kernels.ops_for("cpu", torch.float32).prepare_linear(w.float()),
+                      torch.Tensor)
+
+
+@needs_kernel
+def test_a_compiled_function_calls_the_kernel_through_its_custom_op():
+    weight = cpu_linear.prepare(_weight(64, 96, seed=2).to(torch.bfloat16))
+    bias = torch.randn(64).to(torch.bfloat16)
+    x = torch.randn(4, 96).to(torch.bfloat16)
+
+    def step(t):
+        return weight.linear(t, bias) * 2
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), step(x))
+
+
+def test_turning_the_c_kernels_off_leaves_onednn_or_the_reference(monkeypatch):
+    # SERVESCOPE_CPU_KERNELS=0 (or no compiler) leaves no library: bfloat16 weights then take
+    # oneDNN's packed layout, never a kernel that is not there.
+    monkeypatch.setattr(cpu_linear, "_library", lambda: None)
+    cpu_linear.available.cache_clear()
+    try:
+        assert cpu_linear.available() is False
+        assert cpu_linear.prepare(_weight(32, 64, seed=3).to(torch.bfloat16)) is None
+    finally:
+        cpu_linear.available.cache_clear()
+
+
+@needs_kernel
+def test_the_demo_model_in_bfloat16_reads_like_onednn(demo_gguf, monkeypatch):
+    # The same bfloat16 weights through the tile kernel and through oneDNN's packed matmul: the
+    # logits of a real prompt agree but for roundings, and the memory held is the same.
+    from engine import LLM
+
+    ours = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=256)
+    assert isinstance(ours.model.layers[0].qkv, cpu_linear.Bf16Linear)
+    assert isinstance(ours.model.lm_head, cpu_linear.Bf16Linear)
+    monkeypatch.setattr(cpu_linear, "prepare", lambda weight: None)
+    theirs = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=256)
+    assert isinstance(theirs.model.layers[0].qkv, torch.Tensor)
+    assert ours.model.weight_bytes == theirs.model.weight_bytes
+    ids = ours.tokenizer.encode(_PROMPT)
+    got, want = ours.prompt_logits(ids), theirs.prompt_logits(ids)
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    logp, logq = want.log_softmax(-1), got.log_softmax(-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).mean().item()
+    assert top1 >= 0.9 and kl <= 0.01
