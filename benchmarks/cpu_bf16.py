@@ -55,8 +55,9 @@ def engines() -> dict[str, LLM]:
         cpu_linear.prepare = prepare
     kinds = {side: type(llm.model.layers[0].qkv).__name__ for side, llm in out.items()}
     if kinds["tile"] != "Bf16Linear":
-        raise SystemExit("The bfloat16 tile kernel does not run here (it needs AVX512-BF16 and "
-                         f"a C compiler; the engine holds {kinds['tile']}): nothing to compare.")
+        raise SystemExit("The bfloat16 tile kernel does not run here (it needs AVX512-BF16, no "
+                         f"AMX and a C compiler; the engine holds {kinds['tile']}): nothing to "
+                         "compare.")
     return out
 
 

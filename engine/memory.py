@@ -70,7 +70,8 @@ def estimate_for(config: ModelConfig, parameters: int, dtype: str, context_token
     else:
         weight_bytes = parameters * size
         if device == "cpu" and config.tie_word_embeddings and _packs_linear_weights(dtype):
-            # The CPU engine keeps a oneDNN-packed copy of a tied LM head (kernels/onednn.py).
+            # The CPU engine keeps a re-laid-out copy of a tied LM head (oneDNN's packed layout,
+            # or the bfloat16 tile kernel's: kernels/cpu_linear.py).
             weight_bytes += config.vocab_size * config.hidden_size * size
     per_token = config.kv_bytes_per_token(*kv_cache_bytes(parse_kv_cache_dtype(kv_cache_dtype),
                                                           size))

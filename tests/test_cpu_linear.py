@@ -12,8 +12,20 @@ from kernels import cpu_linear, onednn
 from tests.test_cpu_quant import _PROMPT, _has_avx512_bf16, _weight, needs_kernel
 
 
-def test_the_kernel_is_used_exactly_where_the_cpu_has_avx512_bf16():
+def _has_amx() -> bool:
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        return any(line.startswith("flags") and " amx_bf16" in line for line in info)
+
+
+def test_the_kernel_runs_exactly_where_the_cpu_has_avx512_bf16():
+    # ...and the CPU table picks it there unless the CPU has AMX, which oneDNN uses.
     assert cpu_linear.available() == _has_avx512_bf16()
+    assert cpu_linear.preferred() == (_has_avx512_bf16() and not _has_amx())
+
+
+# Where the CPU table picks the kernel (AVX512-BF16 without AMX).
+picked = pytest.mark.skipif(not cpu_linear.preferred(),
+                            reason="the CPU table keeps oneDNN for bfloat16 weights here")
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -31,8 +43,7 @@ def test_bf16_linear_computes_f_linear(rows, in_f, dtype):
     w = _weight(48, in_f, seed=rows).to(torch.bfloat16)
     bias = torch.randn(48).to(torch.bfloat16)
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(in_f)).to(dtype)
-    weight = cpu_linear.prepare(w)
-    assert isinstance(weight, cpu_linear.Bf16Linear)
+    weight = cpu_linear.Bf16Linear(w)
     got = weight.linear(x, bias)
     assert got.dtype == dtype and got.shape == (rows, 48)
     want = F.linear(x.to(torch.bfloat16).float(), w.float(), bias.float())
@@ -42,7 +53,7 @@ def test_bf16_linear_computes_f_linear(rows, in_f, dtype):
 
 @needs_kernel
 def test_a_batch_of_leading_dimensions_keeps_its_shape():
-    weight = cpu_linear.prepare(_weight(32, 64, seed=1).to(torch.bfloat16))
+    weight = cpu_linear.Bf16Linear(_weight(32, 64, seed=1).to(torch.bfloat16))
     x = torch.randn(3, 5, 64).to(torch.bfloat16)
     got = weight.linear(x)
     assert got.shape == (3, 5, 32)
@@ -51,7 +62,7 @@ def test_a_batch_of_leading_dimensions_keeps_its_shape():
 
 @needs_kernel
 def test_an_empty_batch_gives_an_empty_result():
-    weight = cpu_linear.prepare(_weight(32, 64, seed=4).to(torch.bfloat16))
+    weight = cpu_linear.Bf16Linear(_weight(32, 64, seed=4).to(torch.bfloat16))
     assert weight.linear(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
 
 
@@ -59,7 +70,7 @@ def test_an_empty_batch_gives_an_empty_result():
 def test_rows_in_a_batch_do_not_change_each_others_results():
     # Every row's sums run in the same order whatever else is in the batch, so a decode row
     # batched with others gets the logits it gets alone (oneDNN's blocking does not promise it).
-    weight = cpu_linear.prepare(_weight(64, 128, seed=7).to(torch.bfloat16))
+    weight = cpu_linear.Bf16Linear(_weight(64, 128, seed=7).to(torch.bfloat16))
     x = torch.randn(300, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     together = weight.linear(x)
     for i in (0, 15, 16, 32, 299):
@@ -78,7 +89,7 @@ def test_weights_the_kernel_does_not_take_keep_onednns_layout():
         assert ops.linear(x, packed).shape == (3, 40)
 
 
-@needs_kernel
+@picked
 def test_the_cpu_table_runs_bfloat16_weights_through_the_kernel():
     ops = kernels.ops_for("cpu", torch.bfloat16)
     w = _weight(64, 96, seed=1).to(torch.bfloat16)
@@ -95,7 +106,7 @@ def test_the_cpu_table_runs_bfloat16_weights_through_the_kernel():
 
 @needs_kernel
 def test_a_compiled_function_calls_the_kernel_through_its_custom_op():
-    weight = cpu_linear.prepare(_weight(64, 96, seed=2).to(torch.bfloat16))
+    weight = cpu_linear.Bf16Linear(_weight(64, 96, seed=2).to(torch.bfloat16))
     bias = torch.randn(64).to(torch.bfloat16)
     x = torch.randn(4, 96).to(torch.bfloat16)
 
@@ -111,14 +122,17 @@ def test_turning_the_c_kernels_off_leaves_onednn_or_the_reference(monkeypatch):
     # oneDNN's packed layout, never a kernel that is not there.
     monkeypatch.setattr(cpu_linear, "_library", lambda: None)
     cpu_linear.available.cache_clear()
+    cpu_linear.preferred.cache_clear()
     try:
         assert cpu_linear.available() is False
+        assert cpu_linear.preferred() is False
         assert cpu_linear.prepare(_weight(32, 64, seed=3).to(torch.bfloat16)) is None
     finally:
         cpu_linear.available.cache_clear()
+        cpu_linear.preferred.cache_clear()
 
 
-@needs_kernel
+@picked
 def test_the_demo_model_in_bfloat16_reads_like_onednn(demo_gguf, monkeypatch):
     # The same bfloat16 weights through the tile kernel and through oneDNN's packed matmul: the
     # logits of a real prompt agree but for roundings, and the memory held is the same.
