@@ -363,24 +363,22 @@ static inline void store_tile_row(void *y, __m512 v, int y_bf16) {
 
 /* The tile loops below share one shape: a tile is 16 outputs, its weight one 64-byte vector per
  * input pair, and each product is VDPBF16PS of that vector with one row's activation pair
- * broadcast to all lanes. Two things keep them near the CPU's VDPBF16PS rate (measured on a Zen
- * 4 EPYC, benchmarks/cpu_bf16.py):
- * - the activation pair enters as an embedded broadcast from memory ({1to16}). GCC compiles
- *   _mm512_set1_epi32 from memory to a separate VPBROADCASTD, which took a vector slot per
- *   product and held the loops to half the rate; one asm statement fixes the instruction form.
- * - a row block's activations are laid out pair-major ([pairs, block] words, by_pair) so the mb
- *   broadcasts of a pair are one base address plus constants, not mb row pointers that spill.
- * The weight stream is prefetched PREFETCH_BYTES ahead of the loads. */
-#define ROW_BLOCK 16      /* rows per pass: one float32 accumulator each, in registers */
-#define PREFETCH_BYTES 1024
+ * broadcast to all lanes. Two details made the bfloat16 loop beat oneDNN at 16 rows (the demo
+ * model's 30 layers' linears, cold weights, a Zen 4 EPYC): with a pointer per row and
+ * _mm512_set1_epi32 it ran at oneDNN's speed (1.01x);
+ * - a row block's activations laid out pair-major ([pairs, block] words, by_pair), so the mb
+ *   broadcasts of a pair are one base address plus constants instead of mb row pointers that
+ *   spilled: 1.12x;
+ * - each activation pair entering VDPBF16PS as an embedded broadcast from memory ({1to16}), where
+ *   GCC emitted a separate VPBROADCASTD per product for _mm512_set1_epi32: 1.29x.
+ * Software prefetching of the weight stream (512 to 8,192 bytes ahead, into L1 or L2) changed
+ * nothing measurable, nor did OpenMP's dynamic schedule (slower, with or without another process
+ * taking a tenth of a core): the tiles are split statically. */
+#define ROW_BLOCK 16 /* rows per pass: one float32 accumulator each, in registers */
 
 #define DP_BROADCAST(acc, w, word)                                                       \
     __asm__("vdpbf16ps %[x]%{1to16%}, %[wv], %[a]" : [a] "+v"(acc) : [wv] "v"(w),        \
             [x] "m"(*(word)))
-
-static inline void prefetch_ahead(const void *at) {
-    _mm_prefetch((const char *)at + PREFETCH_BYTES, _MM_HINT_T0);
-}
 
 /* x [rows, pairs] words rearranged as blocks of `block` rows, each [pairs, mb] (mb: the block's
  * rows), in parallel over blocks; xt has rows * pairs words. Called inside a parallel region. */
@@ -402,12 +400,11 @@ static inline __m512 load_bf16x16(const uint16_t *at) {
 }
 
 /* ---- bfloat16 weights times bfloat16 activations ----
- * oneDNN's packed bfloat16 matmul ran the demo model's decode-sized products at 40-60% of this
- * CPU's VDPBF16PS rate (1-16 rows: its weight stream and products do not overlap); this loop
- * runs them 1.3-1.9x faster and matches oneDNN at prefill sizes (benchmarks/cpu_bf16.py), so
- * one layout serves both and the weight is held once. w [tiles, pairs, 32] bfloat16, element e
- * of pair p being output 16t + e/2 at input 2p + e%2 (int8_linear's layout); bias bfloat16
- * [out] or NULL, added in float32 before the output's rounding. */
+ * Faster than oneDNN's packed bfloat16 matmul at decode sizes and as fast at prefill sizes on a
+ * Zen 4 EPYC (kernels/cpu_linear.py has the figures), so one layout serves every step.
+ * w [tiles, pairs, 32] bfloat16, element e of pair p being output 16t + e/2 at input 2p + e%2
+ * (int8_linear's layout); bias bfloat16 [out] or NULL, added in float32 before the output's
+ * rounding. */
 static inline __attribute__((always_inline)) void bf16_tile_rows(
     const int mb, const uint32_t *xt, int64_t pairs, const uint16_t *w, const uint16_t *bias,
     void *y, int64_t out, int y_bf16) {
@@ -415,7 +412,6 @@ static inline __attribute__((always_inline)) void bf16_tile_rows(
     const __m512 start = bias == NULL ? _mm512_setzero_ps() : load_bf16x16(bias);
     for (int m = 0; m < mb; m++) acc[m] = start;
     for (int64_t p = 0; p < pairs; p++) {
-        prefetch_ahead(w + p * 32);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + p * 32));
         const uint32_t *words = xt + p * mb;
         for (int m = 0; m < mb; m++) DP_BROADCAST(acc[m], wv, words + m);
@@ -439,7 +435,6 @@ static inline __attribute__((always_inline)) void int4_tile_rows(
     for (int64_t g = 0; g < groups; g++) {
         for (int m = 0; m < mb; m++) part[m] = _mm512_setzero_ps();
         for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p += 2) {
-            prefetch_ahead(codes + p * 16);
             const __m512i v =
                 _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + p * 16)));
             /* (v & 15) | 0x4300 in one ternary-logic op; the high nibbles need only the OR. */
@@ -569,7 +564,6 @@ static inline __attribute__((always_inline)) void int8_tile_rows(
     __m512 acc[ROW_BLOCK];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
-        prefetch_ahead(codes + p * 32);
         const __m512 low = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + p * 32))));
         const __m512 high = _mm512_cvtepi32_ps(

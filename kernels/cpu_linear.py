@@ -1,13 +1,13 @@
 """Bfloat16 weights through cpu_kernels.c's tile loop (bf16_linear) on CPUs with AVX512-BF16, and
 the tile layout that loop shares with the int8 kernel (kernels/cpu_quant.py).
 
-oneDNN's packed bfloat16 matmul (kernels/onednn.py) ran the demo model's decode-sized products
-(1-16 rows) at 40-60% of this CPU's VDPBF16PS rate: at those sizes a matmul is one pass over the
-weight, and oneDNN's pass neither streams the weight at the memory's rate nor multiplies at the
-vector units'. The tile loop overlaps the two (cpu_kernels.c says how) and ran a decode step's
-linears 1.3-1.9x faster, while matching oneDNN from a few hundred rows up (prefill), so one
-layout serves every step and the weight is held once, as oneDNN's packed copy was
-(benchmarks/cpu_bf16.py measures both, alternating in one process). Where the kernel does not
+At decode sizes (1-16 rows) a matmul is one pass over the weight, and oneDNN's packed bfloat16
+matmul (kernels/onednn.py) made that pass slowly on a Zen 4 EPYC: the demo model's 30 layers'
+linears at batch 1 read their weights at 17 GB/s where the machine streams 28, and at 16 rows
+multiplied at under half the VDPBF16PS peak. The tile loop (cpu_kernels.c says how) ran the
+demo model's batch-1 decode step 1.7x faster, its 16-sequence step 1.1x and a 16-prompt prefill
+1.07x (benchmarks/cpu_bf16.py: both, alternating in one process), so one layout serves every
+step and the weight is held once, as oneDNN's packed copy was. Where the kernel does not
 build, the CPU lacks AVX512-BF16, the self-check disagrees or a shape has outputs that are not
 a whole number of tiles of 16, the weight keeps oneDNN's layout. On CPUs with AMX (Xeons from
 Sapphire Rapids on) it keeps oneDNN's layout too: oneDNN's bfloat16 matmul runs on the AMX tile
