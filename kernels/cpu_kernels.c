@@ -508,20 +508,18 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
     return 0;
 }
 
-/* The weight as bfloat16 [out, in_padded], code * scale + min rounded once (for prefill-sized
- * batches, which oneDNN's bfloat16 matmul runs faster than the tile loop above). */
+/* The weight as bfloat16 in bf16_linear's tile layout [tiles, pairs, 32], code * scale + min
+ * rounded once (for prefill-sized batches, which the bfloat16 tile loop runs faster than the
+ * int4 one: 8-row blocks there, and the decode redone per block). Lane i of pair p's word is
+ * output 16t + i at inputs (2p, 2p + 1), so each decoded pair is one contiguous 64-byte store. */
 int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
                     uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
     if (out % 16 || group % 32 || in_padded % group) return -1;
     const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
     const __m512i nibble = _mm512_set1_epi32(15);
-    /* Lane i of a pair is output 16t + i's inputs (2p, 2p + 1): word p of row 16t + i. */
-    const __m512i rows_at = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32((int)pairs));
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        uint32_t *tile_w = (uint32_t *)w + t * 16 * pairs;
+        uint16_t *tile_w = w + t * pairs * 32;
         for (int64_t g = 0; g < groups; g++) {
             const __m512 s = _mm512_cvtph_ps(
                 _mm256_loadu_si256((const __m256i *)(scales + (t * groups + g) * 16)));
@@ -542,7 +540,7 @@ int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t
                         _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even_w)),
                         _mm512_slli_epi32(
                             _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd_w)), 16));
-                    _mm512_i32scatter_epi32(tile_w + p + h, rows_at, word, 4);
+                    _mm512_storeu_si512((void *)(tile_w + (p + h) * 32), word);
                 }
             }
         }

@@ -38,6 +38,12 @@ def tile_layout(matrix: torch.Tensor) -> torch.Tensor:
         out // 16, padded_in // 2, 32).contiguous()
 
 
+def untile(tiles: torch.Tensor) -> torch.Tensor:
+    """A weight in tile_layout back as [out, padded_in]."""
+    count, pairs = tiles.shape[:2]
+    return tiles.view(count, pairs, 16, 2).permute(0, 2, 1, 3).reshape(count * 16, pairs * 2)
+
+
 def bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
     """x as the kernels read it: contiguous bfloat16 rows, zero-padded to `padded_in`."""
     in_features = x.shape[-1]
@@ -56,8 +62,11 @@ def output(x: torch.Tensor, rows: int, out_features: int) -> torch.Tensor:
 
 
 def check(status: int) -> None:
-    if status != 0:  # only a build without AVX512-BF16, which the self-checks have refused
-        raise RuntimeError("the CPU's bfloat16 tile kernels do not run on this CPU")
+    """Raise where a tile kernel refused: a build without AVX512-BF16 (which the self-checks
+    have refused before any weight takes a kernel) or no memory for its copy of the rows."""
+    if status != 0:
+        raise RuntimeError("a CPU tile kernel failed: no AVX512-BF16 in this build, or no "
+                           "memory for its copy of the rows")
 
 
 def _bf16_forward(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -99,9 +108,7 @@ class Bf16Linear:
 
     def dense(self) -> torch.Tensor:
         """The weight back as bfloat16 [out, in]."""
-        tiles, pairs = self.tiles.shape[:2]
-        return self.tiles.view(tiles, pairs, 16, 2).permute(0, 2, 1, 3).reshape(
-            self.out_features, self.padded_in)[:, : self.in_features]
+        return untile(self.tiles)[:, : self.in_features]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         forward = (torch.ops.servescope.bf16_linear if torch.compiler.is_compiling()

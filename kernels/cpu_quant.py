@@ -8,11 +8,11 @@ matmul from 16 rows up, and its int8 op (`_weight_int8pack_mm`) ran the demo mod
 ran slower with quantized weights than with bfloat16 ones. The int4 kernel feeds the codes to
 VDPBF16PS as bfloat16 numbers (128 + code: an integer OR) and applies each group's scale and min
 to the group's sums, so decoding costs two integer ops per 32 codes (cpu_kernels.c says how); for
-prefill-sized batches it decodes the whole weight into bfloat16 and leaves the matmul to oneDNN,
-which is faster there. The int8 kernel converts each code to bfloat16 once per block of 16 rows
-and applies the channel's scale to the sum. Weights keep their footprint: int4 codes plus float16
-scales and mins (the 20 bytes per 32 weights of a GGUF Q4_1 block), int8 codes plus bfloat16
-scales, as PyTorch's ops hold them.
+prefill-sized batches it decodes the whole weight into bfloat16 tiles and leaves the matmul to
+the bfloat16 tile loop (kernels/cpu_linear.py), which is faster there. The int8 kernel converts
+each code to bfloat16 once per block of 16 rows and applies the channel's scale to the sum.
+Weights keep their footprint: int4 codes plus float16 scales and mins (the 20 bytes per 32
+weights of a GGUF Q4_1 block), int8 codes plus bfloat16 scales, as PyTorch's ops hold them.
 
 Used where the C kernels build, the CPU has AVX512-BF16 and the self-check agrees with the
 dequantizing reference; elsewhere the weights keep PyTorch's packed ops (or the reference).
@@ -27,14 +27,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
-from kernels.cpu_linear import bf16_rows, check, output, tile_layout
+from kernels.cpu_linear import bf16_rows, check, output, tile_layout, untile
 from kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
 
-# From this many rows (a prefill chunk) decoding the weight once into bfloat16 and running
-# oneDNN's matmul beats the tile kernel (benchmarks/cpu_int4.py measures both).
-DEQUANTIZE_ROWS = 192
+# From this many rows (a prefill chunk) decoding the weight once into bfloat16 tiles and running
+# the bfloat16 tile loop beats the int4 one (the demo model's layer shapes on a Zen 4 EPYC: even
+# at 64 rows, 1.07-1.09x faster at 128, 1.11-1.35x at 256).
+DEQUANTIZE_ROWS = 128
 _library = cpu_kernels._library  # one shared object; its C signatures are declared there
 
 
@@ -71,9 +72,9 @@ def _takes(q: QuantizedWeight) -> bool:
 
 def _int4_decoded(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                   group_size: int) -> torch.Tensor:
-    """An int4 weight in pack's layout as bfloat16 [out, padded_in]."""
+    """An int4 weight in pack's layout as bfloat16 in the tile layout (cpu_linear.tile_layout)."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
-    w = torch.empty(out, padded_in, dtype=torch.bfloat16)
+    w = torch.empty(out // 16, padded_in // 2, 32, dtype=torch.bfloat16)
     check(_library().int4_dequantize(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
                                       w.data_ptr(), padded_in, out, group_size,
                                       torch.get_num_threads()))
@@ -82,18 +83,22 @@ def _int4_decoded(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
 
 def _int4_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                   mins: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x @ W^T for an int4 weight in pack's layout (the tile loop, or from DEQUANTIZE_ROWS rows
-    the decoded weight through oneDNN)."""
+    """x @ W^T for an int4 weight in pack's layout (the int4 tile loop, or from DEQUANTIZE_ROWS
+    rows the weight decoded once into bfloat16 tiles for the bfloat16 tile loop)."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
     x2 = bf16_rows(x, padded_in)
     rows = x2.shape[0]
     y = output(x, rows, out)
-    # The tile loop returns non-zero only where it cannot allocate its row sums.
-    if rows >= DEQUANTIZE_ROWS or _library().int4_linear(
-            x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
-            rows, padded_in, out, group_size, int(y.dtype == torch.bfloat16),
-            torch.get_num_threads()) != 0:
-        y = F.linear(x2, _int4_decoded(codes, scales, mins, group_size))
+    y_bf16, threads = int(y.dtype == torch.bfloat16), torch.get_num_threads()
+    if rows < DEQUANTIZE_ROWS:
+        status = _library().int4_linear(x2.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                        mins.data_ptr(), y.data_ptr(), rows, padded_in, out,
+                                        group_size, y_bf16, threads)
+    else:
+        decoded = _int4_decoded(codes, scales, mins, group_size)
+        status = _library().bf16_linear(x2.data_ptr(), decoded.data_ptr(), None, y.data_ptr(),
+                                        rows, padded_in, out, y_bf16, threads)
+    check(status)  # non-zero only where a kernel cannot allocate its copies of the rows
     return y.to(x.dtype).view(*x.shape[:-1], out)
 
 
@@ -142,7 +147,7 @@ class Int4Linear:
 
     def dequantize(self) -> torch.Tensor:
         """The weight as bfloat16 [out, padded_in]."""
-        return _int4_decoded(self.codes, self.scales, self.mins, self.group_size)
+        return untile(_int4_decoded(self.codes, self.scales, self.mins, self.group_size))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         forward = (torch.ops.servescope.int4_linear if torch.compiler.is_compiling()
