@@ -149,15 +149,20 @@ def alternating_prefill_ms(llms: dict, batches: list) -> dict:
     return step_ms
 
 
-def median_call_us(fn, repeats: int) -> float:
-    """The median time (us) of `repeats` calls of fn after one warm-up call."""
+def timed_calls(fn, repeats: int) -> list[float]:
+    """The seconds each of `repeats` calls of fn took, after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median_call_us(fn, repeats: int) -> float:
+    """The median time (us) of `repeats` calls of fn after one warm-up call."""
+    return statistics.median(timed_calls(fn, repeats)) * 1e6
 
 
 def machine() -> dict:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 import kernels
+from engine.bench import timed_calls
 
 # planner.timing.Efficiency's defaults (this module cannot import the planner, nor it torch).
 PLANNER_MEMORY_FRACTION = 0.8
@@ -47,13 +48,7 @@ ENTRY_FILE = "machine.toml"
 
 def best_seconds(work, repeats: int) -> float:
     """The fastest of `repeats` timed runs after one warm-up (the least disturbed one)."""
-    work()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timed_calls(work, repeats))
 
 
 def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
