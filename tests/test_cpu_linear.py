@@ -28,10 +28,13 @@ picked = pytest.mark.skipif(not cpu_linear.preferred(),
                             reason="the CPU table keeps oneDNN for bfloat16 weights here")
 
 
-def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # bfloat16 products summed in float32 in another order than F.linear's, the output rounded
-    # to bfloat16 (2^-9 relative): a few 2^-9 of sum |x| |w|.
-    return 2**-7 * (x.float().abs() @ w.float().abs().T) + 1e-4
+def _bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # bfloat16 products summed in float32 in another order than F.linear's, the bias added, the
+    # output rounded to bfloat16 (2^-9 relative): a few 2^-9 of sum |x| |w| + |bias|.
+    scale = x.float().abs() @ w.float().abs().T
+    if bias is not None:
+        scale = scale + bias.float().abs()
+    return 2**-7 * scale + 1e-4
 
 
 @needs_kernel
@@ -41,20 +44,21 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_bf16_linear_computes_f_linear(rows, in_f, dtype):
     # Row counts below, at and across the 16-row blocks; an odd input count (padded to a pair).
     w = _weight(48, in_f, seed=rows).to(torch.bfloat16)
-    bias = torch.randn(48).to(torch.bfloat16)
-    x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(in_f)).to(dtype)
+    gen = torch.Generator().manual_seed(in_f)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_f, generator=gen).to(dtype)
     weight = cpu_linear.Bf16Linear(w)
     got = weight.linear(x, bias)
     assert got.dtype == dtype and got.shape == (rows, 48)
     want = F.linear(x.to(torch.bfloat16).float(), w.float(), bias.float())
-    assert ((got.float() - want).abs() <= _bound(x, w)).all()
+    assert ((got.float() - want).abs() <= _bound(x, w, bias)).all()
     assert torch.equal(weight.dense(), w)
 
 
 @needs_kernel
 def test_a_batch_of_leading_dimensions_keeps_its_shape():
     weight = cpu_linear.Bf16Linear(_weight(32, 64, seed=1).to(torch.bfloat16))
-    x = torch.randn(3, 5, 64).to(torch.bfloat16)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     got = weight.linear(x)
     assert got.shape == (3, 5, 32)
     torch.testing.assert_close(got[1], weight.linear(x[1]))
@@ -85,7 +89,7 @@ def test_weights_the_kernel_does_not_take_keep_onednns_layout():
         ops = kernels.ops_for("cpu", torch.bfloat16)
         packed = ops.prepare_linear(_weight(40, 64, seed=5).to(torch.bfloat16))
         assert isinstance(packed, torch.Tensor)  # oneDNN's packed weight
-        x = torch.randn(3, 64).to(torch.bfloat16)
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
         assert ops.linear(x, packed).shape == (3, 40)
 
 
@@ -95,10 +99,11 @@ def test_the_cpu_table_runs_bfloat16_weights_through_the_kernel():
     w = _weight(64, 96, seed=1).to(torch.bfloat16)
     prepared = ops.prepare_linear(w)
     assert isinstance(prepared, cpu_linear.Bf16Linear)
-    x = torch.randn(4, 96).to(torch.bfloat16)
-    bias = torch.randn(64).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 96, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(64, generator=gen).to(torch.bfloat16)
     want = F.linear(x.float(), w.float(), bias.float())
-    assert ((ops.linear(x, prepared, bias).float() - want).abs() <= _bound(x, w)).all()
+    assert ((ops.linear(x, prepared, bias).float() - want).abs() <= _bound(x, w, bias)).all()
     # float32 weights keep oneDNN's packed layout.
     assert isinstance(kernels.ops_for("cpu", torch.float32).prepare_linear(w.float()),
                       torch.Tensor)
@@ -107,8 +112,9 @@ def test_the_cpu_table_runs_bfloat16_weights_through_the_kernel():
 @needs_kernel
 def test_a_compiled_function_calls_the_kernel_through_its_custom_op():
     weight = cpu_linear.Bf16Linear(_weight(64, 96, seed=2).to(torch.bfloat16))
-    bias = torch.randn(64).to(torch.bfloat16)
-    x = torch.randn(4, 96).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(4, 96, generator=gen).to(torch.bfloat16)
 
     def step(t):
         return weight.linear(t, bias) * 2

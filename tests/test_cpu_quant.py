@@ -49,7 +49,7 @@ def test_int4_linear_computes_the_dequantize_reference(group, rows, dtype):
     out_f, in_f = 96, 208 if group > 32 else 192
     q = quant.quantize_int4(_weight(out_f, in_f, seed=rows), group)
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(group)).to(dtype)
-    bias = torch.randn(out_f).to(dtype)
+    bias = torch.randn(out_f, generator=torch.Generator().manual_seed(rows)).to(dtype)
     weight = cpu_quant.prepare(q)
     assert isinstance(weight, cpu_quant.Int4Linear)
     got = weight.linear(x, bias)
