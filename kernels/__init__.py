@@ -1,10 +1,10 @@
 """Attention, norm and rotary ops: torch references behind one dispatch point.
 
 Every op the model runs is looked up here, so a faster implementation (on the CPU: oneDNN linear
-layers in float32, bfloat16 ones through a C tile kernel where the CPU has AVX512-BF16
-(kernels/cpu_linear.py; else oneDNN where it runs bfloat16 natively), decode attention, RMSNorm,
-rotary and SwiGLU from small C kernels (kernels/cpu_kernels.py); Triton on CUDA) can replace the
-reference for one device and dtype without the model knowing.
+layers in float32, bfloat16 ones through a C tile kernel where the CPU has AVX512-BF16 and no
+AMX (kernels/cpu_linear.py; else oneDNN where it runs bfloat16 natively), decode attention,
+RMSNorm, rotary and SwiGLU from small C kernels (kernels/cpu_kernels.py); Triton on CUDA) can
+replace the reference for one device and dtype without the model knowing.
 `SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere. Each table's
 `prepare_linear` / `linear` also take weight-only quantized weights (kernels/quant.py): the
 reference dequantizes them per call, the oneDNN table runs int4 and per-channel int8 through the
@@ -54,8 +54,8 @@ def _quant_aware(prepare, linear, prepare_quantized):
 
 def _prepare_cpu_linear(weight: torch.Tensor):
     """The CPU's form of a float weight: bfloat16 through the C tile kernel where the CPU has
-    AVX512-BF16 (kernels/cpu_linear.py), else (float32, or that kernel absent) oneDNN's packed
-    layout."""
+    AVX512-BF16 and no AMX (kernels/cpu_linear.py), else (float32, an AMX CPU, or that kernel
+    absent) oneDNN's packed layout."""
     return cpu_linear.prepare(weight) or onednn.prepare_linear(weight)
 
 

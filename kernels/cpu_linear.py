@@ -69,7 +69,7 @@ def check(status: int) -> None:
                            "memory for its copy of the rows")
 
 
-def _bf16_forward(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def bf16_forward(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + bias for a bfloat16 weight in tile_layout."""
     out, padded_in = tiles.shape[0] * 16, tiles.shape[1] * 2
     x2 = bf16_rows(x, padded_in)
@@ -87,7 +87,7 @@ def _bf16_forward(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | Non
 @torch.library.custom_op("servescope::bf16_linear", mutates_args=())
 def _bf16_linear_op(x: torch.Tensor, tiles: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
-    return _bf16_forward(x, tiles, bias)
+    return bf16_forward(x, tiles, bias)
 
 
 @_bf16_linear_op.register_fake
@@ -112,7 +112,7 @@ class Bf16Linear:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         forward = (torch.ops.servescope.bf16_linear if torch.compiler.is_compiling()
-                   else _bf16_forward)
+                   else bf16_forward)
         return forward(x, self.tiles, bias)
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
-from kernels.cpu_linear import bf16_rows, check, output, tile_layout, untile
+from kernels.cpu_linear import bf16_forward, bf16_rows, check, output, tile_layout, untile
 from kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -85,20 +85,15 @@ def _int4_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                   mins: torch.Tensor, group_size: int) -> torch.Tensor:
     """x @ W^T for an int4 weight in pack's layout (the int4 tile loop, or from DEQUANTIZE_ROWS
     rows the weight decoded once into bfloat16 tiles for the bfloat16 tile loop)."""
+    if x.numel() >= DEQUANTIZE_ROWS * x.shape[-1]:
+        return bf16_forward(x, _int4_decoded(codes, scales, mins, group_size), None)
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
     x2 = bf16_rows(x, padded_in)
-    rows = x2.shape[0]
-    y = output(x, rows, out)
-    y_bf16, threads = int(y.dtype == torch.bfloat16), torch.get_num_threads()
-    if rows < DEQUANTIZE_ROWS:
-        status = _library().int4_linear(x2.data_ptr(), codes.data_ptr(), scales.data_ptr(),
-                                        mins.data_ptr(), y.data_ptr(), rows, padded_in, out,
-                                        group_size, y_bf16, threads)
-    else:
-        decoded = _int4_decoded(codes, scales, mins, group_size)
-        status = _library().bf16_linear(x2.data_ptr(), decoded.data_ptr(), None, y.data_ptr(),
-                                        rows, padded_in, out, y_bf16, threads)
-    check(status)  # non-zero only where a kernel cannot allocate its copies of the rows
+    y = output(x, x2.shape[0], out)
+    check(_library().int4_linear(x2.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                 mins.data_ptr(), y.data_ptr(), x2.shape[0], padded_in, out,
+                                 group_size, int(y.dtype == torch.bfloat16),
+                                 torch.get_num_threads()))
     return y.to(x.dtype).view(*x.shape[:-1], out)
 
 
