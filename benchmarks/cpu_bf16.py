@@ -130,7 +130,8 @@ def main() -> None:
                for _ in range(max(2, args.rounds // 3) + 1)]
     decode = {}
     for batch in args.batch:
-        prompts = [make_prompt(64, np.random.default_rng(batch)) for _ in range(batch)]
+        prompt_rng = np.random.default_rng(batch)  # one generator: distinct prompts
+        prompts = [make_prompt(64, prompt_rng) for _ in range(batch)]
         decode[str(batch)] = _summary(alternating_decode_ms(llms, prompts, args.rounds,
                                                             args.steps))
     result = {"benchmark": "cpu_bf16", "machine": machine(),
