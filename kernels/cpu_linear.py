@@ -5,8 +5,9 @@ At decode sizes (1-16 rows) a matmul is one pass over the weight, and oneDNN's p
 matmul (kernels/onednn.py) made that pass slowly on a Zen 4 EPYC: the demo model's 30 layers'
 linears at batch 1 read their weights at 17 GB/s where the machine streams 28, and at 16 rows
 multiplied at under half the VDPBF16PS peak. The tile loop (cpu_kernels.c says how) ran the
-demo model's batch-1 decode step 1.7x faster, its 16-sequence step 1.1x and a 16-prompt prefill
-1.07x (benchmarks/cpu_bf16.py: both, alternating in one process), so one layout serves every
+demo model's batch-1 decode step 1.3-1.7x faster, its 16-sequence step 1.07-1.10x and a
+16-prompt prefill 1.03-1.07x (benchmarks/cpu_bf16.py, three runs: both alternating in one
+process), so one layout serves every
 step and the weight is held once, as oneDNN's packed copy was. Where the kernel does not
 build, the CPU lacks AVX512-BF16, the self-check disagrees or a shape has outputs that are not
 a whole number of tiles of 16, the weight keeps oneDNN's layout. On CPUs with AMX (Xeons from
