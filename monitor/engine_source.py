@@ -96,7 +96,9 @@ class EngineSource:
         definitions, as monitor.normalize.RATIOS derives them from a server's)."""
         summary = self.spec_summary() if self.spec_summary is not None else None
         if not summary or not summary.get("drafts"):
-            self._spec_seen.clear()
+            # Counters at zero are a reading too: the first drafts are judged from here, so
+            # the acceptances before the next poll stay in the window (not only later ones).
+            self._spec_seen = deque([(now, 0, 0, 0, [])])
             return []
         seen = (now, summary["drafts"], summary["accepted_tokens"], summary["draft_tokens"],
                 list(summary.get("accepted_per_position") or []))

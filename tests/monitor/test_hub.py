@@ -310,3 +310,19 @@ def test_engine_speculation_is_judged_over_the_last_minute_by_position():
     counters.update(drafts=2, draft_tokens=6, accepted_tokens=1, accepted_per_position=[1, 0, 0])
     values = {s.series: s.value for s in source.poll(72.0).samples}
     assert values["engine/spec_acceptance_rate_at[position=0]"] == pytest.approx(0.5)
+
+
+def test_the_first_drafts_stay_in_the_window_after_the_next_poll():
+    """Counters seen at zero are the window's base: drafts accepted before the first poll that
+    saw them still count a poll later, when the drafts since were all rejected (a quick
+    benchmark whose matches came early charted 0% at the first position)."""
+    counters = {"drafts": 0}
+    source = EngineSource(SimpleNamespace(last_stats=None), spec_summary=lambda: counters)
+    assert source.poll(0.0).samples == []
+    counters.update(drafts=5, draft_tokens=25, accepted_tokens=7, accepted_per_position=[5, 2])
+    source.poll(0.5)
+    counters.update(drafts=8, draft_tokens=40, accepted_tokens=7, accepted_per_position=[5, 2])
+    values = {s.series: s.value for s in source.poll(1.0).samples}
+    assert values["engine/spec_acceptance_rate_at[position=0]"] == pytest.approx(5 / 8)
+    assert values["engine/spec_acceptance_rate_at[position=1]"] == pytest.approx(2 / 8)
+    assert values["engine/spec_acceptance_rate"] == pytest.approx(7 / 40)
