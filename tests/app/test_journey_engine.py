@@ -132,6 +132,13 @@ def test_journey_benchmark_to_history_and_planner(make_window, qtbot, demo_gguf:
         assert panel.prefix_check.isChecked()
 
     fetch_and_load(qtbot, pane, demo_gguf, options)
+    # A reply prompt lookup can draft (the quick benchmark's few drafts may all be rejected,
+    # or not be made at all where break-even says so: its acceptance alone is not a check).
+    type_number(qtbot, pane.chat.sampling.max_tokens, "24")
+    type_number(qtbot, pane.chat.sampling.temperature, "0")
+    line = ask(qtbot, window, pane, "Repeat exactly: one two three four five six seven eight "
+                                    "nine ten one two three four five six seven eight nine ten")
+    assert "draft tokens accepted" in line
 
     # Run the quick benchmark from its tab; its row names the configuration it ran with.
     tabs = pane.tabs
