@@ -9,7 +9,7 @@ Each proposer is measured right after its own baseline run (the machine's load d
 With --rounds N each workload is compared N times in a row and the median round reported (the
 shared machine's load moves single rounds by 10% or more).
 Run: python benchmarks/speculative.py [--spec ngram --spec demo-draft ...] [--max-tokens 128]
-     [--rounds 3]
+     [--rounds 3] [--dtype auto|float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(after prompt lookup), demo-draft:lookup=0 (the draft alone) and "
                              "demo-medusa:lookup=0 (the Medusa heads alone)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto",
+                        help="weights' dtype: auto (the engine's default: bfloat16 on CPUs "
+                             "with bfloat16 instructions, else float32), float32 or bfloat16")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds per workload (the median speed-up is reported)")
     args = parser.parse_args(argv)
@@ -141,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds needs at least 1 round")
     specs = args.spec or ["ngram", "demo-draft", "demo-draft:lookup=0", "demo-medusa:lookup=0"]
     model = args.model or str(fetch_demo_model(progress=lambda m, f: None))
-    plain = LLM(model, device="cpu", dtype="float32")
+    plain = LLM(model, device="cpu", dtype=args.dtype)
     runs = {}
     for name in specs:
-        spec = LLM(model, device="cpu", dtype="float32", speculative=name)
+        spec = LLM(model, device="cpu", dtype=args.dtype, speculative=name)
         print(f"{name}: copy-heavy workload", file=sys.stderr)
         copy = compare_rounds(plain, spec, COPY_HEAVY, args.max_tokens, args.rounds)
         print(f"{name}: open chat workload", file=sys.stderr)
