@@ -119,10 +119,11 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     def handles(self, batch: int, meta: AttentionMetadata, all_logits: bool) -> bool:
-        """Whether a step of `batch` sequences is one the graphs serve: single-token queries
-        only, no statistics."""
+        """Whether a step of `batch` sequences is one the graphs serve: one single-token query
+        per sequence (a verification's decode rows run eagerly), no statistics."""
         return (not all_logits and not meta.want_mass and not meta.prefills
-                and meta.decode_slots is not None and batch <= self.batches[-1]
+                and meta.decode_slots is not None and meta.decode_slots.shape[0] == batch
+                and batch <= self.batches[-1]
                 and meta.decode_slots.shape[1] <= self.max_width)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,

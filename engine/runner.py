@@ -15,6 +15,14 @@ from kernels.kv_quant import QuantizedCache
 from kernels.metadata import ancestor_mask, tree_depths
 from kernels.reference import rotate_half
 
+# A sequence's chunk of at most this many new tokens (a speculative verification, a prompt's
+# short tail) attends as decode rows, one per token, each over exactly the keys it sees: the
+# verify step then computes each token's attention as a plain decode step would (the same
+# kernel, keys and order), so speculation gives the logits decoding gives, in bfloat16 too,
+# and skips the gather a prefill chunk makes. Longer chunks stay prefills (one matmul per
+# chunk beats a pass over the keys per token).
+DECODE_ROW_CHUNK = 16
+
 
 @dataclass
 class RunItem:
@@ -135,7 +143,7 @@ class ModelRunner:
                   want_mass: bool = False) -> StepResult:
         """The forward pass over any batch of run items (the target's step or a draft's)."""
         input_ids, positions, rows = self._inputs(items)
-        meta = self._metadata(items)
+        meta = self._metadata(items, want_mass)
         meta.want_mass = want_mass
         masses: list = []
         graphs = self.decode_graphs
@@ -211,19 +219,19 @@ class ModelRunner:
         as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), rows
 
-    def _metadata(self, items: list[RunItem]) -> AttentionMetadata:
+    def _metadata(self, items: list[RunItem], want_mass: bool = False) -> AttentionMetadata:
         bs = self.block_manager.block_size
         context = [item.start + len(item.tokens) for item in items]
         slots = _slot_table([item.block_table for item in items], context, bs, self.null_slot,
                             self.device)
-        slot_mapping, decode_rows, decode_idx, prefills = [], [], [], []
+        slot_mapping, decode_rows, prefills = [], [], []
         row = 0
         for i, item in enumerate(items):
             n, ctx = len(item.tokens), context[i]
             slot_mapping.append(slots[i, ctx - n : ctx])
-            if n == 1:
-                decode_rows.append(i)
-                decode_idx.append(row)
+            if n == 1 or (n <= DECODE_ROW_CHUNK and not want_mass):
+                decode_rows += [DecodeRow(i, row + j, length, path)
+                                for j, (length, path) in enumerate(_row_keys(item, ctx))]
             else:
                 mask = (_chunk_mask(n, ctx, self.device) if item.draft_parents is None
                         else _tree_chunk_mask(n, ctx, item.draft_parents, self.device))
@@ -232,15 +240,20 @@ class ModelRunner:
             row += n
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), prefills=prefills)
         if decode_rows:
-            self._decode_metadata(meta, slots, decode_rows, decode_idx, context)
+            self._decode_metadata(meta, slots, decode_rows)
         return meta
 
-    def _decode_metadata(self, meta: AttentionMetadata, slots: torch.Tensor, rows: list[int],
-                         token_rows: list[int], context: list[int]) -> None:
-        lengths = [context[i] for i in rows]
+    def _decode_metadata(self, meta: AttentionMetadata, slots: torch.Tensor,
+                         rows: list[DecodeRow]) -> None:
+        lengths = [r.keys for r in rows]
         longest = max(lengths)
-        meta.decode_token_index = torch.tensor(token_rows, device=self.device)
-        meta.decode_slots = slots[rows, :longest]
+        meta.decode_token_index = torch.tensor([r.token for r in rows], device=self.device)
+        table = slots[[r.item for r in rows], :longest]
+        for k, r in enumerate(rows):
+            if r.path is not None:  # a tree node: its ancestors' keys follow the context's
+                start = r.keys - len(r.path)
+                table[k, start : r.keys] = slots[r.item, r.path]
+        meta.decode_slots = table
         meta.decode_lengths = torch.tensor(lengths, dtype=torch.int64, device=self.device)
         if min(lengths) != longest:
             t = torch.arange(longest, device=self.device)
@@ -296,3 +309,34 @@ def _tree_chunk_mask(n: int, ctx: int, parents: list[int], device: torch.device)
     d = len(parents)
     mask[n - d :, ctx - d :] = ancestor_mask(parents)
     return mask.to(device)
+
+
+@dataclass
+class DecodeRow:
+    """One query token attended as a decode row: `keys` keys, the first of the item's slot
+    table; for a draft tree's node, the last len(path) of them are its ancestors' and its own
+    (`path`: their columns in the item's slot table) instead of the columns there."""
+
+    item: int
+    token: int  # its row in the step's flat batch
+    keys: int
+    path: list[int] | None = None
+
+
+def _row_keys(item: RunItem, ctx: int) -> list[tuple[int, list[int] | None]]:
+    """Each new token's key count and, for a draft tree's node, its path (see DecodeRow): a
+    chain's token j of n sees the first ctx - n + j + 1 keys; a node at depth d sees the keys
+    before the drafts and its d ancestors-or-self."""
+    n = len(item.tokens)
+    if item.draft_parents is None:
+        return [(ctx - n + j + 1, None) for j in range(n)]
+    d = len(item.draft_parents)
+    first = ctx - d  # the first draft's column
+    rows: list[tuple[int, list[int] | None]] = [(first - (n - d) + j + 1, None)
+                                                for j in range(n - d)]
+    paths: list[list[int]] = []
+    for k, parent in enumerate(item.draft_parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [first + k])
+        rows.append((first + len(paths[k]), paths[k]))
+    return rows
+

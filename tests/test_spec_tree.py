@@ -252,6 +252,52 @@ def test_a_tree_pass_gives_each_node_the_logits_of_its_root_path(demo):
         bm.free(seq)
 
 
+@pytest.fixture(scope="module")
+def demo_bf16(demo_gguf):
+    from engine import LLM
+    from kernels import cpu_linear
+
+    if not cpu_linear.preferred():
+        pytest.skip("bfloat16 linears here are oneDNN's, whose sums depend on the row count")
+    return LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=512)
+
+
+def test_a_verification_gives_each_token_the_logits_decoding_gives_it(demo_bf16):
+    """A chain's and a tree's verification pass attend each token as a decode step would (the
+    same kernel over the same keys in the same order), and the tile kernel's sums do not depend
+    on the rows beside a row: so each token's logits are bit for bit those of decoding it
+    alone, in bfloat16, where a gather-and-matmul over the chunk made them differ in the last
+    bits and a greedy reply could change under speculation."""
+    from engine.runner import RunItem
+
+    llm = demo_bf16
+    runner, bm = llm.runner, llm.block_manager
+    prompt = llm.tokenizer.encode("The quick brown fox jumps over")
+    x1, x2, x3, y = llm.tokenizer.encode(" the lazy dog cat")[:4]
+    tree = TokenTree.from_paths([[x1, x2, x3], [y, x1]])  # nodes x1 x2 x3 y x1
+    seq = _sequence(llm, prompt, len(tree) + 1)
+    ctx = len(prompt) - 1
+    try:
+        runner.run_items([RunItem(prompt[:-1], 0, seq.block_table, 0)])
+        decoded = [runner.run_items([RunItem([t], ctx + i, seq.block_table, 1)]).logits[0]
+                   for i, t in enumerate([prompt[-1], x1, x2, x3])]
+        chain = runner.run_items([RunItem([prompt[-1], x1, x2, x3], ctx, seq.block_table,
+                                          4)]).logits
+        for i in range(4):
+            assert torch.equal(chain[i], decoded[i]), f"chain token {i}"
+        got = runner.run_items([RunItem([prompt[-1], *tree.tokens], ctx, seq.block_table,
+                                        1 + len(tree), draft_parents=list(tree.parents))]).logits
+        for node, want in zip((0, 1, 2), decoded[1:], strict=True):  # the path x1 x2 x3
+            assert torch.equal(got[1 + node], want), f"tree node {node}"
+        assert torch.equal(got[0], decoded[0])
+        # The branch y, x1, against decoding y then x1 (which overwrites the chain's slots).
+        off = [runner.run_items([RunItem([t], ctx + 1 + i, seq.block_table, 1)]).logits[0]
+               for i, t in enumerate([y, x1])]
+        assert torch.equal(got[1 + 3], off[0]) and torch.equal(got[1 + 4], off[1])
+    finally:
+        bm.free(seq)
+
+
 def test_copy_slots_moves_quantized_values_with_their_scales(demo):
     from engine.block_manager import BlockManager
     from engine.runner import ModelRunner
