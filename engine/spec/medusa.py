@@ -32,13 +32,14 @@ def head_names(i: int) -> tuple[str, str]:
     return f"heads.{i}.weight", f"heads.{i}.bias"
 
 
-def medusa_states(h: torch.Tensor, weights: dict[str, torch.Tensor], heads: int
-                  ) -> torch.Tensor:
+def medusa_states(h: torch.Tensor, weights: dict[str, torch.Tensor], heads: int,
+                  linear=F.linear) -> torch.Tensor:
     """z_i for i < heads ([heads, B, hidden]) from the target's states h ([B, hidden]).
 
-    The training script runs this same function, so training and serving cannot drift apart.
+    The training script runs this same function, so training and serving cannot drift apart;
+    serving passes the target's own matmul (`linear`, float32 out) and weights prepared for it.
     """
-    return torch.stack([h + F.silu(F.linear(h, weights[w], weights[b]))
+    return torch.stack([h + F.silu(linear(h, weights[w], weights[b]))
                         for w, b in map(head_names, range(heads))])
 
 
@@ -53,7 +54,7 @@ class MedusaHeads(StateProposer):
             heads += 1
         super().__init__(path, target, ids)
         self.num_heads = self.max_depth = heads
-        self.weights = {k: v.to(target.device, torch.float32) for k, v in tensors.items()}
+        self.weights = self.prepare(tensors)
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> None:
         """Fill each sequence's draft (up to min(k, heads) tokens): the heads' best tokens as a
@@ -67,7 +68,8 @@ class MedusaHeads(StateProposer):
         branches = [branches_for(seq, self.num_branches) for seq, _ in active]
         with torch.inference_mode():
             h = torch.stack([spec_state(seq).hidden for seq, _ in active])
-            scores = medusa_states(h, self.weights, depth) @ self.head.T  # [depth, B, vocab]
+            scores = self.scores(medusa_states(h, self.weights, depth, self.linear))
+            # [depth, B, vocab]
             if max(branches) == 1:
                 chains = self.vocab_ids[scores.argmax(-1)].T.tolist()  # [B, depth]
                 for (seq, k), chain in zip(active, chains, strict=True):
