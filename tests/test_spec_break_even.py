@@ -85,6 +85,23 @@ def test_a_tree_is_priced_by_its_nodes_not_its_depth():
     assert draft_lengths([0.7], [4], costs(CPU_MS), [2.0])[0] > 0
 
 
+def test_a_batch_size_never_stepped_is_measured_before_drafting():
+    # Costs known at batch 1 to 6 only: 16 new requests do not draft on a guess at T(16 + k)
+    # (batch 1's 0.5-10 ms a token made drafting at 16 look nearly free).
+    assert draft_lengths([0.9] * 16, [4] * 16, costs(CPU_MS)) == [0] * 16
+    assert draft_lengths([0.9], [4], costs(CPU_MS))[0] > 0  # a size it has stepped
+
+
+def test_unmeasured_sizes_are_priced_from_the_nearest_measured_ones():
+    # Measured on the 2-core EPYC in bfloat16 (ms): memory-bound small batches, then one
+    # compute-bound batch of 16. A line fitted through all of them put T(17) below the
+    # measured T(16), so one more query token looked like it saved time.
+    c = costs({1: 12.7, 2: 13.8, 3: 13.0, 4: 13.7, 5: 13.7, 6: 14.4, 7: 14.5, 16: 24.7})
+    assert c.step_s(17) > c.step_s(16) and c.step_s(20) > c.step_s(17)
+    assert c.step_s(10) == pytest.approx(14.5e-3 + (24.7e-3 - 14.5e-3) * 3 / 9)
+    assert draft_lengths([0.5] * 16, [3] * 16, c) == [0] * 16
+
+
 def test_unknown_costs_leave_the_choice_to_the_old_rule():
     assert draft_lengths([0.9], [4], StepCosts()) is None
     assert draft_lengths([0.9], [4], costs({1: 20.0})) is None

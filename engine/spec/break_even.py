@@ -58,17 +58,27 @@ class StepCosts:
         self.draft_token_s = per if old is None else COST_DECAY * old + (1 - COST_DECAY) * per
 
     def step_s(self, tokens: int) -> float | None:
-        """T(tokens): measured if seen, else a straight line through the measured sizes (its
-        slope never negative), else None while fewer than two sizes have been seen."""
+        """T(tokens): measured if seen; between two measured sizes, the straight line between
+        them; beyond the measured sizes, the nearest one's plus the fitted slope (never
+        negative) per token; None while fewer than two sizes have been seen.
+
+        Anchored at measured sizes, not read off the fitted line: a line through small batches
+        (where a CPU step is memory-bound, 0.5 ms a token) and one measured large one put
+        T(17) below the measured T(16) and drafting at 16 looked free."""
         seen = self.by_tokens.get(tokens)
         if seen is not None:
             return seen
         slope = self.slope()
         if slope is None:
             return None
-        xs, ys = list(self.by_tokens), list(self.by_tokens.values())
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        return max(1e-9, my + slope * (tokens - mx))
+        below = max((n for n in self.by_tokens if n < tokens), default=None)
+        above = min((n for n in self.by_tokens if n > tokens), default=None)
+        if below is not None and above is not None:
+            t0, t1 = self.by_tokens[below], self.by_tokens[above]
+            return t0 + (t1 - t0) * (tokens - below) / (above - below)
+        if below is not None:
+            return self.by_tokens[below] + slope * (tokens - below)
+        return max(1e-9, self.by_tokens[above] - slope * (above - tokens))
 
     def slope(self) -> float | None:
         """Seconds one more query token adds to a step: the least-squares line through the
@@ -136,6 +146,10 @@ def draft_lengths(rates: list[float], caps: list[int], costs: StepCosts,
     time_s = costs.step_s(batch)
     if time_s is None or not costs.known:
         return None
+    if batch not in costs.by_tokens:
+        # A batch size never stepped: one plain step measures it before any draft is priced
+        # against a guess (16 new requests once drafted on costs extrapolated from batch 1's).
+        return [0] * batch
     per_draft = costs.draft_token_s or 0.0
     tokens, n = float(batch), batch
     lengths = [0] * batch
