@@ -45,7 +45,7 @@ def untile(tiles: torch.Tensor) -> torch.Tensor:
     return tiles.view(count, pairs, 16, 2).permute(0, 2, 1, 3).reshape(count * 16, pairs * 2)
 
 
-def bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
+def _bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
     """x as the kernels read it: contiguous bfloat16 rows, zero-padded to `padded_in`."""
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
@@ -56,12 +56,6 @@ def bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
     return x2.contiguous()
 
 
-def output(x: torch.Tensor, rows: int, out_features: int) -> torch.Tensor:
-    """The kernels write bfloat16 for bfloat16 activations, float32 for any other."""
-    return torch.empty(rows, out_features,
-                       dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
-
-
 def check(status: int) -> None:
     """Raise where a tile kernel refused: a build without AVX512-BF16 (which the self-checks
     have refused before any weight takes a kernel) or no memory for its copy of the rows."""
@@ -70,18 +64,26 @@ def check(status: int) -> None:
                            "memory for its copy of the rows")
 
 
+def through_kernel(x: torch.Tensor, padded_in: int, out: int, call) -> torch.Tensor:
+    """x @ W^T by a tile kernel (bfloat16, int8 or int4 weights): `call(rows, y, y_bf16)` runs
+    it on x's rows as the kernels read them into y ([rows, out]: bfloat16 for bfloat16
+    activations, float32 for any other; y_bf16 says which) and returns its status; the result
+    comes back in x's dtype and leading shape."""
+    x2 = _bf16_rows(x, padded_in)
+    y = torch.empty(x2.shape[0], out,
+                    dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+    check(call(x2, y, int(y.dtype == torch.bfloat16)))
+    return y.to(x.dtype).view(*x.shape[:-1], out)
+
+
 def bf16_forward(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + bias for a bfloat16 weight in tile_layout."""
     out, padded_in = tiles.shape[0] * 16, tiles.shape[1] * 2
-    x2 = bf16_rows(x, padded_in)
-    y = output(x, x2.shape[0], out)
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
-    check(_library().bf16_linear(x2.data_ptr(), tiles.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                 x2.shape[0], padded_in, out, int(y.dtype == torch.bfloat16),
-                                 torch.get_num_threads()))
-    return y.to(x.dtype).view(*x.shape[:-1], out)
+    return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: _library().bf16_linear(
+        x2.data_ptr(), tiles.data_ptr(), None if bias is None else bias.data_ptr(),
+        y.data_ptr(), x2.shape[0], padded_in, out, y_bf16, torch.get_num_threads()))
 
 
 # ctypes is opaque to Dynamo: inside compiled code the call goes through this custom op.

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
-from kernels.cpu_linear import bf16_forward, bf16_rows, check, output, tile_layout, untile
+from kernels.cpu_linear import bf16_forward, check, through_kernel, tile_layout, untile
 from kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -88,24 +88,17 @@ def _int4_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     if x.numel() >= DEQUANTIZE_ROWS * x.shape[-1]:
         return bf16_forward(x, _int4_decoded(codes, scales, mins, group_size), None)
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
-    x2 = bf16_rows(x, padded_in)
-    y = output(x, x2.shape[0], out)
-    check(_library().int4_linear(x2.data_ptr(), codes.data_ptr(), scales.data_ptr(),
-                                 mins.data_ptr(), y.data_ptr(), x2.shape[0], padded_in, out,
-                                 group_size, int(y.dtype == torch.bfloat16),
-                                 torch.get_num_threads()))
-    return y.to(x.dtype).view(*x.shape[:-1], out)
+    return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: _library().int4_linear(
+        x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
+        x2.shape[0], padded_in, out, group_size, y_bf16, torch.get_num_threads()))
 
 
 def _int8_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x @ W^T for a per-channel int8 weight in Int8Linear's layout."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 2
-    x2 = bf16_rows(x, padded_in)
-    y = output(x, x2.shape[0], out)
-    check(_library().int8_linear(x2.data_ptr(), codes.data_ptr(), scales.data_ptr(),
-                                  y.data_ptr(), x2.shape[0], padded_in, out,
-                                  int(y.dtype == torch.bfloat16), torch.get_num_threads()))
-    return y.to(x.dtype).view(*x.shape[:-1], out)
+    return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: _library().int8_linear(
+        x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), x2.shape[0],
+        padded_in, out, y_bf16, torch.get_num_threads()))
 
 
 # ctypes is opaque to Dynamo: inside compiled code the calls go through these custom ops.
