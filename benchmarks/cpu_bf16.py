@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
@@ -35,6 +36,7 @@ from engine.bench import (  # noqa: E402
     alternating_prefill_ms,
     machine,
     median_call_us,
+    step_summary,
 )
 from engine.engine_config import EngineConfig  # noqa: E402
 from kernels import cpu_linear, onednn  # noqa: E402
@@ -47,12 +49,8 @@ def engines() -> dict[str, LLM]:
     """The two engines; oneDNN's packed weight is what prepare_linear falls back to without the
     kernel."""
     out = {"tile": LLM(EngineConfig("smollm2-135m-instruct", dtype="bfloat16"))}
-    prepare = cpu_linear.prepare
-    cpu_linear.prepare = lambda weight: None
-    try:
+    with mock.patch.object(cpu_linear, "prepare", return_value=None):  # no kernel: the fallback
         out["onednn"] = LLM(EngineConfig("smollm2-135m-instruct", dtype="bfloat16"))
-    finally:
-        cpu_linear.prepare = prepare
     kinds = {side: type(llm.model.layers[0].qkv).__name__ for side, llm in out.items()}
     if kinds["tile"] != "Bf16Linear":
         raise SystemExit("The bfloat16 tile kernel does not run here (it needs AVX512-BF16, no "
@@ -111,10 +109,7 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def _summary(step_ms: dict) -> dict:
-    median = {side: statistics.median(v) for side, v in step_ms.items()}
-    return {"step_ms": {side: round(m, 2) for side, m in median.items()},
-            "tile_over_onednn": round(median["onednn"] / median["tile"], 3),
-            "rounds": {side: [round(x, 2) for x in v] for side, v in step_ms.items()}}
+    return step_summary(step_ms, {"tile_over_onednn": ("onednn", "tile")})
 
 
 def main() -> None:

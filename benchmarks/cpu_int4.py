@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
@@ -37,6 +37,7 @@ from engine.bench import (  # noqa: E402
     alternating_prefill_ms,
     machine,
     median_call_us,
+    step_summary,
 )
 from engine.engine_config import EngineConfig  # noqa: E402
 from kernels import cpu_quant, onednn, quant  # noqa: E402
@@ -48,12 +49,8 @@ SIDES = ("c_int4", "pytorch_int4", "bfloat16")
 def engines() -> dict[str, LLM]:
     """The three engines; PyTorch's op is what prepare_linear falls back to without the kernel."""
     out = {"c_int4": LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))}
-    prepare = cpu_quant.prepare
-    cpu_quant.prepare = lambda q: None
-    try:
+    with mock.patch.object(cpu_quant, "prepare", return_value=None):  # no kernel: the fallback
         out["pytorch_int4"] = LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))
-    finally:
-        cpu_quant.prepare = prepare
     out["bfloat16"] = LLM(EngineConfig("smollm2-135m-instruct"))
     kinds = {side: type(llm.model.layers[0].qkv).__name__ for side, llm in out.items()}
     if kinds["c_int4"] != "Int4Linear" or not isinstance(out["c_int4"].model.lm_head,
@@ -119,11 +116,8 @@ def _time(fn, rounds: int) -> float:
 
 
 def _summary(step_ms: dict) -> dict:
-    median = {side: statistics.median(v) for side, v in step_ms.items()}
-    return {"step_ms": {side: round(m, 2) for side, m in median.items()},
-            "c_over_pytorch_int4": round(median["pytorch_int4"] / median["c_int4"], 3),
-            "c_over_bfloat16": round(median["bfloat16"] / median["c_int4"], 3),
-            "rounds": {side: [round(x, 2) for x in v] for side, v in step_ms.items()}}
+    return step_summary(step_ms, {"c_over_pytorch_int4": ("pytorch_int4", "c_int4"),
+                                  "c_over_bfloat16": ("bfloat16", "c_int4")})
 
 
 def main() -> None:

@@ -149,6 +149,16 @@ def alternating_prefill_ms(llms: dict, batches: list) -> dict:
     return step_ms
 
 
+def step_summary(step_ms: dict, ratios: dict[str, tuple[str, str]]) -> dict:
+    """alternating_*_ms's times as a result: each engine's median, each named ratio (`name`:
+    (slower side, faster side), the first's median over the second's), every round's times."""
+    median = {side: statistics.median(v) for side, v in step_ms.items()}
+    return {"step_ms": {side: round(m, 2) for side, m in median.items()},
+            **{name: round(median[over] / median[under], 3)
+               for name, (over, under) in ratios.items()},
+            "rounds": {side: [round(x, 2) for x in v] for side, v in step_ms.items()}}
+
+
 def timed_calls(fn, repeats: int) -> list[float]:
     """The seconds each of `repeats` calls of fn took, after one warm-up call."""
     fn()
