@@ -113,15 +113,20 @@ class StateProposer(Proposer):
         self.head = self.ops.prepare_linear(head.to(target.dtype).contiguous())
 
     def prepare(self, weights: dict[str, torch.Tensor]) -> dict:
-        """The draft's matrices prepared for the target's matmul, vectors in float32."""
-        return {k: self.ops.prepare_linear(v.to(self.embed.device, self.dtype).contiguous())
-                if v.dim() == 2 else v.to(self.embed.device, torch.float32)
-                for k, v in weights.items()}
+        """The draft's matrices prepared for the target's matmul and its biases in the target's
+        dtype (once, not per draft step); other vectors (a norm's weight) in float32."""
+        device = self.embed.device
+
+        def one(name: str, v: torch.Tensor):
+            if v.dim() == 2:
+                return self.ops.prepare_linear(v.to(device, self.dtype).contiguous())
+            return v.to(device, self.dtype if name.endswith(".bias") else torch.float32)
+
+        return {k: one(k, v) for k, v in weights.items()}
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W^T + b through the target's matmul, in float32."""
-        return self.ops.linear(x.to(self.dtype), weight,
-                               None if bias is None else bias.to(self.dtype)).float()
+        """x @ W^T + b through the target's matmul (weight and bias from prepare), in float32."""
+        return self.ops.linear(x.to(self.dtype), weight, bias).float()
 
     def scores(self, s: torch.Tensor) -> torch.Tensor:
         """The draft vocabulary's logits ([..., vocab]) from states s ([..., hidden])."""
