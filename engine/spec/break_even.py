@@ -21,7 +21,9 @@ buys more tokens than its query token's time would decoding plainly (branch_thre
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
+from functools import cache
 
 COST_DECAY = 0.8  # weight of the old estimate in each moving average
 # A sequence left without drafts tries one draft token every PROBE_EVERY steps, so a reply that
@@ -44,11 +46,17 @@ class StepCosts:
 
     by_tokens: dict[int, float] = field(default_factory=dict)
     draft_token_s: float | None = None
+    # The measured sizes in order, their times and the fitted slope, rebuilt after a step is
+    # observed: draft_lengths prices every depth of every sequence each step (at 16 sequences
+    # and depths up to 10, rebuilding them per price cost 1-2 ms a step, 4% of the step).
+    _curve: tuple[list[int], list[float], float | None] | None = \
+        field(default=None, repr=False, compare=False)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         old = self.by_tokens.get(tokens)
         self.by_tokens[tokens] = seconds if old is None else \
             COST_DECAY * old + (1 - COST_DECAY) * seconds
+        self._curve = None
 
     def observe_drafting(self, tokens: int, seconds: float) -> None:
         if tokens <= 0:
@@ -56,6 +64,13 @@ class StepCosts:
         per = seconds / tokens
         old = self.draft_token_s
         self.draft_token_s = per if old is None else COST_DECAY * old + (1 - COST_DECAY) * per
+
+    def _fitted(self) -> tuple[list[int], list[float], float | None]:
+        if self._curve is None:
+            sizes = sorted(self.by_tokens)
+            times = [self.by_tokens[n] for n in sizes]
+            self._curve = (sizes, times, _least_squares_slope(sizes, times))
+        return self._curve
 
     def step_s(self, tokens: int) -> float | None:
         """T(tokens): measured if seen; between two measured sizes, the straight line between
@@ -65,34 +80,35 @@ class StepCosts:
         Anchored at measured sizes, not read off the fitted line: a line through small batches
         (where a CPU step is memory-bound, 0.5 ms a token) and one measured large one put
         T(17) below the measured T(16) and drafting at 16 looked free."""
-        seen = self.by_tokens.get(tokens)
-        if seen is not None:
-            return seen
-        slope = self.slope()
+        sizes, times, slope = self._fitted()
+        i = bisect_left(sizes, tokens)
+        if i < len(sizes) and sizes[i] == tokens:
+            return times[i]
         if slope is None:
             return None
-        below = max((n for n in self.by_tokens if n < tokens), default=None)
-        above = min((n for n in self.by_tokens if n > tokens), default=None)
-        if below is not None and above is not None:
-            t0, t1 = self.by_tokens[below], self.by_tokens[above]
-            return t0 + (t1 - t0) * (tokens - below) / (above - below)
-        if below is not None:
-            return self.by_tokens[below] + slope * (tokens - below)
-        return max(1e-9, self.by_tokens[above] - slope * (above - tokens))
+        if 0 < i < len(sizes):
+            below, above = sizes[i - 1], sizes[i]
+            return times[i - 1] + (times[i] - times[i - 1]) * (tokens - below) / (above - below)
+        if i == len(sizes):
+            return times[-1] + slope * (tokens - sizes[-1])
+        return max(1e-9, times[0] - slope * (sizes[0] - tokens))
 
     def slope(self) -> float | None:
         """Seconds one more query token adds to a step: the least-squares line through the
         measured sizes (never negative), or None while fewer than two have been seen."""
-        if len(self.by_tokens) < 2:
-            return None
-        xs, ys = list(self.by_tokens), list(self.by_tokens.values())
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        spread = sum((x - mx) ** 2 for x in xs)
-        return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread)
+        return self._fitted()[2]
 
     @property
     def known(self) -> bool:
         return len(self.by_tokens) >= 2
+
+
+def _least_squares_slope(xs: list[int], ys: list[float]) -> float | None:
+    if len(xs) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread)
 
 
 @dataclass
@@ -151,20 +167,25 @@ def draft_lengths(rates: list[float], caps: list[int], costs: StepCosts,
         # against a guess (16 new requests once drafted on costs extrapolated from batch 1's).
         return [0] * batch
     per_draft = costs.draft_token_s or 0.0
+    step_s = cache(costs.step_s)  # each size priced once per call, not once per depth tried
     tokens, n = float(batch), batch
     lengths = [0] * batch
     for i in sorted(range(batch), key=lambda j: -rates[j]):
         best = (tokens / time_s, 0, tokens, time_s)
+        gain, p_k = 0.0, 1.0  # expected_accepted(rates[i], k), built up one depth at a time
         for k in range(1, caps[i] + 1):
+            p_k *= rates[i]
+            gain += p_k
             nodes = tree_nodes(widths[i], k)
-            step_k = costs.step_s(n + nodes)
+            step_k = step_s(n + nodes)
             if step_k is None:
                 return None
-            gained = tokens + expected_accepted(rates[i], k)
-            spent = step_k + (time_s - costs.step_s(n)) + per_draft * nodes
+            gained = tokens + gain
+            spent = step_k + (time_s - step_s(n)) + per_draft * nodes
             if gained / spent > best[0]:
                 best = (gained / spent, k, gained, spent)
         _, k, tokens, time_s = best
         lengths[i] = k
         n += tree_nodes(widths[i], k)
     return lengths
+
