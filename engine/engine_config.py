@@ -75,7 +75,7 @@ class EngineConfig:
                                                 "device's memory allows)")
     block_size: int = _option(16, "tokens per KV block")
     speculative: str | None = _option(
-        None, "speculative decoding: ngram[:k=5] (prompt lookup), draft:PATH[,k=4] (a smaller "
+        None, "speculative decoding: ngram[:k=10] (prompt lookup), draft:PATH[,k=4] (a smaller "
               "model with the same tokenizer, or a draft file from benchmarks/train_draft.py or "
               "train_medusa.py), demo-draft[:k=2] (the demo model's own draft) or "
               "demo-medusa[:k=3] (its Medusa heads); lookup=1 tries prompt lookup before a "

@@ -17,6 +17,11 @@ DEMO_MEDUSA = "demo-medusa"
 DEMO_MEDUSA_PATH = DEMO_DRAFT_PATH.with_name("smollm2-135m-medusa.safetensors")
 MEDUSA_DRAFT_TOKENS = 3  # its heads' default depth (held-out chain acceptance: its .json)
 MAX_BRANCHES = 8
+# Prompt lookup's deepest draft (ngram's default k, and lookup's in front of a draft model):
+# copied text is accepted 90-100% per position out to 10 tokens (benchmarks/speculative.py,
+# copy-heavy), and break-even (break_even.py) picks the depth actually drafted, each step, from
+# the sequence's acceptance and the measured step costs.
+LOOKUP_DEPTH = 10
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
         return None
     method, _, options = value.partition(":")
     fields: dict = {"method": method}
+    if method == "ngram":
+        fields["num_draft_tokens"] = LOOKUP_DEPTH
     if method == DEMO_DRAFT:
         # Measured best on this machine (benchmarks/speculative.py): 2 draft tokens (its third
         # is right 12% of the time) and prompt lookup first (copy-heavy replies).

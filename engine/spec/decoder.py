@@ -27,7 +27,7 @@ from engine.spec.break_even import (
     branch_threshold,
     draft_lengths,
 )
-from engine.spec.config import SpecConfig
+from engine.spec.config import LOOKUP_DEPTH, SpecConfig
 from engine.spec.ngram import propose_ngram, propose_ngram_paths
 from engine.spec.state import SpecState
 from engine.spec.tree import ROOT, TokenTree, TreeDrafted, verify_tree_all
@@ -45,7 +45,6 @@ COOLDOWN = 8
 # PRIOR_RATE before any.
 PRIOR_RATE = 0.8
 PRIOR_DECAY = 0.95
-LOOKUP_TOKENS = 5  # prompt lookup's draft length in front of a draft model (lookup=1)
 
 
 @dataclass
@@ -176,19 +175,20 @@ class LookupProposer(Proposer):
 
 class LookupFirst(Proposer):
     """Prompt lookup in front of a model proposer: free where the reply repeats itself or the
-    prompt, and its matches run long, so it may propose more than the model's k; the model
-    drafts only where lookup found nothing."""
+    prompt, and its matches run long, so it may draft as deep as LOOKUP_DEPTH where break-even
+    says so; the model drafts only where lookup found nothing, at most its own depth."""
 
-    def __init__(self, lookup: LookupProposer, model: Proposer, room) -> None:
-        self.lookup, self.model, self.room = lookup, model, room
+    def __init__(self, lookup: LookupProposer, model: Proposer, model_depth: int) -> None:
+        self.lookup, self.model = lookup, model
+        self.model_depth = min(model_depth, model.max_depth or model_depth)
         self._model_drafted: set[str] = set()  # request ids the model drafted this step
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> None:
         for_model = []
         for seq, k in requests:
-            self.lookup.propose([(seq, min(max(k, LOOKUP_TOKENS), self.room(seq)) if k else 0)])
-            if not spec_state(seq).tokens:
-                for_model.append((seq, k))
+            self.lookup.propose([(seq, k)])
+            if k and not spec_state(seq).tokens:
+                for_model.append((seq, min(k, self.model_depth)))
         self.model.propose(for_model)
         self._model_drafted = {seq.request_id for seq, _ in for_model if spec_state(seq).tokens}
 
@@ -217,7 +217,7 @@ class SpecDecoder(StepFeature):
         if draft is None:
             self.proposer: Proposer = lookup
         elif config.lookup:
-            self.proposer = LookupFirst(lookup, draft, self._room)
+            self.proposer = LookupFirst(lookup, draft, config.num_draft_tokens)
         else:
             self.proposer = draft
         self.counters = SpecCounters()
@@ -403,9 +403,12 @@ class SpecDecoder(StepFeature):
         """Each sequence's draft length: at most the configured one and the positions left in
         the context; adaptive, where drafting pays by the measured costs (break_even.py), or,
         until they are known, scaled down as the sequence's acceptance falls."""
-        caps = [min(self.config.num_draft_tokens, self._room(seq)) for seq in seqs]
-        if self.proposer.max_depth is not None:  # not behind lookup, whose drafts run longer
-            caps = [min(cap, self.proposer.max_depth) for cap in caps]
+        deepest = self.config.num_draft_tokens
+        if isinstance(self.proposer, LookupFirst):  # lookup's matches may run deeper
+            deepest = max(deepest, LOOKUP_DEPTH)
+        elif self.proposer.max_depth is not None:
+            deepest = min(deepest, self.proposer.max_depth)
+        caps = [min(deepest, self._room(seq)) for seq in seqs]
         if not self.config.adaptive:
             return caps
         # A seeded sampled request must come out the same every time, and its random draws

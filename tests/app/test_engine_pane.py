@@ -219,7 +219,7 @@ def test_speculative_toggle_drafts_and_shows_acceptance(make_window, qtbot, demo
     window = make_window()
     pane = window.pane("engine")
     combo = pane.load_panel.spec_combo
-    combo.setCurrentIndex(combo.findData("ngram:k=5"))
+    combo.setCurrentIndex(combo.findData("ngram:k=10"))
     load_model(qtbot, window, demo_gguf)
     with qtbot.waitSignal(pane.chat.reply_done, timeout=REPLY_TIMEOUT_MS):
         _send(qtbot, pane, "Repeat exactly: one two three four five six seven eight nine ten "

@@ -74,13 +74,13 @@ def test_journey_fetch_load_chat_change_option_reload(make_window, qtbot, demo_g
     assert "draft" not in line  # speculative decoding is off
 
     # An option changed after loading: the pane says it applies on a reload.
-    choose(panel.spec_combo, "ngram:k=5")
+    choose(panel.spec_combo, "ngram:k=10")
     assert panel.reload_label.isVisible()
     assert "speculative decoding" in panel.reload_label.text()
     assert panel.load_button.text() == "Reload"
     choose(panel.spec_combo, "off")  # set back: nothing to reload
     assert not panel.reload_label.isVisible() and panel.load_button.text() == "Load"
-    choose(panel.spec_combo, "ngram:k=5")
+    choose(panel.spec_combo, "ngram:k=10")
 
     with qtbot.waitSignal(pane.host.loaded, timeout=LOAD_TIMEOUT_MS):
         qtbot.mouseClick(panel.load_button, Qt.MouseButton.LeftButton)
@@ -125,7 +125,7 @@ def test_journey_benchmark_to_history_and_planner(make_window, qtbot, demo_gguf:
     panel = pane.load_panel
 
     def options() -> None:
-        choose(panel.spec_combo, "ngram:k=5")
+        choose(panel.spec_combo, "ngram:k=10")
         if not panel.prefix_check.isChecked():
             panel.prefix_check.setFocus()
             qtbot.keyClick(panel.prefix_check, Qt.Key.Key_Space)  # the box, from the keyboard
@@ -152,12 +152,12 @@ def test_journey_benchmark_to_history_and_planner(make_window, qtbot, demo_gguf:
 
     row = {c: table.item(table.rowCount() - 1, i).text() for i, c in enumerate(COLUMNS)}
     assert row["Device"] == "cpu"
-    assert "float weights" in row["Configuration"] and "spec ngram:k=5" in row["Configuration"]
+    assert "float weights" in row["Configuration"] and "spec ngram:k=10" in row["Configuration"]
     assert "prefix caching" in row["Configuration"]
     assert "cannot calibrate" in pane.bench.message.text()  # a CPU run, said so
     from engine.bench import load_results
 
-    assert load_results()[-1]["configuration"]["speculative"] == "ngram:k=5"
+    assert load_results()[-1]["configuration"]["speculative"] == "ngram:k=10"
 
     # The Monitor charts the engine's speculation as vLLM's counters are charted: acceptance
     # at each draft position (the first position accepted at least as often as the second).
@@ -176,7 +176,7 @@ def test_journey_benchmark_to_history_and_planner(make_window, qtbot, demo_gguf:
     runs = history.runs_table
     assert runs.rowCount() == 1
     assert runs.item(0, 1).text() == "bench"
-    assert "spec ngram:k=5" in runs.item(0, 2).text()
+    assert "spec ngram:k=10" in runs.item(0, 2).text()
     assert float(runs.item(0, 10).text().replace(",", "")) > 0  # output tok/s
 
     # The planner calibrates only where it can: a CPU benchmark is skipped, with the reason.

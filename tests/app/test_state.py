@@ -91,8 +91,8 @@ def test_requests_are_validated_and_map_to_engine_arguments() -> None:
                                                    kv_cache_tokens=2048)
     assert LoadRequest("m.gguf", weights="int4").engine_config().weights == "int4:g32"
     assert LoadRequest("m.gguf", kv_cache_dtype="int8").engine_config().kv_cache_dtype == "int8"
-    assert LoadRequest("m.gguf", speculative="ngram:k=5").engine_config().speculative == \
-        "ngram:k=5"
+    assert LoadRequest("m.gguf", speculative="ngram:k=10").engine_config().speculative == \
+        "ngram:k=10"
     assert LoadRequest("m.gguf", speculative="off").engine_config().speculative is None
     for bad in ({"model": ""}, {"model": "m.gguf", "weights": "int3"},
                 {"model": "m.gguf", "context_tokens": 8},

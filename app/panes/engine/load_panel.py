@@ -154,7 +154,7 @@ class LoadPanel(QGroupBox):
         self.context_spin.setToolTip("Longest conversation one request may hold (max_model_len)")
         self.concurrency_spin.setToolTip("Requests the KV cache must hold at full context at once")
         self.spec_combo.addItem("Off", "off")
-        self.spec_combo.addItem("Prompt lookup (n-gram), up to 5 draft tokens", "ngram:k=5")
+        self.spec_combo.addItem("Prompt lookup (n-gram), up to 10 draft tokens", "ngram:k=10")
         self.spec_combo.addItem("Demo model's own draft, after prompt lookup, up to 2 draft "
                                 "tokens", "demo-draft")
         self.spec_combo.addItem("Demo model's Medusa heads, after prompt lookup, up to 3 draft "

@@ -160,7 +160,7 @@ def speculation_text(before: dict | None, after: dict | None) -> str:
 
 
 def configuration_text(config: dict[str, Any] | None) -> str:
-    """"int4 weights · KV int8 · spec ngram:k=5 · prefix caching · h2o KV (512)" for a
+    """"int4 weights · KV int8 · spec ngram:k=10 · prefix caching · h2o KV (512)" for a
     stored configuration; "—" when the measurement did not record one."""
     if not config:
         return "—"
