@@ -130,7 +130,7 @@ class EngineConfig:
     def num_draft_tokens(self) -> int:
         """Speculative drafts a decode step may add (0 without speculation)."""
         spec = parse_spec(self.speculative)
-        return 0 if spec is None else spec.num_draft_tokens
+        return 0 if spec is None else spec.max_draft_tokens
 
     def bounded_by_budget(self) -> bool:
         """Whether the eviction budget bounds a request's KV slots (SnapKV holds the whole

@@ -118,7 +118,7 @@ class LLM:
         return Admission(self.tokenizer, self.config.vocab_size, self.max_model_len,
                          self.block_size, self.max_num_batched_tokens, self.kv_cache_tokens,
                          self.kv_policy, self.kv_budget,
-                         0 if spec is None else spec.config.num_draft_tokens,
+                         0 if spec is None else spec.max_draft_tokens,
                          spec is not None and isinstance(spec.draft, DraftModel))
 
     def _spec_decoder(self, config: SpecConfig | None) -> SpecDecoder | None:

@@ -98,6 +98,8 @@ class Scheduler:
             drafts = min(drafts, budget - n)
             if seq.max_chunk_tokens is not None:
                 drafts = min(drafts, seq.max_chunk_tokens - n)
+            if drafts and not bm.can_append(seq, n + drafts):
+                drafts = 0  # drafts ride only in free blocks: they never preempt a request
             n += drafts
             while not bm.can_append(seq, n):
                 victim = self.running[-1]

@@ -196,3 +196,26 @@ def test_block_identity_covers_what_makes_the_kv_differ():
     assert all(len(h) == 32 for h in digests[0])  # SHA-256
     changed = block_hashes([99] + tokens[1:], 4, 3, f32.root)
     assert all(x != y for x, y in zip(changed, digests[0], strict=True))  # the chain carries it
+
+
+def test_drafts_never_preempt_another_request():
+    """A sequence's speculative drafts ride along only where free blocks hold them: with the
+    pool full, it decodes its one token and the other request keeps running."""
+    from engine.spec.state import SpecState
+
+    block_size = 4
+    bm = BlockManager(4, block_size)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    first, second = _seq(0, 7, 8), _seq(1, 7, 8)  # 2 blocks each: the pool is full
+    for seq in (first, second):
+        sched.add(seq)
+    for s in sched.schedule().scheduled:  # both prompts prefill
+        s.seq.num_computed_tokens += s.num_new_tokens
+        s.seq.output_token_ids.append(0)
+    assert bm.num_free_blocks == 0
+    first.spec = SpecState()
+    first.spec.tokens = [5, 6, 7, 8, 9]  # 1 + 5 tokens need 2 more blocks than it holds
+    plan = sched.schedule()
+    assert not plan.preempted and second in sched.running
+    assert [(s.seq, s.num_new_tokens, s.num_draft) for s in plan.scheduled] == \
+        [(first, 1, 0), (second, 1, 0)]

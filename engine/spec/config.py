@@ -41,6 +41,12 @@ class SpecConfig:
     # likely first tokens). 1: one chain, as before.
     num_branches: int = 1
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most drafts a sequence may take in one step: k, or lookup's depth where prompt
+        lookup drafts in front of a draft model (its matches run longer than the model's k)."""
+        return max(self.num_draft_tokens, LOOKUP_DEPTH) if self.lookup else self.num_draft_tokens
+
     def __post_init__(self) -> None:
         if (self.method == "draft") != (self.draft_model is not None):
             raise ValueError("A draft model goes with method 'draft' only: use draft:PATH.")

@@ -27,7 +27,7 @@ from engine.spec.break_even import (
     branch_threshold,
     draft_lengths,
 )
-from engine.spec.config import LOOKUP_DEPTH, SpecConfig
+from engine.spec.config import SpecConfig
 from engine.spec.ngram import propose_ngram, propose_ngram_paths
 from engine.spec.state import SpecState
 from engine.spec.tree import ROOT, TokenTree, TreeDrafted, verify_tree_all
@@ -403,12 +403,7 @@ class SpecDecoder(StepFeature):
         """Each sequence's draft length: at most the configured one and the positions left in
         the context; adaptive, where drafting pays by the measured costs (break_even.py), or,
         until they are known, scaled down as the sequence's acceptance falls."""
-        deepest = self.config.num_draft_tokens
-        if isinstance(self.proposer, LookupFirst):  # lookup's matches may run deeper
-            deepest = max(deepest, LOOKUP_DEPTH)
-        elif self.proposer.max_depth is not None:
-            deepest = min(deepest, self.proposer.max_depth)
-        caps = [min(deepest, self._room(seq)) for seq in seqs]
+        caps = [min(self.max_draft_tokens, self._room(seq)) for seq in seqs]
         if not self.config.adaptive:
             return caps
         # A seeded sampled request must come out the same every time, and its random draws
@@ -436,6 +431,14 @@ class SpecDecoder(StepFeature):
             return 0
         state.idle_steps = 0
         return 1
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most drafts a sequence may take in one step (admission sizes requests by it)."""
+        deepest = self.config.max_draft_tokens
+        if self.proposer.max_depth is not None:  # not behind lookup (LookupFirst has none)
+            return min(deepest, self.proposer.max_depth)
+        return deepest
 
     def _room(self, seq: Sequence) -> int:
         """Draft positions left before the end of the context."""
