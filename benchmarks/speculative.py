@@ -111,20 +111,23 @@ def compare(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int,
     draft_tokens = after["draft_tokens"] - before["draft_tokens"]
     nodes = after["draft_nodes"] - before["draft_nodes"]
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
-    rate = lambda runs: sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)  # noqa: E731
     return {
         "prompts": len(prompts), "max_tokens": max_tokens, "pairs": pairs,
         "outputs_identical": all(b["outputs"] == f["outputs"]
                                  for b, f in zip(bases, fasts, strict=True)),
-        "baseline_tokens_per_s": rate(bases),
-        "speculative_tokens_per_s": rate(fasts),
-        "speedup": rate(fasts) / rate(bases),
+        "baseline_tokens_per_s": _tokens_per_s(bases),
+        "speculative_tokens_per_s": _tokens_per_s(fasts),
+        "speedup": _tokens_per_s(fasts) / _tokens_per_s(bases),
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "mean_accepted_length": 1 + accepted / drafts if drafts else None,
         # Tree nodes verified per draft position (1: chains only).
         "nodes_per_level": nodes / draft_tokens if draft_tokens else None,
         "generated_tokens": sum(f["tokens"] for f in fasts),
     }
+
+
+def _tokens_per_s(runs: list[dict]) -> float:
+    return sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
 
 
 def _counters(llm: LLM) -> dict:

@@ -12,6 +12,7 @@ from engine.spec.break_even import (
     branch_threshold,
     draft_lengths,
     expected_accepted,
+    expected_accepted_by_depth,
 )
 
 # Step costs measured on this project's 2-core CPU (ms by query tokens, float32 demo model at
@@ -32,6 +33,8 @@ def test_expected_accepted_is_the_accepted_prefix():
     assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
     assert expected_accepted(1.0, 4) == 4
     assert expected_accepted(0.0, 5) == 0
+    assert expected_accepted(0.9, 0) == 0
+    assert expected_accepted_by_depth(0.5, 3) == pytest.approx([0.5, 0.75, 0.875])
 
 
 def test_costs_are_learnt_and_extrapolated_along_a_line():
