@@ -56,11 +56,12 @@ def median_apes(points: list[dict], which: str) -> dict:
 
 def deployment_and_workload(model, here, weights: str, load: dict, engine: str, requests: int):
     """The point's plan, for exactly the requests its run sends (app.plan_run.run_workload)."""
+    from app.plan_run import run_workload
     from planner.timing import Deployment
     from planner.workload import Workload
 
     return (Deployment(model, here, weights, "bf16", max_seqs=8, engine=engine),
-            Workload(INPUT_TOKENS, OUTPUT_TOKENS, num_requests=requests, **load))
+            run_workload(Workload(INPUT_TOKENS, OUTPUT_TOKENS, **load), requests))
 
 
 def engine_timings(engine: str) -> list[dict]:

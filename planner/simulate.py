@@ -180,10 +180,17 @@ def _retire(s: _State, running: list, t: float) -> tuple[list, float]:
 
 def run_replica(r: Replica, arrivals: np.ndarray, inputs: np.ndarray, outputs: np.ndarray,
                 closed_loop: int = 0,
-                precomputed: np.ndarray | None = None) -> tuple[_State, int]:
-    """Simulate one replica; with `closed_loop` > 0 each finish releases the next request.
+                precomputed: np.ndarray | None = None,
+                turnaround_s: float = 0.0, gap_s: float = 0.0) -> tuple[_State, int]:
+    """Simulate one replica; with `closed_loop` > 0 each finish releases the next request,
+    `turnaround_s` after the finish and `gap_s` after the one released before it in the same
+    step (Workload.client_turnaround_s, client_gap_s).
     `precomputed` counts, per request, prompt tokens already in the KV cache when it arrives
     (a disaggregated decode replica receives them from the prefill pool)."""
+    if closed_loop and gap_s:
+        arrivals = np.asarray(arrivals, dtype=float).copy()
+        head = min(closed_loop, len(arrivals))
+        arrivals[:head] += gap_s * np.arange(head)
     s = _State(arrivals, inputs, outputs, r.prefix_hit, precomputed)
     order = deque(range(len(arrivals)))
     waiting: deque = deque()
@@ -213,8 +220,8 @@ def run_replica(r: Replica, arrivals: np.ndarray, inputs: np.ndarray, outputs: n
         done_now = int(np.count_nonzero(~np.isnan(s.finish))) - finished
         finished += done_now
         if closed_loop:
-            for j in range(released, min(released + done_now, len(arrivals))):
-                s.arrival[j] = t
+            for gap, j in enumerate(range(released, min(released + done_now, len(arrivals)))):
+                s.arrival[j] = t + turnaround_s + gap_s * gap
             released += done_now
     return s, preemptions
 
@@ -230,7 +237,8 @@ def simulate(r: Replica, w: Workload, replicas: int = 1) -> SimResult:
     closed = 0
     if w.concurrency is not None:
         closed = max(1, math.ceil(w.concurrency / replicas))
-    s, preemptions = run_replica(r, arrivals[take], inputs[take], outputs[take], closed)
+    s, preemptions = run_replica(r, arrivals[take], inputs[take], outputs[take], closed,
+                                 turnaround_s=w.client_turnaround_s, gap_s=w.client_gap_s)
     keep = np.arange(len(s.finish))
     if w.rate is not None:
         keep = keep[len(keep) // 10:]  # drop the warm-up tenth: it starts from an empty system

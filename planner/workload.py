@@ -41,6 +41,14 @@ class Workload:
     num_requests: int = 600
     seed: int = 0
     daily_profile: tuple[float, ...] = ()
+    # A closed loop's client, as the simulator sees it: the requests it releases together (the
+    # run's start, or finishes in one step) reach the engine `client_gap_s` apart, each
+    # `client_turnaround_s` after the finish that released it. An idle engine starts a step on
+    # the first to arrive and the others wait for that step; a busy one has started its next
+    # step before any arrives. 0 and 0: an ideal client, every release there at once (how the
+    # published benchmarks' closed loops are predicted: planner/validation.py).
+    client_turnaround_s: float = 0.0
+    client_gap_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 1:
@@ -60,6 +68,8 @@ class Workload:
             raise ValueError("cv must be positive, length_cv non-negative, prefix_share in [0, 1)")
         if self.num_requests < 1:
             raise ValueError("num_requests must be at least 1")
+        if self.client_turnaround_s < 0 or self.client_gap_s < 0:
+            raise ValueError("client turnaround and gap must be non-negative seconds")
         if any(m < 0 for m in self.daily_profile):
             raise ValueError("daily_profile multipliers must be non-negative")
 
