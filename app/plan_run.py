@@ -296,7 +296,7 @@ def _measure(run: PlanRun, db, server: LocalServer, command: ServerCommand,
                         # The plan's lengths are in tokens: exactly those, of the server's own
                         # tokenizer (token-id prompts from its /tokenize).
                         input_len=w.input_len, input_unit="tokens", output_len=w.output_len,
-                        seed=w.seed)
+                        seed=w.seed, warmups=1)
         result = run_load(spec, progress=lambda done, total: progress(f"{done}/{total} requests"))
         # Two more scrapes after the last reply: the stored counters then include the last
         # requests (seen without: 2 of 4 finished requests recorded).

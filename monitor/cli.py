@@ -300,7 +300,7 @@ def _load_spec(args: argparse.Namespace):
         return LoadSpec(url=args.url, endpoint=args.endpoint, model=args.model, rate=args.rate,
                         arrival=args.arrival, burstiness=args.burstiness,
                         concurrency=args.concurrency, requests=args.requests,
-                        duration_s=args.duration, input_len=args.input_len,
+                        warmups=args.warmups, duration_s=args.duration, input_len=args.input_len,
                         input_unit=args.input_unit, output_len=args.output_len,
                         length_spread=args.length_spread,
                         lengths=lengths, token=_token(args), seed=args.seed, slo_ms=slo,
@@ -538,6 +538,9 @@ def add_monitor_parsers(subparsers) -> None:
     lt.add_argument("--arrival", choices=("poisson", "gamma", "constant"), default="poisson")
     lt.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; <1 is burstier")
     lt.add_argument("--requests", type=int, default=100)
+    lt.add_argument("--warmups", type=int, default=0,
+                    help="requests sent one at a time first and not recorded (as vllm bench "
+                         "serve's initial test prompt): a fresh server's first is slower")
     lt.add_argument("--duration", type=float, help="stop sending after this many seconds")
     lt.add_argument("--input-len", type=int, default=128,
                     help="prompt length, in --input-unit (default words)")

@@ -103,6 +103,16 @@ def test_closed_loop_figures_follow_the_servers_timing(openai_server):
     assert body["stream"] is True and body["max_tokens"] == 5 and len(body["prompt"].split()) == 8
 
 
+def test_warm_up_requests_reach_the_server_but_not_the_figures(openai_server):
+    spec = LoadSpec(openai_server.url, concurrency=2, requests=3, input_len=8, output_len=2,
+                    warmups=2)
+    result = run_load(spec)
+    assert openai_server.seen == 5  # two warm-ups, then the three measured
+    assert result.summary["completed"] == 3 and len(result.records) == 3
+    with pytest.raises(ValueError, match="warm-up"):
+        LoadSpec(openai_server.url, warmups=-1)
+
+
 def test_open_loop_rate_chat_endpoint_failures_and_strict_slo():
     server = OpenAIServer(fail_every=3)
     try:
