@@ -69,9 +69,13 @@ def test_the_plan_runs_on_vllm_with_its_exported_flags(ran):
                 "SELECT max(s.value) FROM samples s JOIN series r ON s.series_id = r.id "
                 "JOIN sources o ON r.source_id = o.id WHERE o.name = 'plan-run' "
                 "AND r.name = 'requests_finished_total'")).scalar()
-        # The monitor read vLLM itself, and counted the load's requests as the client did.
+            recorded = conn.execute(sa.text("SELECT count(*) FROM requests WHERE run_id = :r"),
+                                    {"r": run["id"]}).scalar()
+        # The monitor read vLLM itself, and counted the load's requests as the client did, and
+        # the warm-up request the client sends first and does not record.
         assert (kind, stored_version) == ("vllm", version)
-        assert finished == REQUESTS
+        assert finished == REQUESTS + 1
+        assert recorded == REQUESTS
     finally:
         db.close()
 
