@@ -8,9 +8,11 @@ PyTorch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` (the path befo
 and the default float weights (bfloat16 here). For each batch size each
 engine holds that many requests decoding (64-word prompts, greedy, ignore_eos); every round runs
 a few steps of each in turn, so the machine's load falls on all alike. A prefill of 16 fresh
-prompts is timed the same way, and each layer shape's linear at a few row counts. Prints one
-JSON object: the machine, the median step times, and the ratios against PyTorch's op and against
-bfloat16 weights.
+prompts is timed the same way, and each layer shape's linear at a few row counts. On a CPU with
+AMX a fourth engine holds the same int4 kernels with their AMX path off (`c_int4_tile_loops`:
+from cpu_quant.AMX_MATMUL_ROWS rows the weight decoded as W^T for oneDNN's matmul, the path
+before it). Prints one JSON object: the machine, the median step times, and the ratios against
+PyTorch's op, against bfloat16 weights and, with AMX, against the tile loops.
 
     python benchmarks/cpu_int4.py                   # batch 1 and 16, 10 rounds
     python benchmarks/cpu_int4.py --batch 16 --rounds 4
@@ -40,7 +42,7 @@ from engine.bench import (  # noqa: E402
     step_summary,
 )
 from engine.engine_config import EngineConfig  # noqa: E402
-from kernels import cpu_quant, onednn, quant  # noqa: E402
+from kernels import cpu_linear, cpu_quant, onednn, quant  # noqa: E402
 from monitor.loadgen import make_prompt  # noqa: E402
 
 SIDES = ("c_int4", "pytorch_int4", "bfloat16")
@@ -52,6 +54,11 @@ def engines() -> dict[str, LLM]:
     with mock.patch.object(cpu_quant, "prepare", return_value=None):  # no kernel: the fallback
         out["pytorch_int4"] = LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))
     out["bfloat16"] = LLM(EngineConfig("smollm2-135m-instruct"))
+    if cpu_linear.has_amx():
+        out["c_int4_tile_loops"] = LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))
+        for layer in out["c_int4_tile_loops"].model.layers:
+            for kernel in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                kernel.matmul_rows = 0
     kinds = {side: type(llm.model.layers[0].qkv).__name__ for side, llm in out.items()}
     if kinds["c_int4"] != "Int4Linear" or not isinstance(out["c_int4"].model.lm_head,
                                                            cpu_quant.Int8Linear):
@@ -116,8 +123,11 @@ def _time(fn, rounds: int) -> float:
 
 
 def _summary(step_ms: dict) -> dict:
-    return step_summary(step_ms, {"c_over_pytorch_int4": ("pytorch_int4", "c_int4"),
-                                  "c_over_bfloat16": ("bfloat16", "c_int4")})
+    ratios = {"c_over_pytorch_int4": ("pytorch_int4", "c_int4"),
+              "c_over_bfloat16": ("bfloat16", "c_int4")}
+    if "c_int4_tile_loops" in step_ms:
+        ratios["amx_over_tile_loops"] = ("c_int4_tile_loops", "c_int4")
+    return step_summary(step_ms, ratios)
 
 
 def main() -> None:

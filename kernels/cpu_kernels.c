@@ -508,12 +508,16 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
     return 0;
 }
 
-/* The weight as bfloat16 in bf16_linear's tile layout [tiles, pairs, 32], code * scale + min
- * rounded once (for prefill-sized batches, which the bfloat16 tile loop runs faster than the
- * int4 one: 8-row blocks there, and the decode redone per block). Lane i of pair p's word is
- * output 16t + i at inputs (2p, 2p + 1), so each decoded pair is one contiguous 64-byte store. */
+/* The weight as bfloat16, code * scale + min rounded once (for prefill-sized batches, which a
+ * bfloat16 matmul runs faster than the int4 loop: 8-row blocks there, and the decode redone per
+ * block). transposed == 0: bf16_linear's tile layout [tiles, pairs, 32]; lane i of pair p's
+ * word is output 16t + i at inputs (2p, 2p + 1), so each decoded pair is one contiguous 64-byte
+ * store. transposed != 0: W^T, row-major [in_padded, out], what oneDNN's AMX matmul takes
+ * (x @ W^T as torch.matmul); each input's 16 outputs of a tile are one contiguous 32-byte
+ * store. */
 int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
-                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
+                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int transposed,
+                    int threads) {
     if (out % 16 || group % 32 || in_padded % group) return -1;
     const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
     const __m512i nibble = _mm512_set1_epi32(15);
@@ -536,10 +540,17 @@ int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t
                     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(halves[h], 16), nibble);
                     const __m512 even_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s, mn);
                     const __m512 odd_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s, mn);
+                    const __m256i even_bf = (__m256i)_mm512_cvtneps_pbh(even_w);
+                    const __m256i odd_bf = (__m256i)_mm512_cvtneps_pbh(odd_w);
+                    if (transposed) {
+                        uint16_t *column = w + 2 * (p + h) * out + t * 16;
+                        _mm256_storeu_si256((__m256i *)column, even_bf);
+                        _mm256_storeu_si256((__m256i *)(column + out), odd_bf);
+                        continue;
+                    }
                     const __m512i word = _mm512_or_si512(
-                        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even_w)),
-                        _mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd_w)), 16));
+                        _mm512_cvtepu16_epi32(even_bf),
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd_bf), 16));
                     _mm512_storeu_si512((void *)(tile_w + (p + h) * 32), word);
                 }
             }
@@ -641,7 +652,8 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
 }
 
 int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
-                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
+                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int transposed,
+                    int threads) {
     return -1;
 }
 

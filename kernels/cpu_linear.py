@@ -45,7 +45,7 @@ def untile(tiles: torch.Tensor) -> torch.Tensor:
     return tiles.view(count, pairs, 16, 2).permute(0, 2, 1, 3).reshape(count * 16, pairs * 2)
 
 
-def _bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
+def bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
     """x as the kernels read it: contiguous bfloat16 rows, zero-padded to `padded_in`."""
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
@@ -69,7 +69,7 @@ def through_kernel(x: torch.Tensor, padded_in: int, out: int, call) -> torch.Ten
     it on x's rows as the kernels read them into y ([rows, out]: bfloat16 for bfloat16
     activations, float32 for any other; y_bf16 says which) and returns its status; the result
     comes back in x's dtype and leading shape."""
-    x2 = _bf16_rows(x, padded_in)
+    x2 = bf16_rows(x, padded_in)
     y = torch.empty(x2.shape[0], out,
                     dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
     check(call(x2, y, int(y.dtype == torch.bfloat16)))
@@ -138,13 +138,15 @@ def preferred() -> bool:
     """Whether bfloat16 weights should take the kernel here: it runs, and the CPU has no AMX."""
     if not available():
         return False
-    if _has_amx():
+    if has_amx():
         log.info("This CPU has AMX: bfloat16 weights keep oneDNN's matmul, which uses it.")
         return False
     return True
 
 
-def _has_amx() -> bool:
+@functools.cache
+def has_amx() -> bool:
+    """Whether the CPU has AMX's bfloat16 tile units (Xeons from Sapphire Rapids on)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
             return any(line.startswith("flags") and " amx_bf16" in line for line in info)

@@ -27,6 +27,14 @@ def test_the_kernel_is_used_exactly_where_the_cpu_has_avx512_bf16():
     assert cpu_quant.available() == _has_avx512_bf16()
 
 
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in info)
+    except OSError:
+        return False
+
+
 def _weight(out_f: int, in_f: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     # Rows of different scales and offsets, as trained layers have.
@@ -44,14 +52,18 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, cpu_quant.DEQUANTIZE_ROWS + 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_linear_computes_the_dequantize_reference(group, rows, dtype):
+@pytest.mark.parametrize("amx_path", [False, True], ids=["tile-loops", "amx-matmul"])
+def test_int4_linear_computes_the_dequantize_reference(group, rows, dtype, amx_path):
     # 208 inputs: padded to whole groups of 64 and 128 (zero inputs meet the padding).
+    # The AMX path (from AMX_MATMUL_ROWS rows, the weight decoded as W^T for torch's bfloat16
+    # matmul) is forced on here, so that a CPU without AMX checks it too, only slower.
     out_f, in_f = 96, 208 if group > 32 else 192
     q = quant.quantize_int4(_weight(out_f, in_f, seed=rows), group)
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(group)).to(dtype)
     bias = torch.randn(out_f, generator=torch.Generator().manual_seed(rows)).to(dtype)
     weight = cpu_quant.prepare(q)
     assert isinstance(weight, cpu_quant.Int4Linear)
+    weight.matmul_rows = cpu_quant.AMX_MATMUL_ROWS if amx_path else 0
     got = weight.linear(x, bias)
     assert got.dtype == dtype and got.shape == (rows, out_f)
     want = q.linear(x.float(), bias.float())
@@ -94,9 +106,13 @@ def test_an_empty_batch_gives_an_empty_result(make):
 @needs_kernel
 def test_rows_in_a_batch_do_not_change_each_others_results():
     # Every row goes through the same tile code whatever else is in the batch (decode rows
-    # batched with others must get the logits they get alone, up to the block they fall in).
+    # batched with others must get the logits they get alone, up to the block they fall in),
+    # below the row counts where the weight is decoded whole (DEQUANTIZE_ROWS; on a CPU with
+    # AMX, AMX_MATMUL_ROWS: its matmul rounds as oneDNN does). The 33 rows here stand for a
+    # batch of decodes, so the AMX path is held off.
     q = quant.quantize_int4(_weight(64, 128, seed=7), 32)
     weight = cpu_quant.prepare(q)
+    weight.matmul_rows = 0
     x = torch.randn(33, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     together = weight.linear(x)
     for i in (0, 15, 16, 32):
@@ -113,6 +129,35 @@ def test_the_decoded_weight_is_the_reference_in_bfloat16():
     # holds, as a GGUF Q4_1 block does.
     held = (q.mins.abs() + 15 * q.scales).repeat_interleave(64, dim=1)
     assert ((decoded.float() - want).abs() <= 2**-8 * want.abs() + 2**-10 * held).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [32, 128])
+def test_the_weight_decoded_as_w_transposed_is_the_tile_decode_transposed(group):
+    q = quant.quantize_int4(_weight(80, 256, seed=group), group)
+    weight = cpu_quant.prepare(q)
+    transposed = weight.dequantize_transposed()
+    assert transposed.shape == (256, 80) and transposed.is_contiguous()
+    assert torch.equal(transposed.t(), weight.dequantize())
+
+
+@needs_kernel
+def test_the_amx_matmul_is_taken_exactly_where_the_cpu_has_amx():
+    weight = cpu_quant.prepare(quant.quantize_int4(_weight(32, 64, seed=6), 32))
+    assert weight.matmul_rows == (cpu_quant.AMX_MATMUL_ROWS if _has_amx() else 0)
+
+
+@needs_kernel
+def test_float32_activations_keep_the_tile_loops_float32_sums():
+    # oneDNN's bfloat16 matmul rounds its output to bfloat16; float32 activations get float32
+    # outputs from the tile loops, so the AMX path does not take them.
+    weight = cpu_quant.prepare(quant.quantize_int4(_weight(64, 128, seed=2), 32))
+    x = torch.randn(cpu_quant.AMX_MATMUL_ROWS + 1, 128, generator=torch.Generator().manual_seed(3))
+    weight.matmul_rows = 0
+    tiles = weight.linear(x)
+    weight.matmul_rows = cpu_quant.AMX_MATMUL_ROWS
+    assert torch.equal(weight.linear(x), tiles)
+    assert not torch.equal(weight.linear(x.to(torch.bfloat16)).float(), tiles)
 
 
 def test_shapes_the_kernel_does_not_take_keep_the_other_paths():
