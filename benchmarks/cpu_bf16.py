@@ -3,7 +3,8 @@ matmul (kernels/onednn.py, the path before it), in real engine steps of the demo
 layer shape, alternating in one process.
 
 Two engines load the demo model in bfloat16: one with its linears through the tile kernel (the
-default where the CPU has AVX512-BF16), one through oneDNN's packed weights. For each batch size
+default where the CPU has AVX512-BF16; on a CPU with AMX, the AMX kernel on the same layout),
+one through oneDNN's packed weights. For each batch size
 both hold that many requests decoding (64-word prompts, greedy, ignore_eos) and every round runs
 a few steps of each in turn, so the machine's load falls on both alike. A prefill of 16 fresh
 prompts is timed the same way, then each layer shape's linear at decode and prefill row counts
@@ -53,9 +54,9 @@ def engines() -> dict[str, LLM]:
         out["onednn"] = LLM(EngineConfig("smollm2-135m-instruct", dtype="bfloat16"))
     kinds = {side: type(llm.model.layers[0].qkv).__name__ for side, llm in out.items()}
     if kinds["tile"] != "Bf16Linear":
-        raise SystemExit("The bfloat16 tile kernel does not run here (it needs AVX512-BF16, no "
-                         f"AMX and a C compiler; the engine holds {kinds['tile']}): nothing to "
-                         "compare.")
+        raise SystemExit("The bfloat16 tile kernel does not run here (it needs AVX512-BF16, the "
+                         "AMX kernel too where the CPU has AMX, and a C compiler; the engine "
+                         f"holds {kinds['tile']}): nothing to compare.")
     return out
 
 
@@ -132,6 +133,7 @@ def main() -> None:
     result = {"benchmark": "cpu_bf16", "machine": machine(),
               "baseline": "oneDNN's packed bfloat16 matmul on the same weights (the path "
                           "before the tile kernel); same process, alternating",
+              "tile_kernel": "bf16_amx_linear" if cpu_linear.amx_runs() else "bf16_linear",
               "decode": decode,
               "prefill": {str(args.prefill_prompts): _summary(
                   alternating_prefill_ms(llms, batches))},

@@ -508,16 +508,12 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
     return 0;
 }
 
-/* The weight as bfloat16, code * scale + min rounded once (for prefill-sized batches, which a
- * bfloat16 matmul runs faster than the int4 loop: 8-row blocks there, and the decode redone per
- * block). transposed == 0: bf16_linear's tile layout [tiles, pairs, 32]; lane i of pair p's
- * word is output 16t + i at inputs (2p, 2p + 1), so each decoded pair is one contiguous 64-byte
- * store. transposed != 0: W^T, row-major [in_padded, out], what oneDNN's AMX matmul takes
- * (x @ W^T as torch.matmul); each input's 16 outputs of a tile are one contiguous 32-byte
- * store. */
+/* The weight as bfloat16 in bf16_linear's tile layout [tiles, pairs, 32], code * scale + min
+ * rounded once (for prefill-sized batches, which the bfloat16 tile loop runs faster than the
+ * int4 one: 8-row blocks there, and the decode redone per block). Lane i of pair p's word is
+ * output 16t + i at inputs (2p, 2p + 1), so each decoded pair is one contiguous 64-byte store. */
 int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
-                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int transposed,
-                    int threads) {
+                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
     if (out % 16 || group % 32 || in_padded % group) return -1;
     const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
     const __m512i nibble = _mm512_set1_epi32(15);
@@ -540,17 +536,10 @@ int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t
                     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(halves[h], 16), nibble);
                     const __m512 even_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s, mn);
                     const __m512 odd_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s, mn);
-                    const __m256i even_bf = (__m256i)_mm512_cvtneps_pbh(even_w);
-                    const __m256i odd_bf = (__m256i)_mm512_cvtneps_pbh(odd_w);
-                    if (transposed) {
-                        uint16_t *column = w + 2 * (p + h) * out + t * 16;
-                        _mm256_storeu_si256((__m256i *)column, even_bf);
-                        _mm256_storeu_si256((__m256i *)(column + out), odd_bf);
-                        continue;
-                    }
                     const __m512i word = _mm512_or_si512(
-                        _mm512_cvtepu16_epi32(even_bf),
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd_bf), 16));
+                        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even_w)),
+                        _mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd_w)), 16));
                     _mm512_storeu_si512((void *)(tile_w + (p + h) * 32), word);
                 }
             }
@@ -643,6 +632,98 @@ int int8_linear(const void *x, const int8_t *codes, const uint16_t *scales, void
                 int64_t in_padded, int64_t out, int y_bf16, int threads) {
     return tiles_linear(WEIGHT_INT8, x, codes, scales, y, rows, in_padded, out, y_bf16, threads);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+/* ---- bfloat16 weights on AMX's tile units (Xeons from Sapphire Rapids on) ----
+ * bf16_linear's tile layout is AMX's bfloat16 B-tile format: 16 consecutive pairs of a weight
+ * tile (1 KB, contiguous) are one B tile of 16 rows of 64 bytes, row k holding the 16 outputs'
+ * weights at inputs (2k, 2k + 1). So TDPBF16PS multiplies up to 16 activation rows (an A tile of
+ * 32 inputs) by it straight from the weight, with no repacking. Two weight tiles are taken at a
+ * time into two accumulator tiles, sharing the A tile; rows go in blocks of 16 inside each pair
+ * of weight tiles, so a prefill's weight tile stays in cache across its row blocks. On a 2-core
+ * Xeon with AMX it ran the demo model's 30 layers' linears (cold weights) 1.5-2.2x faster than
+ * oneDNN's packed bfloat16 matmul from 1 to 512 rows. */
+/* Tiles: 0 and 1 accumulate two weight tiles' outputs, 2 holds the activations, 3 and 4 the two
+ * weight tiles (GCC's tile intrinsics take the register number as a literal). */
+
+/* Linux hands out AMX's tile state only to a process that asks (else its first tile
+ * instruction is SIGILL): 0 once granted. */
+int amx_enable(void) {
+    const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+    return syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0 ? 0 : -1;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+static void amx_configure(int mb) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const int rows[] = {mb, mb, mb, 16, 16};
+    for (int i = 0; i < 5; i++) {
+        cfg.rows[i] = (uint8_t)rows[i];
+        cfg.bytes_per_row[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* y [rows, out] = x [rows, in_padded] (bfloat16) @ W^T + bias, W in bf16_linear's tile layout;
+ * in_padded a multiple of 32 (whole A tiles). */
+int bf16_amx_linear(const void *x, const uint16_t *w, const uint16_t *bias, void *y,
+                    int64_t rows, int64_t in_padded, int64_t out, int y_bf16, int threads) {
+    if (out % 16 || in_padded % 32) return -1;
+    if (rows == 0) return 0;
+    const int64_t tiles = out / 16, pairs = in_padded / 2, tile_pairs = (tiles + 1) / 2;
+#pragma omp parallel num_threads(threads)
+    {
+        int configured = 0;
+        float acc[2][16 * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < tile_pairs; s++) {
+            const int64_t t = 2 * s;
+            const int count = t + 1 < tiles ? 2 : 1; /* an odd last tile is computed twice */
+            const uint16_t *w0 = w + t * pairs * 32;
+            const uint16_t *w1 = count == 2 ? w0 + pairs * 32 : w0;
+            for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+                const int mb = rows - r0 < 16 ? (int)(rows - r0) : 16;
+                if (configured != mb) {
+                    amx_configure(mb);
+                    configured = mb;
+                }
+                _tile_zero(0);
+                _tile_zero(1);
+                const uint16_t *xr = (const uint16_t *)x + r0 * in_padded;
+                for (int64_t p = 0; p < pairs; p += 16) {
+                    _tile_loadd(2, xr + 2 * p, in_padded * 2);
+                    _tile_loadd(3, w0 + p * 32, 64);
+                    _tile_loadd(4, w1 + p * 32, 64);
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+                _tile_stored(0, acc[0], 64);
+                _tile_stored(1, acc[1], 64);
+                for (int k = 0; k < count; k++) {
+                    const __m512 b = bias == NULL ? _mm512_setzero_ps()
+                                                  : load_bf16x16(bias + (t + k) * 16);
+                    for (int m = 0; m < mb; m++)
+                        store_tile_row(tile_output(y, r0 + m, out, t + k, y_bf16),
+                                       _mm512_add_ps(_mm512_load_ps(acc[k] + m * 16), b), y_bf16);
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+    return 0;
+}
+#endif
 #else
 /* Without AVX512-BF16 int4 and int8 weights keep PyTorch's packed ops (kernels/quant.py). */
 int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
@@ -652,8 +733,7 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
 }
 
 int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
-                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int transposed,
-                    int threads) {
+                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
     return -1;
 }
 
@@ -664,6 +744,16 @@ int int8_linear(const void *x, const int8_t *codes, const uint16_t *scales, void
 
 int bf16_linear(const void *x, const uint16_t *w, const uint16_t *bias, void *y, int64_t rows,
                 int64_t in_padded, int64_t out, int y_bf16, int threads) {
+    return -1;
+}
+#endif
+
+#ifndef HAVE_AMX
+/* Without AMX (or a compiler that knows it) bfloat16 weights keep the tile loop or oneDNN. */
+int amx_enable(void) { return -1; }
+
+int bf16_amx_linear(const void *x, const uint16_t *w, const uint16_t *bias, void *y,
+                    int64_t rows, int64_t in_padded, int64_t out, int y_bf16, int threads) {
     return -1;
 }
 #endif

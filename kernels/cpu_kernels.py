@@ -126,10 +126,13 @@ def _library() -> ctypes.CDLL | None:
         "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT, _INT],
         # The weights' tile kernels (kernels/cpu_quant.py): -1 without AVX512-BF16.
         "int4_linear": [_PTR] * 5 + [_I64] * 4 + [_INT, _INT],
-        "int4_dequantize": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
+        "int4_dequantize": [_PTR] * 4 + [_I64] * 3 + [_INT],
         "int8_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
         # bfloat16 weights (kernels/cpu_linear.py): -1 without AVX512-BF16.
         "bf16_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
+        # The same on AMX's tile units (kernels/cpu_linear.py): -1 without AMX.
+        "bf16_amx_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
+        "amx_enable": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

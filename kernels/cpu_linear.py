@@ -10,9 +10,15 @@ demo model's batch-1 decode step 1.3-1.7x faster, its 16-sequence step 1.07-1.10
 process), so one layout serves every
 step and the weight is held once, as oneDNN's packed copy was. Where the kernel does not
 build, the CPU lacks AVX512-BF16, the self-check disagrees or a shape has outputs that are not
-a whole number of tiles of 16, the weight keeps oneDNN's layout. On CPUs with AMX (Xeons from
-Sapphire Rapids on) it keeps oneDNN's layout too: oneDNN's bfloat16 matmul runs on the AMX tile
-units there, which this loop does not use, and the loop was measured on a Zen 4 EPYC only.
+a whole number of tiles of 16, the weight keeps oneDNN's layout.
+
+On CPUs with AMX (Xeons from Sapphire Rapids on) the same layout is AMX's bfloat16 B-tile format,
+and cpu_kernels.c's bf16_amx_linear multiplies straight from it on the AMX tile units (inputs
+padded to whole A tiles of 32). oneDNN's bfloat16 matmul uses AMX too and beat the AVX512 loop
+there (0.6x at 16 rows, 0.27x in prefill), but the AMX kernel beat oneDNN: a 2-core Xeon with AMX
+ran the demo model's decode step 1.24-1.32x faster at 1-16 sequences and a 16-prompt prefill
+1.10x (benchmarks/cpu_bf16.py). Where the CPU has AMX but the AMX kernel does not run (a compiler
+without AMX, the kernel's self-check, Linux refusing the tile state), the weight keeps oneDNN's.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from kernels import cpu_kernels
 log = logging.getLogger(__name__)
 
 _library = cpu_kernels._library  # one shared object; its C signatures are declared there
+AMX_INPUTS = 32  # inputs per AMX A tile (64 bytes of bfloat16): the AMX kernel's input multiple
 
 
 def tile_layout(matrix: torch.Tensor) -> torch.Tensor:
@@ -45,7 +52,7 @@ def untile(tiles: torch.Tensor) -> torch.Tensor:
     return tiles.view(count, pairs, 16, 2).permute(0, 2, 1, 3).reshape(count * 16, pairs * 2)
 
 
-def bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
+def _bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
     """x as the kernels read it: contiguous bfloat16 rows, zero-padded to `padded_in`."""
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
@@ -69,7 +76,7 @@ def through_kernel(x: torch.Tensor, padded_in: int, out: int, call) -> torch.Ten
     it on x's rows as the kernels read them into y ([rows, out]: bfloat16 for bfloat16
     activations, float32 for any other; y_bf16 says which) and returns its status; the result
     comes back in x's dtype and leading shape."""
-    x2 = bf16_rows(x, padded_in)
+    x2 = _bf16_rows(x, padded_in)
     y = torch.empty(x2.shape[0], out,
                     dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
     check(call(x2, y, int(y.dtype == torch.bfloat16)))
@@ -77,11 +84,19 @@ def through_kernel(x: torch.Tensor, padded_in: int, out: int, call) -> torch.Ten
 
 
 def bf16_forward(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T + bias for a bfloat16 weight in tile_layout."""
+    """x @ W^T + bias for a bfloat16 weight in tile_layout: on AMX's tile units where they run
+    here and the inputs are whole A tiles (32), else the AVX512-BF16 tile loop."""
+    amx = tiles.shape[1] % (AMX_INPUTS // 2) == 0 and amx_runs()
+    return _tiles_forward(x, tiles, bias, "bf16_amx_linear" if amx else "bf16_linear")
+
+
+def _tiles_forward(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None,
+                   kernel: str) -> torch.Tensor:
     out, padded_in = tiles.shape[0] * 16, tiles.shape[1] * 2
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
-    return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: _library().bf16_linear(
+    call = getattr(_library(), kernel)
+    return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: call(
         x2.data_ptr(), tiles.data_ptr(), None if bias is None else bias.data_ptr(),
         y.data_ptr(), x2.shape[0], padded_in, out, y_bf16, torch.get_num_threads()))
 
@@ -104,7 +119,9 @@ class Bf16Linear:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
-        padded = weight if self.in_features % 2 == 0 else F.pad(weight, (0, 1))
+        # Inputs in pairs for the tile loop, in whole A tiles (32) for AMX's units.
+        multiple = AMX_INPUTS if amx_runs() else 2
+        padded = F.pad(weight, (0, -self.in_features % multiple))
         self.padded_in = padded.shape[1]
         self.tiles = tile_layout(padded.to(torch.bfloat16))
         self.nbytes = self.tiles.numel() * self.tiles.element_size()
@@ -135,13 +152,29 @@ def prepare(weight: torch.Tensor) -> Bf16Linear | None:
 
 @functools.cache
 def preferred() -> bool:
-    """Whether bfloat16 weights should take the kernel here: it runs, and the CPU has no AMX."""
+    """Whether bfloat16 weights should take the tile layout here: the tile loop runs, and where
+    the CPU has AMX, the AMX kernel runs too (oneDNN's matmul, which uses AMX, beats the loop)."""
     if not available():
         return False
-    if has_amx():
-        log.info("This CPU has AMX: bfloat16 weights keep oneDNN's matmul, which uses it.")
+    if has_amx() and not amx_runs():
+        log.info("This CPU has AMX but the AMX kernel does not run here: bfloat16 weights keep "
+                 "oneDNN's matmul, which uses it.")
         return False
     return True
+
+
+@functools.cache
+def amx_runs() -> bool:
+    """Whether bf16_amx_linear runs here: the CPU has AMX, the kernel was built with it, Linux
+    grants this process AMX's tile state, and it agrees with F.linear on the same bfloat16 values
+    (one row, a partial and a whole row block, an odd number of output tiles, with and without a
+    bias, bfloat16 and float32 activations)."""
+    lib = _library()
+    if lib is None or not has_amx() or lib.amx_enable() != 0:
+        return False
+    return _agrees("bf16_amx_linear", ((1, 64, False, torch.bfloat16),
+                                        (17, 96, True, torch.float32),
+                                        (40, 128, True, torch.bfloat16)))
 
 
 @functools.cache
@@ -162,27 +195,32 @@ def available() -> bool:
     lib = _library()
     if lib is None or not cpu_kernels.available():
         return False
+    return _agrees("bf16_linear", ((1, 96, False, torch.bfloat16), (7, 95, True, torch.bfloat16),
+                                   (16, 64, True, torch.float32), (37, 64, False, torch.bfloat16)))
+
+
+def _agrees(kernel: str, cases) -> bool:
+    """Whether a tile kernel computes F.linear on (rows, inputs, with a bias, activations' dtype)
+    cases, 48 outputs (three tiles) each."""
     gen = torch.Generator().manual_seed(0)
-    for rows, in_features, with_bias, dtype in ((1, 96, False, torch.bfloat16),
-                                                (7, 95, True, torch.bfloat16),
-                                                (16, 64, True, torch.float32),
-                                                (37, 64, False, torch.bfloat16)):
+    for rows, in_features, with_bias, dtype in cases:
         weight = torch.randn(48, in_features, generator=gen).to(torch.bfloat16)
         bias = torch.randn(48, generator=gen).to(torch.bfloat16) if with_bias else None
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        tiles = tile_layout(F.pad(weight, (0, in_features % 2)))
         try:
-            got = Bf16Linear(weight).linear(x, bias).float()
+            got = _tiles_forward(F.pad(x, (0, in_features % 2)), tiles, bias, kernel).float()
         except RuntimeError:
-            return _disagrees("build")
+            return _disagrees(kernel, "build")
         want = F.linear(x.to(torch.bfloat16).float(), weight.float(),
                         None if bias is None else bias.float())
         # Products of bfloat16 values summed in float32, rounded once to bfloat16 (2^-9).
         if got.shape != want.shape or (got - want).abs().max() > 2e-2 * want.abs().max():
-            return _disagrees(f"{rows}-row product")
+            return _disagrees(kernel, f"{rows}-row product")
     return True
 
 
-def _disagrees(what: str) -> bool:
-    log.info("The CPU's bfloat16 tile kernel (%s) disagrees with F.linear, or the CPU lacks "
-             "AVX512-BF16: bfloat16 weights use oneDNN's packed matmul.", what)
+def _disagrees(kernel: str, what: str) -> bool:
+    log.info("The CPU's bfloat16 kernel %s (%s) disagrees with F.linear, or the CPU lacks "
+             "its instructions (AVX512-BF16, AMX): bfloat16 weights do not use it.", kernel, what)
     return False

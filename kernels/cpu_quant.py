@@ -9,9 +9,9 @@ ran slower with quantized weights than with bfloat16 ones. The int4 kernel feeds
 VDPBF16PS as bfloat16 numbers (128 + code: an integer OR) and applies each group's scale and min
 to the group's sums, so decoding costs two integer ops per 32 codes (cpu_kernels.c says how); for
 prefill-sized batches it decodes the whole weight into bfloat16 tiles and leaves the matmul to
-the bfloat16 tile loop (kernels/cpu_linear.py), which is faster there. On CPUs with AMX the
-weight is decoded instead as W^T for oneDNN's bfloat16 matmul, which runs on the AMX tile units
-(the tile loops do not use them) from AMX_MATMUL_ROWS rows. The int8 kernel converts
+the bfloat16 tile loop (kernels/cpu_linear.py), which is faster there; on CPUs where the AMX
+kernel runs (kernels/cpu_linear.amx_runs) the decoded weight goes to it from AMX_MATMUL_ROWS
+rows, as the int4 loop does not use AMX's tile units. The int8 kernel converts
 each code to bfloat16 once per block of 16 rows and applies the channel's scale to the sum.
 Weights keep their footprint: int4 codes plus float16 scales and mins (the 20 bytes per 32
 weights of a GGUF Q4_1 block), int8 codes plus bfloat16 scales, as PyTorch's ops hold them.
@@ -30,10 +30,9 @@ import torch.nn.functional as F
 
 from kernels import cpu_kernels
 from kernels.cpu_linear import (
+    amx_runs,
     bf16_forward,
-    bf16_rows,
     check,
-    has_amx,
     through_kernel,
     tile_layout,
     untile,
@@ -46,12 +45,11 @@ log = logging.getLogger(__name__)
 # the bfloat16 tile loop beats the int4 one (the demo model's layer shapes on a Zen 4 EPYC: even
 # at 64 rows, 1.07-1.09x faster at 128, 1.11-1.35x at 256).
 DEQUANTIZE_ROWS = 128
-# On a CPU with AMX, from this many rows of bfloat16 activations the weight is decoded once as
-# W^T and multiplied by oneDNN on the AMX units (the demo model's 30 layers' linears, cold
-# weights, a 2-core Xeon with AMX: 58 against the int4 loop's 67 ms at 32 rows, 87 against
-# 1,046 at 512; at 16 rows the int4 loop is ahead, 30 against 47: the decode writes the whole
-# bfloat16 weight, 20-26 ms of it).
-AMX_MATMUL_ROWS = 32
+# Where the AMX kernel runs, from this many rows of bfloat16 activations the weight is decoded
+# whole into bfloat16 tiles for it (the demo model's 30 layers' linears, cold weights, a 2-core
+# Xeon with AMX: 20 against the int4 loop's 39 ms at 16 rows, 137 against 1,105 at 512; even at
+# 8 rows, 22 ms each: decoding writes the whole bfloat16 weight).
+AMX_MATMUL_ROWS = 16
 _library = cpu_kernels._library  # one shared object; its C signatures are declared there
 
 
@@ -87,30 +85,25 @@ def _takes(q: QuantizedWeight) -> bool:
 
 
 def _int4_decoded(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                  group_size: int, transposed: bool = False) -> torch.Tensor:
-    """An int4 weight in pack's layout as bfloat16: in the tile layout (cpu_linear.tile_layout),
-    or `transposed`, W^T row-major [padded_in, out]."""
+                  group_size: int) -> torch.Tensor:
+    """An int4 weight in pack's layout as bfloat16 in the tile layout (cpu_linear.tile_layout)."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
-    shape = (padded_in, out) if transposed else (out // 16, padded_in // 2, 32)
-    w = torch.empty(shape, dtype=torch.bfloat16)
+    w = torch.empty(out // 16, padded_in // 2, 32, dtype=torch.bfloat16)
     check(_library().int4_dequantize(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
-                                      w.data_ptr(), padded_in, out, group_size, int(transposed),
+                                      w.data_ptr(), padded_in, out, group_size,
                                       torch.get_num_threads()))
     return w
 
 
 def _int4_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                   mins: torch.Tensor, group_size: int, matmul_rows: int = 0) -> torch.Tensor:
-    """x @ W^T for an int4 weight in pack's layout: the int4 tile loop; from `matmul_rows` rows
-    of bfloat16 activations (0: never) the weight decoded once as W^T for oneDNN's matmul;
-    else from DEQUANTIZE_ROWS rows decoded once into bfloat16 tiles for the bfloat16 tile
-    loop."""
+    """x @ W^T for an int4 weight in pack's layout: the int4 tile loop, or the weight decoded
+    once into bfloat16 tiles for bf16_forward (the AMX kernel or the bfloat16 tile loop) from
+    DEQUANTIZE_ROWS rows, or from `matmul_rows` rows of bfloat16 activations (0: never)."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
     rows = x.numel() // max(x.shape[-1], 1)
-    if matmul_rows and rows >= matmul_rows and x.dtype == torch.bfloat16:
-        w_t = _int4_decoded(codes, scales, mins, group_size, transposed=True)
-        return torch.matmul(bf16_rows(x, padded_in), w_t).view(*x.shape[:-1], out)
-    if rows >= DEQUANTIZE_ROWS:
+    if rows >= DEQUANTIZE_ROWS or (matmul_rows and rows >= matmul_rows
+                                   and x.dtype == torch.bfloat16):
         return bf16_forward(x, _int4_decoded(codes, scales, mins, group_size), None)
     return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: _library().int4_linear(
         x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
@@ -156,17 +149,13 @@ class Int4Linear:
         self.in_features, self.padded_in = q.in_features, q.padded_in
         self.out_features, self.group_size = q.out_features, q.group_size
         self.nbytes = self.codes.numel() + 2 * (self.scales.numel() + self.mins.numel())
-        # From how many rows oneDNN's AMX matmul takes the product (0: never; no AMX here).
-        self.matmul_rows = AMX_MATMUL_ROWS if has_amx() else 0
+        # From how many rows the decoded weight goes to the AMX kernel (0: it does not run here).
+        self.matmul_rows = AMX_MATMUL_ROWS if amx_runs() else 0
 
     def dequantize(self) -> torch.Tensor:
         """The weight as bfloat16 [out, padded_in]."""
         return untile(_int4_decoded(self.codes, self.scales, self.mins, self.group_size))
 
-    def dequantize_transposed(self) -> torch.Tensor:
-        """W^T as bfloat16 [padded_in, out], as the AMX path decodes it."""
-        return _int4_decoded(self.codes, self.scales, self.mins, self.group_size,
-                             transposed=True)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         forward = (torch.ops.servescope.int4_linear if torch.compiler.is_compiling()
@@ -206,9 +195,9 @@ def prepare(q: QuantizedWeight) -> Int4Linear | Int8Linear | None:
 @functools.cache
 def available() -> bool:
     """Whether the kernels run here (AVX512-BF16) and agree with the dequantizing reference:
-    int4 on every path (tiles of rows, the weight decoded into tiles or as W^T: the latter's
-    matmul where the CPU has AMX), a partial row block, float32 and bfloat16 activations and a
-    group of 64; int8 on a partial and a whole row block, with an odd input count."""
+    int4 on both paths (tiles of rows and the decoded weight: the AMX kernel's where it runs),
+    a partial row block, float32 and bfloat16 activations and a group of 64; int8 on a partial
+    and a whole row block, with an odd input count."""
     lib = _library()
     if lib is None or not cpu_kernels.available():
         return False
@@ -229,8 +218,6 @@ def available() -> bool:
             return _disagrees("build")
         if decoded is not None and decoded.float().sub(q.dequantize()).abs().max() > 2e-2:
             return _disagrees("decoded int4 weight")
-        if decoded is not None and not torch.equal(weight.dequantize_transposed().t(), decoded):
-            return _disagrees("int4 weight decoded as W^T")
         want = q.linear(x.float())
         # bfloat16 weights and activations: ~3 significant digits of the output's scale.
         if (got - want).abs().max() > 2e-2 * want.abs().max():

@@ -18,12 +18,14 @@ def _has_amx() -> bool:
 
 
 def test_the_kernel_runs_exactly_where_the_cpu_has_avx512_bf16():
-    # ...and the CPU table picks it there unless the CPU has AMX, which oneDNN uses.
+    # ...and the CPU table picks the tile layout there; where the CPU has AMX too, the AMX kernel
+    # must run (oneDNN, which uses AMX, beats the tile loop, so without it oneDNN would stay).
     assert cpu_linear.available() == _has_avx512_bf16()
-    assert cpu_linear.preferred() == (_has_avx512_bf16() and not _has_amx())
+    assert cpu_linear.amx_runs() == (_has_avx512_bf16() and _has_amx())
+    assert cpu_linear.preferred() == _has_avx512_bf16()
 
 
-# Where the CPU table picks the kernel (AVX512-BF16 without AMX).
+# Where the CPU table picks the tile layout (AVX512-BF16).
 picked = pytest.mark.skipif(not cpu_linear.preferred(),
                             reason="the CPU table keeps oneDNN for bfloat16 weights here")
 
@@ -53,6 +55,26 @@ def test_bf16_linear_computes_f_linear(rows, in_f, dtype):
     want = F.linear(x.to(torch.bfloat16).float(), w.float(), bias.float())
     assert ((got.float() - want).abs() <= _bound(x, w, bias)).all()
     assert torch.equal(weight.dense(), w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kernel", ["bf16_linear", "bf16_amx_linear"])
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 300])
+@pytest.mark.parametrize("out_f", [48, 64])  # an odd and an even number of 16-output tiles
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_tile_kernel_computes_f_linear(kernel, rows, out_f, dtype):
+    # The AVX512-BF16 loop and, where the CPU has AMX, the AMX kernel, each called directly on
+    # the same tile layout (inputs in whole A tiles of 32: what Bf16Linear pads to for AMX).
+    if kernel == "bf16_amx_linear" and not cpu_linear.amx_runs():
+        pytest.skip("the CPU lacks AMX")
+    w = _weight(out_f, 96, seed=rows).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(out_f)
+    bias = torch.randn(out_f, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    got = cpu_linear._tiles_forward(x, cpu_linear.tile_layout(w), bias, kernel)
+    assert got.dtype == dtype and got.shape == (rows, out_f)
+    want = F.linear(x.to(torch.bfloat16).float(), w.float(), bias.float())
+    assert ((got.float() - want).abs() <= _bound(x, w, bias)).all()
 
 
 @needs_kernel

@@ -55,8 +55,9 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("amx_path", [False, True], ids=["tile-loops", "amx-matmul"])
 def test_int4_linear_computes_the_dequantize_reference(group, rows, dtype, amx_path):
     # 208 inputs: padded to whole groups of 64 and 128 (zero inputs meet the padding).
-    # The AMX path (from AMX_MATMUL_ROWS rows, the weight decoded as W^T for torch's bfloat16
-    # matmul) is forced on here, so that a CPU without AMX checks it too, only slower.
+    # The AMX path (from AMX_MATMUL_ROWS rows, the weight decoded into bfloat16 tiles for the AMX
+    # kernel) is forced on here, so that a CPU without AMX checks its choice of rows too (with
+    # the bfloat16 tile loop in the kernel's place).
     out_f, in_f = 96, 208 if group > 32 else 192
     q = quant.quantize_int4(_weight(out_f, in_f, seed=rows), group)
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(group)).to(dtype)
@@ -108,7 +109,7 @@ def test_rows_in_a_batch_do_not_change_each_others_results():
     # Every row goes through the same tile code whatever else is in the batch (decode rows
     # batched with others must get the logits they get alone, up to the block they fall in),
     # below the row counts where the weight is decoded whole (DEQUANTIZE_ROWS; on a CPU with
-    # AMX, AMX_MATMUL_ROWS: its matmul rounds as oneDNN does). The 33 rows here stand for a
+    # AMX, AMX_MATMUL_ROWS: the decoded weight rounds otherwise). The 33 rows here stand for a
     # batch of decodes, so the AMX path is held off.
     q = quant.quantize_int4(_weight(64, 128, seed=7), 32)
     weight = cpu_quant.prepare(q)
@@ -132,25 +133,15 @@ def test_the_decoded_weight_is_the_reference_in_bfloat16():
 
 
 @needs_kernel
-@pytest.mark.parametrize("group", [32, 128])
-def test_the_weight_decoded_as_w_transposed_is_the_tile_decode_transposed(group):
-    q = quant.quantize_int4(_weight(80, 256, seed=group), group)
-    weight = cpu_quant.prepare(q)
-    transposed = weight.dequantize_transposed()
-    assert transposed.shape == (256, 80) and transposed.is_contiguous()
-    assert torch.equal(transposed.t(), weight.dequantize())
-
-
-@needs_kernel
-def test_the_amx_matmul_is_taken_exactly_where_the_cpu_has_amx():
+def test_the_amx_path_is_taken_exactly_where_the_cpu_has_amx():
     weight = cpu_quant.prepare(quant.quantize_int4(_weight(32, 64, seed=6), 32))
     assert weight.matmul_rows == (cpu_quant.AMX_MATMUL_ROWS if _has_amx() else 0)
 
 
 @needs_kernel
-def test_float32_activations_keep_the_tile_loops_float32_sums():
-    # oneDNN's bfloat16 matmul rounds its output to bfloat16; float32 activations get float32
-    # outputs from the tile loops, so the AMX path does not take them.
+def test_float32_activations_keep_the_int4_loops_sums_below_dequantize_rows():
+    # The AMX path decodes the weight to bfloat16 values and rounds as the bfloat16 kernels do;
+    # float32 activations keep the int4 loop's sums until DEQUANTIZE_ROWS, as without AMX.
     weight = cpu_quant.prepare(quant.quantize_int4(_weight(64, 128, seed=2), 32))
     x = torch.randn(cpu_quant.AMX_MATMUL_ROWS + 1, 128, generator=torch.Generator().manual_seed(3))
     weight.matmul_rows = 0
