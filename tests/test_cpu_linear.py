@@ -9,12 +9,13 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import cpu_linear, onednn
-from tests.test_cpu_quant import _has_avx512_bf16, _weight, assert_reads_like, needs_kernel
-
-
-def _has_amx() -> bool:
-    with open("/proc/cpuinfo", encoding="utf-8") as info:
-        return any(line.startswith("flags") and " amx_bf16" in line for line in info)
+from tests.test_cpu_quant import (
+    _has_amx,
+    _has_avx512_bf16,
+    _weight,
+    assert_reads_like,
+    needs_kernel,
+)
 
 
 def test_the_kernel_runs_exactly_where_the_cpu_has_avx512_bf16():

@@ -10,12 +10,20 @@ import kernels
 from kernels import cpu_quant, quant
 
 
-def _has_avx512_bf16() -> bool:
+def _cpu_flag(flag: str) -> bool:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in info)
+            return any(line.startswith("flags") and f" {flag}" in line for line in info)
     except OSError:
         return False
+
+
+def _has_avx512_bf16() -> bool:
+    return _cpu_flag("avx512_bf16")
+
+
+def _has_amx() -> bool:
+    return _cpu_flag("amx_bf16")
 
 
 # Where the CPU has AVX512-BF16 and a compiler is present, the kernel must build and pass its
@@ -25,14 +33,6 @@ needs_kernel = pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU lacks 
 
 def test_the_kernel_is_used_exactly_where_the_cpu_has_avx512_bf16():
     assert cpu_quant.available() == _has_avx512_bf16()
-
-
-def _has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in info)
-    except OSError:
-        return False
 
 
 def _weight(out_f: int, in_f: int, seed: int) -> torch.Tensor:
