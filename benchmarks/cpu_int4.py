@@ -8,11 +8,12 @@ PyTorch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` (the path befo
 and the default float weights (bfloat16 here). For each batch size each
 engine holds that many requests decoding (64-word prompts, greedy, ignore_eos); every round runs
 a few steps of each in turn, so the machine's load falls on all alike. A prefill of 16 fresh
-prompts is timed the same way, and each layer shape's linear at a few row counts. On a CPU with
-AMX a fourth engine holds the same int4 kernels with their AMX path off (`c_int4_tile_loops`:
-from cpu_quant.AMX_MATMUL_ROWS rows the weight decoded as W^T for oneDNN's matmul, the path
-before it). Prints one JSON object: the machine, the median step times, and the ratios against
-PyTorch's op, against bfloat16 weights and, with AMX, against the tile loops.
+prompts is timed the same way, and each layer shape's linear at a few row counts. Where the AMX
+kernel runs (kernels/cpu_linear.amx_runs), a fourth engine holds the same int4 kernels with
+their AMX row rule off (`c_int4_tile_loops`: the int4 loop up to cpu_quant.DEQUANTIZE_ROWS rows,
+instead of the weight decoded for the AMX kernel from cpu_quant.AMX_MATMUL_ROWS). Prints one
+JSON object: the machine, the median step times, and the ratios against PyTorch's op, against
+bfloat16 weights and, with AMX, against the int4 loop.
 
     python benchmarks/cpu_int4.py                   # batch 1 and 16, 10 rounds
     python benchmarks/cpu_int4.py --batch 16 --rounds 4
@@ -54,7 +55,7 @@ def engines() -> dict[str, LLM]:
     with mock.patch.object(cpu_quant, "prepare", return_value=None):  # no kernel: the fallback
         out["pytorch_int4"] = LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))
     out["bfloat16"] = LLM(EngineConfig("smollm2-135m-instruct"))
-    if cpu_linear.has_amx():
+    if cpu_linear.amx_runs():
         out["c_int4_tile_loops"] = LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))
         for layer in out["c_int4_tile_loops"].model.layers:
             for kernel in (layer.qkv, layer.o, layer.gate_up, layer.down):

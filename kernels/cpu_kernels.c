@@ -646,9 +646,9 @@ int int8_linear(const void *x, const int8_t *codes, const uint16_t *scales, void
  * time into two accumulator tiles, sharing the A tile; rows go in blocks of 16 inside each pair
  * of weight tiles, so a prefill's weight tile stays in cache across its row blocks. On a 2-core
  * Xeon with AMX it ran the demo model's 30 layers' linears (cold weights) 1.5-2.2x faster than
- * oneDNN's packed bfloat16 matmul from 1 to 512 rows. */
-/* Tiles: 0 and 1 accumulate two weight tiles' outputs, 2 holds the activations, 3 and 4 the two
- * weight tiles (GCC's tile intrinsics take the register number as a literal). */
+ * oneDNN's packed bfloat16 matmul from 1 to 512 rows. Tile registers: 0 and 1 accumulate the
+ * two weight tiles' outputs, 2 holds the activations, 3 and 4 the two weight tiles (GCC's tile
+ * intrinsics take the register number as a literal). */
 
 /* Linux hands out AMX's tile state only to a process that asks (else its first tile
  * instruction is SIGILL): 0 once granted. */

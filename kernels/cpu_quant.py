@@ -156,7 +156,6 @@ class Int4Linear:
         """The weight as bfloat16 [out, padded_in]."""
         return untile(_int4_decoded(self.codes, self.scales, self.mins, self.group_size))
 
-
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         forward = (torch.ops.servescope.int4_linear if torch.compiler.is_compiling()
                    else _int4_forward)
