@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,13 +64,31 @@ def _sqlite_pragmas(busy_timeout_ms: int):
         # WAL lets the GUI read while the writer writes; the busy timeout rides out short locks
         # instead of failing at once; NORMAL sync is durable at each WAL commit, enough here.
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
+        _enter_wal(cur, busy_timeout_ms)
         cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()
 
     return apply
+
+
+def _enter_wal(cur, busy_timeout_ms: int) -> None:
+    """Turn the file to WAL, waiting out other programs doing the same for the busy timeout.
+
+    Two connections turning a new file to WAL at once both hold a read lock and want the
+    write lock; SQLite sees the deadlock and answers "locked" at once instead of calling the
+    busy handler, so the app and `servescope record` started together on a fresh file could
+    fail. The other one is done within milliseconds: retry until the busy timeout."""
+    deadline = time.monotonic() + busy_timeout_ms / 1000
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
 
 
 def create_db_engine(url: str | sa.URL, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Engine:
