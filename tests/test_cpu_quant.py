@@ -52,7 +52,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, cpu_quant.DEQUANTIZE_ROWS + 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("amx_path", [False, True], ids=["tile-loops", "amx-matmul"])
+@pytest.mark.parametrize("amx_path", [False, True], ids=["tile-loops", "amx-path"])
 def test_int4_linear_computes_the_dequantize_reference(group, rows, dtype, amx_path):
     # 208 inputs: padded to whole groups of 64 and 128 (zero inputs meet the padding).
     # The AMX path (from AMX_MATMUL_ROWS rows, the weight decoded into bfloat16 tiles for the AMX

@@ -232,6 +232,8 @@ def test_programs_opening_one_new_database_at_once_all_open_it(tmp_path):
         open_database(f"sqlite:///{folder}/{own}.db").close()
         for round_ in range(rounds):
             at = start + 0.25 * round_
+            # Sleep, then spin the last 20 ms: a sleep alone wakes the programs too far apart
+            # for their first statements to meet.
             time.sleep(max(0.0, at - 0.02 - time.time()))
             while time.time() < at:
                 pass
