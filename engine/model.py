@@ -55,6 +55,13 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         head = take.head(self.embed)
         self._prepare_linears(head)
+        # The decode step's layers in one kernel call, where the table has one for these
+        # weights (else None: the loop below runs every step).
+        self.decode_stack = self.ops.prepare_decode_stack(self.layers, {
+            "hidden": config.hidden_size, "heads": config.num_heads,
+            "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+            "intermediate": config.intermediate_size, "eps": config.rms_norm_eps,
+            "scale": config.head_dim ** -0.5})
         # Bytes held, as prepared: a tied head re-laid out or quantized is a second matrix
         # beside the embedding (whose lookup needs the original).
         self.weight_bytes = sum(weight_nbytes(w) for w in self._weights())
@@ -94,6 +101,12 @@ class LlamaModel:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.cos[positions], self.sin[positions]
         h = F.embedding(input_ids, self.embed)
+        fused = (self.decode_stack.run(h, cos, sin, meta, kv_caches)
+                 if self.decode_stack is not None and ops is self.ops else None)
+        if fused is not None:
+            h, residual = fused
+            h, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
+            return h
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x, residual = ops.rms_norm(h, layer.input_norm, c.rms_norm_eps, residual)

@@ -20,6 +20,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def prepare_decode_stack(layers: list, dims: dict) -> None:
+    """No fused decode step here: the model runs its layers op by op (kernels/cpu_layers.py
+    has the CPU's)."""
+    return None
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,103 @@
+"""A decode step's layers in one C call (kernels/cpu_layers.py, cpu_kernels.c's decode_layers)
+against the model's own op-by-op loop, on the demo model's real weights: the same tokens and
+the same log-probabilities to the bit, and the loop wherever the call does not apply."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from kernels import cpu_kernels, cpu_layers, cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.preferred(),
+                                reason="bfloat16 weights keep oneDNN's layout on this CPU")
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
+           "List three prime numbers:", "Once upon a time, in a small village,",
+           "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def llm(demo_gguf):
+    return LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=2048)
+
+
+class _Calls:
+    """Counts the steps DecodeStack.run took (a result) and left to the loop (None)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.fused = self.declined = 0
+        real = cpu_layers.DecodeStack.run
+
+        def run(stack, *args):
+            out = real(stack, *args)
+            if out is None:
+                self.declined += 1
+            else:
+                self.fused += 1
+            return out
+
+        monkeypatch.setattr(cpu_layers.DecodeStack, "run", run)
+
+
+def _generate(llm, prompts, **params):
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
+                                                ignore_eos=True, **params))
+    return [(o.token_ids, [(t.logprob, t.top) for t in o.logprobs]) for o in outs]
+
+
+def _without_stack(llm, run):
+    stack, llm.model.decode_stack = llm.model.decode_stack, None
+    try:
+        return run()
+    finally:
+        llm.model.decode_stack = stack
+
+
+@pytest.mark.parametrize("count", [1, len(PROMPTS)])
+def test_decode_steps_run_in_one_call_and_match_the_loop_to_the_bit(llm, monkeypatch, count):
+    # Prompts of different lengths: ragged contexts in one batch, each row its own keys.
+    calls = _Calls(monkeypatch)
+    fused = _generate(llm, PROMPTS[:count])
+    assert calls.fused >= 23 and calls.declined == 0  # every decode step; prefills never ask
+    assert _without_stack(llm, lambda: _generate(llm, PROMPTS[:count])) == fused
+    assert calls.fused >= 23  # the loop's run did not call it
+
+
+def test_the_call_is_prepared_for_the_tile_layout_only(demo_gguf, llm):
+    assert llm.model.decode_stack is not None
+    assert llm.model.decode_stack.amx == cpu_linear.amx_runs()
+    for option in ({"dtype": "float32"}, {"dtype": "bfloat16", "weights": "int4"}):
+        other = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256, **option)
+        assert other.model.decode_stack is None, option
+
+
+def test_a_quantized_cache_or_eviction_statistics_take_the_loop(demo_gguf, monkeypatch):
+    calls = _Calls(monkeypatch)
+    for option in ({"kv_cache_dtype": "int8"}, {"kv_policy": "h2o", "kv_budget": 64}):
+        other = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=512,
+                    **option)
+        [out] = other.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8,
+                                                            ignore_eos=True))
+        assert len(out.token_ids) == 8, option
+    assert calls.fused == 0
+
+
+def test_a_refusing_kernel_leaves_the_step_to_the_loop_unchanged(llm, monkeypatch):
+    # decode_layers answers -1 for a failed allocation: the step is run again op by op, and the
+    # cache slots it may have written are rewritten with the same values.
+    want = _without_stack(llm, lambda: _generate(llm, PROMPTS[:2]))
+    real = cpu_kernels._library()
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_layers(self, *args):
+            real.decode_layers(*args)  # writes the cache, then "fails"
+            return -1
+
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: Refusing())
+    calls = _Calls(monkeypatch)
+    assert _generate(llm, PROMPTS[:2]) == want
+    assert calls.declined >= 23 and calls.fused == 0
