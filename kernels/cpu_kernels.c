@@ -777,29 +777,63 @@ int bf16_amx_linear(const void *x, const uint16_t *w, const uint16_t *bias, void
 
 /* ---- a decode step's decoder layers in one call ----
  * The Llama decoder layer of engine/model.py, layer after layer, for a step whose rows are all
- * decode rows (one query each), bfloat16 throughout, weights in bf16_linear's tile layout: the
- * same kernels the model calls one by one from Python, in the same order on the same values, so
- * the result is the same to the bit. From Python each layer was ten calls (norms, four linears,
- * rotary, the cache write, attention, SwiGLU) at 20-40 us of call overhead each against a few
- * us of arithmetic for the small ones; here a step's layers are one call.
+ * decode rows (one query each), bfloat16 activations, weights in the tile kernels' layouts
+ * (bfloat16, int4, per-channel int8): the same kernels the model calls one by one from Python,
+ * in the same order on the same values, so the result is the same to the bit. From Python each
+ * layer was ten calls (norms, four linears, rotary, the cache write, attention, SwiGLU) at 20-40
+ * us of call overhead each against a few us of arithmetic for the small ones; here a step's
+ * layers are one call.
  *
- * table: 9 pointers per layer (input norm, qkv tiles, qkv bias or 0, o tiles, post-attention
- * norm, gate_up tiles, down tiles, k cache, v cache); caches [slots, kv_heads, dim]. h [n,
- * hidden] is the embeddings in and the last layer's output out; residual [n, hidden] the
- * residual stream out (the model's final norm adds the two). cos, sin [n, dim]; slot_mapping
- * [n]; slots [n, width] and lengths [n] as decode_attention takes them. amx: the linears on
- * AMX's tile units (bf16_amx_linear) rather than the AVX512-BF16 loop. Returns 0, or -1 (a
- * kernel refused or no memory): the caller then runs the step the long way, which rewrites the
- * cache slots this call may have written with the same values. */
-typedef int (*LinearFn)(const void *, const uint16_t *, const uint16_t *, void *, int64_t,
-                        int64_t, int64_t, int, int);
+ * table: per layer, the input norm, the post-attention norm, the k and v caches ([slots,
+ * kv_heads, dim]), then the qkv, o, gate_up and down linears as LINEAR_FIELDS values each: the
+ * kind (LINEAR_BF16: tiles, bias or 0; LINEAR_INT4: codes, scales, mins, group size;
+ * LINEAR_INT8: codes, scales). h [n, hidden] is the embeddings in and the last layer's output
+ * out; residual [n, hidden] the residual stream out (the model's final norm adds the two). cos,
+ * sin [n, dim]; slot_mapping [n]; slots [n, width] and lengths [n] as decode_attention takes
+ * them. amx: bfloat16 products with whole A tiles on AMX's tile units (bf16_amx_linear);
+ * int4_whole: int4 weights decoded whole into bfloat16 tiles for the bfloat16 kernels rather
+ * than multiplied by int4_linear (kernels/cpu_quant.py's choice for this many rows). Returns 0, or -1 (a kernel refused or no memory): the caller then
+ * runs the step the long way, which rewrites the cache slots this call may have written with
+ * the same values. */
+enum { LINEAR_BF16 = 0, LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_FIELDS = 5, LAYER_FIELDS = 24 };
+
+static int layer_linear(const int64_t *d, const void *x, void *y, int64_t rows, int64_t in,
+                        int64_t out, int amx, int int4_whole, uint16_t **decoded,
+                        int64_t *decoded_size, int threads) {
+    const int tiles_amx = amx && in % 32 == 0;
+    switch (d[0]) {
+    case LINEAR_BF16:
+        return (tiles_amx ? bf16_amx_linear : bf16_linear)(x, (const uint16_t *)d[1],
+                                                          (const uint16_t *)d[2], y, rows, in,
+                                                          out, 1, threads);
+    case LINEAR_INT4:
+        if (int4_whole) {
+            if (*decoded_size < out * in) { /* one buffer, grown to the largest weight */
+                free(*decoded);
+                *decoded = aligned_alloc(64, (size_t)(out * in) * 2);
+                *decoded_size = *decoded == NULL ? 0 : out * in;
+                if (*decoded == NULL) return -1;
+            }
+            if (int4_dequantize((const uint8_t *)d[1], (const uint16_t *)d[2],
+                                (const uint16_t *)d[3], *decoded, in, out, d[4], threads))
+                return -1;
+            return (tiles_amx ? bf16_amx_linear : bf16_linear)(x, *decoded, NULL, y, rows, in,
+                                                              out, 1, threads);
+        }
+        return int4_linear(x, (const uint8_t *)d[1], (const uint16_t *)d[2],
+                           (const uint16_t *)d[3], y, rows, in, out, d[4], 1, threads);
+    case LINEAR_INT8:
+        return int8_linear(x, (const int8_t *)d[1], (const uint16_t *)d[2], y, rows, in, out, 1,
+                           threads);
+    }
+    return -1;
+}
 
 int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
                   const void *cos, const void *sin, const int64_t *slot_mapping,
                   const int64_t *slots, const int64_t *lengths, int64_t n, int64_t hidden,
                   int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, int64_t width,
-                  float eps, float scale, int amx, int threads) {
-    const LinearFn linear = amx ? bf16_amx_linear : bf16_linear;
+                  float eps, float scale, int amx, int int4_whole, int threads) {
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_width = q_size + 2 * kv_size;
     const int64_t counts[] = {n * hidden, n * qkv_width, n * q_size, n * kv_size, n * q_size,
                               n * 2 * inter, n * inter};
@@ -811,35 +845,39 @@ int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
     for (int i = 0, at = 0; i < 7; at += (int)((counts[i] + 31) / 32 * 32), i++) part[i] = scratch + at;
     uint16_t *x = part[0], *qkv = part[1], *q_out = part[2], *k_out = part[3], *attn = part[4],
              *gate_up = part[5], *act = part[6];
+    uint16_t *decoded = NULL;
+    int64_t decoded_size = 0;
     int failed = 0;
+#define LINEAR(i, from, to, in, out)                                                             \
+    layer_linear(p + 4 + (i) * LINEAR_FIELDS, from, to, n, in, out, amx, int4_whole,              \
+                 &decoded, &decoded_size, threads)
     for (int64_t l = 0; l < layers && !failed; l++) {
-        const int64_t *p = table + 9 * l;
-        const uint16_t *input_norm = (const uint16_t *)p[0], *w_qkv = (const uint16_t *)p[1],
-                       *bias = (const uint16_t *)p[2], *w_o = (const uint16_t *)p[3],
-                       *post_norm = (const uint16_t *)p[4], *w_gate_up = (const uint16_t *)p[5],
-                       *w_down = (const uint16_t *)p[6];
-        uint16_t *k_cache = (uint16_t *)p[7], *v_cache = (uint16_t *)p[8];
+        const int64_t *p = table + LAYER_FIELDS * l;
+        const uint16_t *input_norm = (const uint16_t *)p[0], *post_norm = (const uint16_t *)p[1];
+        uint16_t *k_cache = (uint16_t *)p[2], *v_cache = (uint16_t *)p[3];
         /* The first layer's residual is its input (the model's rms_norm without one). */
         failed |= rms_norm(h, l == 0 ? NULL : residual, input_norm, x, residual, n, hidden, eps, 1,
                            threads);
         if (l == 0) memcpy(residual, h, (size_t)(n * hidden) * 2);
-        failed |= linear(x, w_qkv, bias, qkv, n, hidden, qkv_width, 1, threads);
+        failed |= LINEAR(0, x, qkv, hidden, qkv_width);
         failed |= rotary(qkv, qkv + q_size, cos, sin, q_out, k_out, n, heads, kv_heads, dim,
                          qkv_width, qkv_width, 1, threads);
+        if (failed) break;
         for (int64_t t = 0; t < n; t++) {
             memcpy(k_cache + slot_mapping[t] * kv_size, k_out + t * kv_size, (size_t)kv_size * 2);
             memcpy(v_cache + slot_mapping[t] * kv_size, qkv + t * qkv_width + q_size + kv_size,
                    (size_t)kv_size * 2);
         }
-        if (failed) break;
         failed |= decode_attention(q_out, k_cache, v_cache, attn, slots, lengths, n, heads,
                                    kv_heads, dim, width, scale, 1, threads);
-        failed |= linear(attn, w_o, NULL, h, n, q_size, hidden, 1, threads);
+        failed |= LINEAR(1, attn, h, q_size, hidden);
         failed |= rms_norm(h, residual, post_norm, x, residual, n, hidden, eps, 1, threads);
-        failed |= linear(x, w_gate_up, NULL, gate_up, n, hidden, 2 * inter, 1, threads);
+        failed |= LINEAR(2, x, gate_up, hidden, 2 * inter);
         failed |= silu_and_mul(gate_up, act, n, inter, 1, threads);
-        failed |= linear(act, w_down, NULL, h, n, inter, hidden, 1, threads);
+        failed |= LINEAR(3, act, h, inter, hidden);
     }
+#undef LINEAR
+    free(decoded);
     free(scratch);
     return failed ? -1 : 0;
 }

@@ -1,5 +1,6 @@
-"""A decode step's decoder layers in one C call (cpu_kernels.c's decode_layers), bfloat16 weights
-in the tile layout (kernels/cpu_linear.py).
+"""A decode step's decoder layers in one C call (cpu_kernels.c's decode_layers): bfloat16
+activations, weights in the tile kernels' layouts (bfloat16: kernels/cpu_linear.py; int4 and
+per-channel int8: kernels/cpu_quant.py).
 
 Why: at decode sizes most of a layer's ops are tiny, and each cost 20-40 us of Python, ctypes and
 dispatch in the model's loop (a demo-model step at batch 1 spent ~4 ms of ~22 in RMSNorm,
@@ -14,26 +15,28 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_kernels, cpu_linear
+from kernels import cpu_kernels, cpu_linear, cpu_quant
 from kernels.metadata import AttentionMetadata
 
-_FIELDS = 9  # pointers per layer in the C table
+# A linear's kind in the C table (cpu_kernels.c's LINEAR_*), then four values.
+_BF16, _INT4, _INT8 = 0, 1, 2
 
 
 class DecodeStack:
     """The model's layers as decode_layers takes them; build with `prepare`."""
 
-    def __init__(self, layers: list, dims: dict, amx: bool) -> None:
+    def __init__(self, layers: list, dims: dict, linears: list[list[tuple]],
+                 biases: list) -> None:
         self.dims = dims
-        self.amx = amx
-        # Kept so the pointers stay valid (a bias is converted once here).
-        self._biases = [None if la.qkv_bias is None else
-                        la.qkv_bias.to(torch.bfloat16).contiguous() for la in layers]
-        self._weights = [
-            (la.input_norm.data_ptr(), la.qkv.tiles.data_ptr(),
-             0 if b is None else b.data_ptr(), la.o.tiles.data_ptr(), la.post_norm.data_ptr(),
-             la.gate_up.tiles.data_ptr(), la.down.tiles.data_ptr())
-            for la, b in zip(layers, self._biases, strict=True)]
+        self.amx = cpu_linear.amx_runs()
+        self._biases = biases  # kept: the table points at them
+        self._weights = [(la.input_norm.data_ptr(), la.post_norm.data_ptr(), four)
+                         for la, four in zip(layers, linears, strict=True)]
+        # From how many rows int4 weights are decoded whole for the bfloat16 kernels, as
+        # Int4Linear.linear decides (0: only from DEQUANTIZE_ROWS).
+        int4 = [w for la in layers for w in (la.qkv, la.o, la.gate_up, la.down)
+                if isinstance(w, cpu_quant.Int4Linear)]
+        self._int4_matmul_rows = int4[0].matmul_rows if int4 else 0
         self._table: torch.Tensor | None = None
         self._caches_key: tuple | None = None
 
@@ -48,25 +51,23 @@ class DecodeStack:
         table = self._pointer_table(kv_caches)
         if table is None:
             return None
-        slots = meta.decode_slots
-        if slots.dtype != torch.int64 or not slots.is_contiguous():
-            slots = slots.to(torch.int64).contiguous()
+        slots = _int64(meta.decode_slots)
         lengths = cpu_kernels._lengths(meta)
-        slot_mapping = meta.slot_mapping
-        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
-            slot_mapping = slot_mapping.to(torch.int64).contiguous()
+        slot_mapping = _int64(meta.slot_mapping)
         # A copy: the kernel writes each layer's output over it, and where it refuses, the
         # loop must start again from the embeddings.
         h = h.clone(memory_format=torch.contiguous_format)
         cos, sin = cos.contiguous(), sin.contiguous()
         residual = torch.empty_like(h)
         d = self.dims
+        int4_whole = n >= cpu_quant.DEQUANTIZE_ROWS or (
+            self._int4_matmul_rows and n >= self._int4_matmul_rows)
         status = cpu_kernels._library().decode_layers(
             table.data_ptr(), len(self._weights), h.data_ptr(), residual.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), slots.data_ptr(),
             lengths.data_ptr(), n, d["hidden"], d["heads"], d["kv_heads"], d["head_dim"],
             d["intermediate"], slots.shape[1], d["eps"], d["scale"], int(self.amx),
-            torch.get_num_threads())
+            int(bool(int4_whole)), torch.get_num_threads())
         return (h, residual) if status == 0 else None
 
     def _pointer_table(self, kv_caches: list) -> torch.Tensor | None:
@@ -78,11 +79,16 @@ class DecodeStack:
             self._table = None
             if all(_plain_cache(k) and _plain_cache(v) for k, v in kv_caches) \
                     and len(kv_caches) == len(self._weights):
-                rows = [(*w, k.data_ptr(), v.data_ptr())
-                        for w, (k, v) in zip(self._weights, kv_caches, strict=True)]
+                rows = [(norm, post, k.data_ptr(), v.data_ptr(), *(f for lin in four for f in lin))
+                        for (norm, post, four), (k, v) in zip(self._weights, kv_caches,
+                                                              strict=True)]
                 self._table = torch.tensor(rows, dtype=torch.int64).reshape(-1)
             self._caches_key = key
         return self._table
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def _plain_cache(cache) -> bool:
@@ -90,22 +96,38 @@ def _plain_cache(cache) -> bool:
             and cache.device.type == "cpu" and cache.is_contiguous())
 
 
+def _linear_fields(weight, bias: torch.Tensor | None) -> tuple | None:
+    """A linear's five table values, or None where the C function does not take it: a float
+    weight outside the tile layout, inputs padded for the tiles (the activations are not), or a
+    bias on a quantized weight (its linear adds it in torch)."""
+    if getattr(weight, "padded_in", None) != getattr(weight, "in_features", 0):
+        return None
+    if isinstance(weight, cpu_linear.Bf16Linear):
+        return (_BF16, weight.tiles.data_ptr(), 0 if bias is None else bias.data_ptr(), 0, 0)
+    if bias is not None:
+        return None
+    if isinstance(weight, cpu_quant.Int4Linear):
+        return (_INT4, weight.codes.data_ptr(), weight.scales.data_ptr(),
+                weight.mins.data_ptr(), weight.group_size)
+    if isinstance(weight, cpu_quant.Int8Linear):
+        return (_INT8, weight.codes.data_ptr(), weight.scales.data_ptr(), 0, 0)
+    return None
+
+
 def prepare(layers: list, dims: dict) -> DecodeStack | None:
-    """The layers as one decode call, or None where it does not apply: weights other than
-    bfloat16 in the tile layout (float32, oneDNN's, quantized), inputs padded for the tiles,
-    the four linears not all on one kernel (AMX or the AVX512-BF16 loop), head or model sizes
-    the kernels do not take, or kernels that do not run here."""
-    linears = [w for la in layers for w in (la.qkv, la.o, la.gate_up, la.down)]
-    if not linears or not all(isinstance(w, cpu_linear.Bf16Linear)
-                              and w.padded_in == w.in_features for w in linears):
-        return None
-    kinds = {w.tiles.shape[1] % (cpu_linear.AMX_INPUTS // 2) == 0 and cpu_linear.amx_runs()
-             for w in linears}
-    if len(kinds) != 1:
-        return None
+    """The layers as one decode call, or None where it does not apply: activations other than
+    bfloat16, a linear the C function does not take (_linear_fields), head or model sizes the
+    kernels do not take, or kernels that do not run here."""
     dim = dims["head_dim"]
-    if (dim % 32 or dim > cpu_kernels.MAX_DIM or dims["hidden"] % 16 or dims["intermediate"] % 16
-            or any(la.input_norm.dtype != torch.bfloat16 for la in layers)
-            or not cpu_kernels.available()):
+    if (not layers or any(la.input_norm.dtype != torch.bfloat16 for la in layers)
+            or dim % 32 or dim > cpu_kernels.MAX_DIM or dims["hidden"] % 16
+            or dims["intermediate"] % 16 or not cpu_kernels.available()):
         return None
-    return DecodeStack(layers, dims, kinds.pop())
+    biases = [None if la.qkv_bias is None else la.qkv_bias.to(torch.bfloat16).contiguous()
+              for la in layers]
+    linears = [[_linear_fields(la.qkv, bias), _linear_fields(la.o, None),
+                _linear_fields(la.gate_up, None), _linear_fields(la.down, None)]
+               for la, bias in zip(layers, biases, strict=True)]
+    if any(f is None for four in linears for f in four):
+        return None
+    return DecodeStack(layers, dims, linears, biases)

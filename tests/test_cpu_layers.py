@@ -4,6 +4,8 @@ the same log-probabilities to the bit, and the loop wherever the call does not a
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -15,11 +17,19 @@ pytestmark = pytest.mark.skipif(not cpu_linear.preferred(),
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "List three prime numbers:", "Once upon a time, in a small village,",
            "def fibonacci(n):"]
+# Sixteen: on a CPU with AMX, int4 weights are decoded whole for the AMX kernel from 16 rows.
+MANY = [f"{p} ({i})" for i in range(4) for p in PROMPTS[:4]]
 
 
 @pytest.fixture(scope="module")
 def llm(demo_gguf):
-    return LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=2048)
+    return _llm(demo_gguf, "float")
+
+
+@functools.cache
+def _llm(demo_gguf, weights: str) -> LLM:
+    return LLM(str(demo_gguf), device="cpu", dtype="bfloat16", weights=weights,
+               kv_cache_tokens=2048)
 
 
 class _Calls:
@@ -54,22 +64,25 @@ def _without_stack(llm, run):
         llm.model.decode_stack = stack
 
 
-@pytest.mark.parametrize("count", [1, len(PROMPTS)])
-def test_decode_steps_run_in_one_call_and_match_the_loop_to_the_bit(llm, monkeypatch, count):
+@pytest.mark.parametrize(("weights", "prompts"), [
+    ("float", PROMPTS[:1]), ("float", PROMPTS), ("int4", PROMPTS[:1]), ("int4", MANY),
+    ("int8", PROMPTS)])
+def test_decode_steps_run_in_one_call_and_match_the_loop_to_the_bit(demo_gguf, monkeypatch,
+                                                                      weights, prompts):
     # Prompts of different lengths: ragged contexts in one batch, each row its own keys.
+    llm = _llm(demo_gguf, weights)
+    assert llm.model.decode_stack is not None
     calls = _Calls(monkeypatch)
-    fused = _generate(llm, PROMPTS[:count])
+    fused = _generate(llm, prompts)
     assert calls.fused >= 23 and calls.declined == 0  # every decode step; prefills never ask
-    assert _without_stack(llm, lambda: _generate(llm, PROMPTS[:count])) == fused
+    assert _without_stack(llm, lambda: _generate(llm, prompts)) == fused
     assert calls.fused >= 23  # the loop's run did not call it
 
 
-def test_the_call_is_prepared_for_the_tile_layout_only(demo_gguf, llm):
-    assert llm.model.decode_stack is not None
-    assert llm.model.decode_stack.amx == cpu_linear.amx_runs()
-    for option in ({"dtype": "float32"}, {"dtype": "bfloat16", "weights": "int4"}):
-        other = LLM(str(demo_gguf), device="cpu", kv_cache_tokens=256, **option)
-        assert other.model.decode_stack is None, option
+def test_float32_activations_take_the_loop(demo_gguf):
+    assert _llm(demo_gguf, "float").model.decode_stack.amx == cpu_linear.amx_runs()
+    other = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=256)
+    assert other.model.decode_stack is None
 
 
 def test_a_quantized_cache_or_eviction_statistics_take_the_loop(demo_gguf, monkeypatch):
