@@ -246,12 +246,17 @@ class StepCost:
         # The fixed cost per step: a fitted one, else the engine's, the device's, the default;
         # a fit scales the engine's per-sequence cost by the same factor as its fixed one.
         measured_ms = d.measured_overhead_ms
+        # A device profiled here (it has engines' fitted costs) measured its fixed costs even
+        # where they came out 0 (a step that is all weight reading: servescope's on the 2-core
+        # Xeon with AMX once its layers ran in one call); taking 0 for "not measured" gave it
+        # the default overhead and the ridge blend, and its 52-token prefill 22% over the fit.
+        measured = bool(d.gpu.engines) or measured_ms > 0
         overhead_ms = self.eff.overhead_ms
         if overhead_ms is None:
-            overhead_ms = measured_ms or (DEFAULT_OVERHEAD_MS
-                                          + self.eff.kernel_floor_us * 1e-3 * m.layers)
+            overhead_ms = measured_ms if measured else (
+                DEFAULT_OVERHEAD_MS + self.eff.kernel_floor_us * 1e-3 * m.layers)
         # A measured device's costs were fitted to the plain roofline (engine.device_profile).
-        self.blend = 0.0 if measured_ms else self.eff.ridge_blend
+        self.blend = 0.0 if measured else self.eff.ridge_blend
         scale = overhead_ms / measured_ms if measured_ms else 1.0
         self.overhead = overhead_ms * 1e-3
         self.per_seq = ((engine["per_seq_ms"] * 1e-3 * scale) if engine else 0.0) \

@@ -56,7 +56,9 @@ def test_the_measured_figures_are_real_and_written_beside_the_users_catalog(meas
     config, profile = measured
     assert profile["read_bandwidth_gbs"] > 0.1 and profile["matmul_tflops"]["bf16"] > 0.001
     step = profile["step"]
-    assert step["decode_step_ms"] > step["weights_read_ms"] > 0
+    # Never faster than its weights' read: the bandwidth is at least the step's own.
+    assert step["decode_step_ms"] >= step["weights_read_ms"] > 0
+    assert profile["read_bandwidth_gbs"] >= profile["reduction_gbs"]
     assert step["matmul_ms"] > 0
     assert step["overhead_ms"] == pytest.approx(
         max(0.0, step["decode_step_ms"] - max(step["weights_read_ms"], step["matmul_ms"])),
@@ -108,7 +110,8 @@ def test_servescope_s_own_steps_are_fitted_and_the_planner_gives_them_back(measu
         assert cost.decode_seconds(batch, 0) * 1e3 == pytest.approx(line_ms, rel=0.02)
     # Another engine, or none named, is timed with the device's own figures.
     plain = StepCost(Deployment(d.model, here, "bf16", "bf16", max_seqs=4))
-    assert plain.overhead * 1e3 == pytest.approx(here.step_overhead_ms or 0.3)
+    # (The device's own even where it measured 0: a step that is all weight reading.)
+    assert plain.overhead * 1e3 == pytest.approx(here.step_overhead_ms)
     assert plain.per_seq == 0.0
 
 
