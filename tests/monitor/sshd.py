@@ -74,9 +74,19 @@ class SshdUnavailable(Exception):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports. Each socket stays bound until all are chosen: ports picked one
+    after another, each released at once, can come back equal, and sshd with the "old" port
+    equal to the "bare" one served the old-driver test a PATH without nvidia-smi (seen once in
+    CI: ('up', 'no_nvidia_smi'))."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def keygen(path: Path) -> list[str]:
@@ -91,7 +101,7 @@ class Sshd:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.user = getpass.getuser()
-        self.port, self.bare_port, self.old_port = free_port(), free_port(), free_port()
+        self.port, self.bare_port, self.old_port = free_ports(3)
         self.host_key = root / "host_ed25519"
         self.user_key = root / "user_ed25519"
         self.other_key = root / "other_ed25519"
