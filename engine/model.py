@@ -55,13 +55,6 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         head = take.head(self.embed)
         self._prepare_linears(head)
-        # The decode step's layers in one kernel call, where the table has one for these
-        # weights (else None: the loop below runs every step).
-        self.decode_stack = self.ops.prepare_decode_stack(self.layers, {
-            "hidden": config.hidden_size, "heads": config.num_heads,
-            "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
-            "intermediate": config.intermediate_size, "eps": config.rms_norm_eps,
-            "scale": config.head_dim ** -0.5})
         # Bytes held, as prepared: a tied head re-laid out or quantized is a second matrix
         # beside the embedding (whose lookup needs the original).
         self.weight_bytes = sum(weight_nbytes(w) for w in self._weights())
@@ -71,6 +64,13 @@ class LlamaModel:
         cos, sin = cos_sin_tables(self.inv_freq.cpu(), max_positions)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
         self.scale = config.head_dim ** -0.5
+        # The decode step's layers in one kernel call, where the table has one for these
+        # weights (else None: forward's loop runs every step).
+        self.decode_stack = self.ops.prepare_decode_stack(self.layers, {
+            "hidden": config.hidden_size, "heads": config.num_heads,
+            "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+            "intermediate": config.intermediate_size, "eps": config.rms_norm_eps,
+            "scale": self.scale})
 
     def _prepare_linears(self, head: torch.Tensor) -> None:
         """Put every matmul weight in the layout the kernel backend wants."""

@@ -792,20 +792,22 @@ int bf16_amx_linear(const void *x, const uint16_t *w, const uint16_t *bias, void
  * sin [n, dim]; slot_mapping [n]; slots [n, width] and lengths [n] as decode_attention takes
  * them. amx: bfloat16 products with whole A tiles on AMX's tile units (bf16_amx_linear);
  * int4_whole: int4 weights decoded whole into bfloat16 tiles for the bfloat16 kernels rather
- * than multiplied by int4_linear (kernels/cpu_quant.py's choice for this many rows). Returns 0, or -1 (a kernel refused or no memory): the caller then
- * runs the step the long way, which rewrites the cache slots this call may have written with
- * the same values. */
+ * than multiplied by int4_linear (kernels/cpu_quant.py's decodes_whole for this many rows).
+ * Returns 0, or -1 (a kernel refused or no memory): the caller then runs the step the long
+ * way, which rewrites the cache slots this call may have written with the same values. */
+typedef int (*LinearFn)(const void *, const uint16_t *, const uint16_t *, void *, int64_t,
+                        int64_t, int64_t, int, int);
 enum { LINEAR_BF16 = 0, LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_FIELDS = 5, LAYER_FIELDS = 24 };
 
 static int layer_linear(const int64_t *d, const void *x, void *y, int64_t rows, int64_t in,
                         int64_t out, int amx, int int4_whole, uint16_t **decoded,
                         int64_t *decoded_size, int threads) {
-    const int tiles_amx = amx && in % 32 == 0;
+    /* bfloat16 tiles on AMX's units where the inputs are whole A tiles, as bf16_forward picks */
+    const LinearFn bf16 = amx && in % 32 == 0 ? bf16_amx_linear : bf16_linear;
     switch (d[0]) {
     case LINEAR_BF16:
-        return (tiles_amx ? bf16_amx_linear : bf16_linear)(x, (const uint16_t *)d[1],
-                                                          (const uint16_t *)d[2], y, rows, in,
-                                                          out, 1, threads);
+        return bf16(x, (const uint16_t *)d[1], (const uint16_t *)d[2], y, rows, in, out, 1,
+                    threads);
     case LINEAR_INT4:
         if (int4_whole) {
             if (*decoded_size < out * in) { /* one buffer, grown to the largest weight */
@@ -817,8 +819,7 @@ static int layer_linear(const int64_t *d, const void *x, void *y, int64_t rows, 
             if (int4_dequantize((const uint8_t *)d[1], (const uint16_t *)d[2],
                                 (const uint16_t *)d[3], *decoded, in, out, d[4], threads))
                 return -1;
-            return (tiles_amx ? bf16_amx_linear : bf16_linear)(x, *decoded, NULL, y, rows, in,
-                                                              out, 1, threads);
+            return bf16(x, *decoded, NULL, y, rows, in, out, 1, threads);
         }
         return int4_linear(x, (const uint8_t *)d[1], (const uint16_t *)d[2],
                            (const uint16_t *)d[3], y, rows, in, out, d[4], 1, threads);

@@ -32,8 +32,7 @@ class DecodeStack:
         self._biases = biases  # kept: the table points at them
         self._weights = [(la.input_norm.data_ptr(), la.post_norm.data_ptr(), four)
                          for la, four in zip(layers, linears, strict=True)]
-        # From how many rows int4 weights are decoded whole for the bfloat16 kernels, as
-        # Int4Linear.linear decides (0: only from DEQUANTIZE_ROWS).
+        # Int4Linear's matmul_rows, for cpu_quant.decodes_whole (0: without int4 weights).
         int4 = [w for la in layers for w in (la.qkv, la.o, la.gate_up, la.down)
                 if isinstance(w, cpu_quant.Int4Linear)]
         self._int4_matmul_rows = int4[0].matmul_rows if int4 else 0
@@ -60,14 +59,13 @@ class DecodeStack:
         cos, sin = cos.contiguous(), sin.contiguous()
         residual = torch.empty_like(h)
         d = self.dims
-        int4_whole = n >= cpu_quant.DEQUANTIZE_ROWS or (
-            self._int4_matmul_rows and n >= self._int4_matmul_rows)
+        int4_whole = cpu_quant.decodes_whole(n, self._int4_matmul_rows, bf16=True)
         status = cpu_kernels._library().decode_layers(
             table.data_ptr(), len(self._weights), h.data_ptr(), residual.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), slots.data_ptr(),
             lengths.data_ptr(), n, d["hidden"], d["heads"], d["kv_heads"], d["head_dim"],
             d["intermediate"], slots.shape[1], d["eps"], d["scale"], int(self.amx),
-            int(bool(int4_whole)), torch.get_num_threads())
+            int(int4_whole), torch.get_num_threads())
         return (h, residual) if status == 0 else None
 
     def _pointer_table(self, kv_caches: list) -> torch.Tensor | None:

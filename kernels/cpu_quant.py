@@ -95,15 +95,21 @@ def _int4_decoded(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
     return w
 
 
+def decodes_whole(rows: int, matmul_rows: int, bf16: bool) -> bool:
+    """Whether an int4 linear over `rows` rows decodes its weight once into bfloat16 tiles for
+    the bfloat16 kernels rather than running the int4 tile loop: from DEQUANTIZE_ROWS rows, or
+    from `matmul_rows` rows of bfloat16 activations (0: never)."""
+    return rows >= DEQUANTIZE_ROWS or bool(matmul_rows and rows >= matmul_rows and bf16)
+
+
 def _int4_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                   mins: torch.Tensor, group_size: int, matmul_rows: int = 0) -> torch.Tensor:
     """x @ W^T for an int4 weight in pack's layout: the int4 tile loop, or the weight decoded
-    once into bfloat16 tiles for bf16_forward (the AMX kernel or the bfloat16 tile loop) from
-    DEQUANTIZE_ROWS rows, or from `matmul_rows` rows of bfloat16 activations (0: never)."""
+    once into bfloat16 tiles for bf16_forward (the AMX kernel or the bfloat16 tile loop) where
+    decodes_whole says so."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows >= DEQUANTIZE_ROWS or (matmul_rows and rows >= matmul_rows
-                                   and x.dtype == torch.bfloat16):
+    if decodes_whole(rows, matmul_rows, x.dtype == torch.bfloat16):
         return bf16_forward(x, _int4_decoded(codes, scales, mins, group_size), None)
     return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: _library().int4_linear(
         x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
