@@ -99,13 +99,14 @@ def classify_error(exc: Exception, url: str, timeout_s: float) -> tuple[str, str
     if isinstance(exc, FetchError):
         return exc.reason, str(exc)
     text = str(exc)
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx.TimeoutException | TimeoutError):  # aiohttp times out with these
         return "timeout", f"{url} did not answer within {timeout_s:g} s"
     if "CERTIFICATE_VERIFY_FAILED" in text or "certificate" in text.lower():
         return "tls", f"the TLS certificate of {url} could not be verified ({text})"
     if isinstance(exc, httpx.ConnectError):
         reason = "refused" if "refused" in text.lower() else "connect"
         return reason, f"cannot connect to {url} ({text})"
+
     return "error", f"{url} failed: {text or type(exc).__name__}"
 
 

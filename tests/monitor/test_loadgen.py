@@ -310,3 +310,78 @@ def test_record_attaches_slo_rules_to_every_server(serve_text, tmp_path, capsys)
                  f"a={server.url}", "--slo-tpot-ms", "50", "--duration", "0.5", "--json"])
     assert code == 0 and json.loads(capsys.readouterr().out)["alerts"] == []  # no TPOT data yet
     assert main(["record", "--server", server.url, "--slo-window", "0", "--json"]) == 2
+
+
+class _LyingServer:
+    """Answers every request with `reply` (raw bytes after the request is read), then holds the
+    connection open for `hold_s` or closes it: a stalled, truncated or garbled stream."""
+
+    def __init__(self, reply: bytes, hold_s: float = 0.0) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.reply, self.hold_s = reply, hold_s
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            announced = re.search(rb"(?i)content-length: *(\d+)", head)
+            length = int(announced.group(1)) if announced else 0
+            while len(body) < length:
+                body += conn.recv(65536)
+            conn.sendall(self.reply)
+            time.sleep(self.hold_s)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+               b"transfer-encoding: chunked\r\n\r\n")
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+TOKEN_EVENT = b'data: {"choices": [{"text": " tok"}]}\n\n'
+
+
+@pytest.mark.parametrize(("reply", "hold_s", "expected"), [
+    # one token, then nothing: the read timeout ends it
+    (STREAM_HEAD + _chunk(TOKEN_EVENT), 8.0, "did not answer within 0.5 s"),
+    # the connection closes in the middle of a chunk
+    (STREAM_HEAD + _chunk(TOKEN_EVENT) + b"40\r\ndata: {", 0.0, "failed: "),
+    # a data line that is not JSON
+    (STREAM_HEAD + _chunk(b"data: {not json\n\n"), 0.0, "sent a stream line that is not JSON"),
+    # a data line that is not UTF-8
+    (STREAM_HEAD + _chunk(b"data: \xff\xfe\n\n"), 0.0, "not UTF-8 text"),
+    # a line of 2 MiB without an end
+    (STREAM_HEAD + _chunk(b"data: " + b"x" * 2**21), 0.0, "Got more than 2097152 bytes"),
+    # a body that says it is a stream and is not HTTP at all
+    (b"SSH-2.0-OpenSSH_9.2\r\n", 0.0, "failed: "),
+], ids=["stalls", "truncated", "not-json", "not-utf8", "endless-line", "not-http"])
+def test_a_lying_server_gives_each_request_a_sentence_and_the_run_ends(reply, hold_s, expected):
+    server = _LyingServer(reply, hold_s)
+    try:
+        started = time.monotonic()
+        s = run_load(LoadSpec(server.url, requests=2, concurrency=2, output_len=4,
+                              timeout_s=0.5, server_estimates=False)).summary
+    finally:
+        server.close()
+    assert (s["completed"], s["failed"]) == (0, 2), s
+    assert len(s["errors"]) == 1 and expected in s["errors"][0], s["errors"]
+    assert s["errors"][0].startswith(server.url) or "cannot connect" in s["errors"][0]
+    assert not re.search(r"[A-Z][a-z]+(Error|Exception)\b", s["errors"][0]), s["errors"]
+    assert time.monotonic() - started < max(hold_s, 5.0)  # a stall is cut at the timeout
