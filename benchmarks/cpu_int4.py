@@ -11,9 +11,12 @@ a few steps of each in turn, so the machine's load falls on all alike. A prefill
 prompts is timed the same way, and each layer shape's linear at a few row counts. Where the AMX
 kernel runs (kernels/cpu_linear.amx_runs), a fourth engine holds the same int4 kernels with
 their AMX row rule off (`c_int4_tile_loops`: the int4 loop up to cpu_quant.DEQUANTIZE_ROWS rows,
-instead of the weight decoded for the AMX kernel from cpu_quant.AMX_MATMUL_ROWS). Prints one
-JSON object: the machine, the median step times, and the ratios against PyTorch's op, against
-bfloat16 weights and, with AMX, against the int4 loop.
+instead of int4_amx_linear from cpu_quant.AMX_MATMUL_ROWS), and a fifth runs the paths before
+the AMX int4 / int8 kernels (`c_int4_decoded_whole`: each int4 weight decoded whole into bfloat16
+tiles for the bfloat16 AMX kernel where int4_amx_linear would run, from 16 rows as then, and the
+int8 LM head on the int8 loop at every row count). Prints one JSON object: the machine, the
+median step times, and the ratios against PyTorch's op, against bfloat16 weights and, with AMX,
+against the int4 loop and the paths before.
 
     python benchmarks/cpu_int4.py                   # batch 1 and 16, 10 rounds
     python benchmarks/cpu_int4.py --batch 16 --rounds 4
@@ -60,12 +63,35 @@ def engines() -> dict[str, LLM]:
         for layer in out["c_int4_tile_loops"].model.layers:
             for kernel in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 kernel.matmul_rows = 0
+        whole = out["c_int4_decoded_whole"] = LLM(EngineConfig("smollm2-135m-instruct",
+                                                               weights="int4"))
+        whole.step = decoding_whole(whole.step)
+        whole.model.lm_head.matmul_rows = 0
     kinds = {side: type(llm.model.layers[0].qkv).__name__ for side, llm in out.items()}
     if kinds["c_int4"] != "Int4Linear" or not isinstance(out["c_int4"].model.lm_head,
                                                            cpu_quant.Int8Linear):
         raise SystemExit("The int4 kernel does not run here (it needs AVX512-BF16 and a C "
                          f"compiler; the engine holds {kinds['c_int4']}): nothing to compare.")
     return out
+
+
+def decoding_whole(fn):
+    """fn run with int4_amx_linear's rows sent where they went before it (both the model's
+    linears and the one-call decode step ask cpu_quant.int4_path): the whole decode from 16
+    rows, the int4 loop below."""
+    def path(rows: int, matmul_rows: int, bf16: bool) -> int:
+        chosen = real_path(rows, matmul_rows, bf16)
+        if chosen != cpu_quant.INT4_AMX:
+            return chosen
+        return cpu_quant.INT4_WHOLE if rows >= 16 else cpu_quant.INT4_TILES
+
+    real_path = cpu_quant.int4_path
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with mock.patch.object(cpu_quant, "int4_path", path):
+            return fn(*args, **kwargs)
+    return run
 
 
 def decode_steps(llms: dict[str, LLM], batch: int, rounds: int, steps: int) -> dict:
@@ -82,7 +108,7 @@ def prefill_steps(llms: dict[str, LLM], prompts: int, rounds: int) -> dict:
 
 def layer_linears(llm: LLM, rounds: int) -> dict:
     """Each layer shape's linear and the LM head at decode and prefill row counts: the kernel
-    (int4: its tile loop below cpu_quant.DEQUANTIZE_ROWS rows, the decoded weight from there),
+    (int4: by cpu_quant.int4_path; with AMX also `c_decoded_whole`, the weight decoded whole),
     PyTorch's op on the same codes, and oneDNN bfloat16 on the same weight decoded."""
     layer = llm.model.layers[0]
     kernels = {name: getattr(layer, name) for name in ("qkv", "o", "gate_up", "down")}
@@ -99,6 +125,9 @@ def layer_linears(llm: LLM, rounds: int) -> dict:
             times = {"c": _time(functools.partial(kernel.linear, x), rounds),
                      "pytorch": _time(functools.partial(theirs.linear, x), rounds),
                      "bfloat16": _time(functools.partial(onednn.linear, x, dense), rounds)}
+            if codes.bits == 4 and cpu_linear.amx_runs():
+                times["c_decoded_whole"] = _time(decoding_whole(
+                    functools.partial(kernel.linear, x)), rounds)
             out[shape][str(rows)] = {side: round(t, 1) for side, t in times.items()}
     return out
 
@@ -128,6 +157,7 @@ def _summary(step_ms: dict) -> dict:
               "c_over_bfloat16": ("bfloat16", "c_int4")}
     if "c_int4_tile_loops" in step_ms:
         ratios["amx_over_tile_loops"] = ("c_int4_tile_loops", "c_int4")
+        ratios["amx_over_decoded_whole"] = ("c_int4_decoded_whole", "c_int4")
     return step_summary(step_ms, ratios)
 
 

@@ -13,6 +13,7 @@
  * they do not handle or a failed allocation (the caller then runs the torch reference).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -512,39 +513,45 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
  * rounded once (for prefill-sized batches, which the bfloat16 tile loop runs faster than the
  * int4 one: 8-row blocks there, and the decode redone per block). Lane i of pair p's word is
  * output 16t + i at inputs (2p, 2p + 1), so each decoded pair is one contiguous 64-byte store. */
+/* Weight tile t as bfloat16 in the tile layout ([pairs, 32] at tile_w), int4_dequantize's
+ * values: serves it and int4_amx_linear, which decodes a tile pair at a time into cache. */
+static inline void int4_decode_tile(const uint8_t *codes, const uint16_t *scales,
+                                    const uint16_t *mins, uint16_t *tile_w, int64_t t,
+                                    int64_t pairs, int64_t groups, int64_t group) {
+    const __m512i nibble = _mm512_set1_epi32(15);
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 s = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(scales + (t * groups + g) * 16)));
+        const __m512 mn = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(mins + (t * groups + g) * 16)));
+        for (int64_t p = g * (group / 2); p < (g + 1) * (group / 2); p += 2) {
+            const __m512i v = _mm512_cvtepu8_epi16(
+                _mm256_loadu_si256((const __m256i *)(codes + (t * pairs + p) * 16)));
+            /* Pair p's codes in the low nibbles, pair p + 1's in the high ones; as 32-bit
+             * lanes, lane i holds input 2p's code in its low half, 2p + 1's in its high. */
+            const __m512i halves[2] = {v, _mm512_srli_epi16(v, 4)};
+            for (int h = 0; h < 2; h++) {
+                const __m512i even = _mm512_and_si512(halves[h], nibble);
+                const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(halves[h], 16), nibble);
+                const __m512 even_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s, mn);
+                const __m512 odd_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s, mn);
+                const __m512i word = _mm512_or_si512(
+                    _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even_w)),
+                    _mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd_w)), 16));
+                _mm512_storeu_si512((void *)(tile_w + (p + h) * 32), word);
+            }
+        }
+    }
+}
+
 int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
                     uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
     if (out % 16 || group % 32 || in_padded % group) return -1;
     const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
-    const __m512i nibble = _mm512_set1_epi32(15);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        uint16_t *tile_w = w + t * pairs * 32;
-        for (int64_t g = 0; g < groups; g++) {
-            const __m512 s = _mm512_cvtph_ps(
-                _mm256_loadu_si256((const __m256i *)(scales + (t * groups + g) * 16)));
-            const __m512 mn = _mm512_cvtph_ps(
-                _mm256_loadu_si256((const __m256i *)(mins + (t * groups + g) * 16)));
-            for (int64_t p = g * (group / 2); p < (g + 1) * (group / 2); p += 2) {
-                const __m512i v = _mm512_cvtepu8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(codes + (t * pairs + p) * 16)));
-                /* Pair p's codes in the low nibbles, pair p + 1's in the high ones; as 32-bit
-                 * lanes, lane i holds input 2p's code in its low half, 2p + 1's in its high. */
-                const __m512i halves[2] = {v, _mm512_srli_epi16(v, 4)};
-                for (int h = 0; h < 2; h++) {
-                    const __m512i even = _mm512_and_si512(halves[h], nibble);
-                    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(halves[h], 16), nibble);
-                    const __m512 even_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), s, mn);
-                    const __m512 odd_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), s, mn);
-                    const __m512i word = _mm512_or_si512(
-                        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even_w)),
-                        _mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd_w)), 16));
-                    _mm512_storeu_si512((void *)(tile_w + (p + h) * 32), word);
-                }
-            }
-        }
-    }
+    for (int64_t t = 0; t < tiles; t++)
+        int4_decode_tile(codes, scales, mins, w + t * pairs * 32, t, pairs, groups, group);
     return 0;
 }
 
@@ -575,7 +582,7 @@ static inline __attribute__((always_inline)) void int8_tile_rows(
         store_tile_row(tile_output(y, m, out, 0, y_bf16), _mm512_mul_ps(acc[m], s), y_bf16);
 }
 
-enum { WEIGHT_BF16, WEIGHT_INT8 };
+enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 };
 
 /* Rows r.. r + mb of tile t, for a weight kind (a constant wherever this is inlined). per_out:
  * the bfloat16 weight's bias (or NULL), the int8 weight's scales. */
@@ -682,6 +689,54 @@ static void amx_configure(int mb) {
     _tile_loadconfig(&cfg);
 }
 
+/* Output tiles t and t + 1 (count 2; count 1: t alone) for every row: y [rows, out] = x [rows,
+ * in_padded] (bfloat16) @ W^T + bias, with w0 and w1 the two tiles' weights in the tile layout
+ * ([pairs, 32] each). prefetch: ask for the weights ahead (they stream from memory); configured:
+ * the row count the tile registers are set up for (0: none yet), kept across calls. */
+static inline void amx_tile_pair(const void *x, const uint16_t *w0, const uint16_t *w1,
+                                 int count, const uint16_t *scale, const uint16_t *bias, void *y,
+                                 int64_t t, int64_t rows, int64_t in_padded, int64_t out,
+                                 int y_bf16, int prefetch, int *configured) {
+    const int64_t pairs = in_padded / 2;
+    float acc[2][16 * 16] __attribute__((aligned(64)));
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int mb = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        if (*configured != mb) {
+            amx_configure(mb);
+            *configured = mb;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        const uint16_t *xr = (const uint16_t *)x + r0 * in_padded;
+        for (int64_t p = 0; p < pairs; p += 16) {
+            if (prefetch && r0 == 0) { /* later row blocks find the weight tiles in cache */
+                /* Past a tile's end this reaches the next tile (this thread's next pair) or
+                 * past the weight, which a prefetch may: it never faults. */
+                const char *f0 = (const char *)(w0 + (p + 16 * AMX_PREFETCH_STEPS) * 32);
+                const char *f1 = (const char *)(w1 + (p + 16 * AMX_PREFETCH_STEPS) * 32);
+                for (int l = 0; l < 1024; l += 64) {
+                    _mm_prefetch(f0 + l, _MM_HINT_T0);
+                    _mm_prefetch(f1 + l, _MM_HINT_T0);
+                }
+            }
+            _tile_loadd(2, xr + 2 * p, in_padded * 2);
+            _tile_loadd(3, w0 + p * 32, 64);
+            _tile_loadd(4, w1 + p * 32, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, acc[0], 64);
+        _tile_stored(1, acc[1], 64);
+        for (int k = 0; k < count; k++) {
+            const __m512 b = bias == NULL ? _mm512_setzero_ps() : load_bf16x16(bias + (t + k) * 16);
+            const __m512 sc = scale == NULL ? _mm512_set1_ps(1.0f) : load_bf16x16(scale + (t + k) * 16);
+            for (int m = 0; m < mb; m++)
+                store_tile_row(tile_output(y, r0 + m, out, t + k, y_bf16),
+                               _mm512_fmadd_ps(_mm512_load_ps(acc[k] + m * 16), sc, b), y_bf16);
+        }
+    }
+}
+
 /* y [rows, out] = x [rows, in_padded] (bfloat16) @ W^T + bias, W in bf16_linear's tile layout;
  * in_padded a multiple of 32 (whole A tiles). */
 int bf16_amx_linear(const void *x, const uint16_t *w, const uint16_t *bias, void *y,
@@ -692,53 +747,92 @@ int bf16_amx_linear(const void *x, const uint16_t *w, const uint16_t *bias, void
 #pragma omp parallel num_threads(threads)
     {
         int configured = 0;
-        float acc[2][16 * 16] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < tile_pairs; s++) {
             const int64_t t = 2 * s;
             const int count = t + 1 < tiles ? 2 : 1; /* an odd last tile is computed twice */
             const uint16_t *w0 = w + t * pairs * 32;
-            const uint16_t *w1 = count == 2 ? w0 + pairs * 32 : w0;
-            for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-                const int mb = rows - r0 < 16 ? (int)(rows - r0) : 16;
-                if (configured != mb) {
-                    amx_configure(mb);
-                    configured = mb;
-                }
-                _tile_zero(0);
-                _tile_zero(1);
-                const uint16_t *xr = (const uint16_t *)x + r0 * in_padded;
-                for (int64_t p = 0; p < pairs; p += 16) {
-                    if (r0 == 0) { /* later row blocks find the weight tiles in cache */
-                        /* Past a tile's end this reaches the next tile (this thread's next
-                         * pair) or past the weight, which a prefetch may: it never faults. */
-                        const char *f0 = (const char *)(w0 + (p + 16 * AMX_PREFETCH_STEPS) * 32);
-                        const char *f1 = (const char *)(w1 + (p + 16 * AMX_PREFETCH_STEPS) * 32);
-                        for (int l = 0; l < 1024; l += 64) {
-                            _mm_prefetch(f0 + l, _MM_HINT_T0);
-                            _mm_prefetch(f1 + l, _MM_HINT_T0);
-                        }
-                    }
-                    _tile_loadd(2, xr + 2 * p, in_padded * 2);
-                    _tile_loadd(3, w0 + p * 32, 64);
-                    _tile_loadd(4, w1 + p * 32, 64);
-                    _tile_dpbf16ps(0, 2, 3);
-                    _tile_dpbf16ps(1, 2, 4);
-                }
-                _tile_stored(0, acc[0], 64);
-                _tile_stored(1, acc[1], 64);
-                for (int k = 0; k < count; k++) {
-                    const __m512 b = bias == NULL ? _mm512_setzero_ps()
-                                                  : load_bf16x16(bias + (t + k) * 16);
-                    for (int m = 0; m < mb; m++)
-                        store_tile_row(tile_output(y, r0 + m, out, t + k, y_bf16),
-                                       _mm512_add_ps(_mm512_load_ps(acc[k] + m * 16), b), y_bf16);
-                }
-            }
+            amx_tile_pair(x, w0, count == 2 ? w0 + pairs * 32 : w0, count, NULL, bias, y, t,
+                          rows, in_padded, out, y_bf16, 1, &configured);
         }
         if (configured) _tile_release();
     }
     return 0;
+}
+
+/* int8_linear's codes of weight tile t as bfloat16 in the tile layout (exact: integers of 8
+ * bits are bfloat16 numbers), the scales left for the product's epilogue. */
+static inline void int8_decode_tile(const int8_t *codes, uint16_t *tile_w, int64_t t,
+                                    int64_t pairs) {
+    const int8_t *c = codes + t * pairs * 32;
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512 low = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + p * 32))));
+        const __m512 high = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + p * 32 + 16))));
+        _mm512_storeu_si512((void *)(tile_w + p * 32), (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+}
+
+/* A quantized weight on AMX: each pair of weight tiles is decoded into a thread's buffer, which
+ * stays in cache, and multiplied there for every row. Decoding the whole weight to memory first
+ * (int4_dequantize, then bf16_amx_linear) wrote and read back four times an int4 weight's bytes
+ * per call; this reads the quantized bytes once. kind: WEIGHT_INT4 (codes, scales, mins in
+ * int4_linear's layout, `group` inputs a group) or WEIGHT_INT8 (codes and per-output scales in
+ * int8_linear's). */
+
+static int quantized_amx_linear(int kind, const void *x, const void *codes,
+                                const uint16_t *scales, const uint16_t *mins, void *y,
+                                int64_t rows, int64_t in_padded, int64_t out, int64_t group,
+                                int y_bf16, int threads) {
+    if (out % 16 || in_padded % 32) return -1;
+    if (kind == WEIGHT_INT4 && (group % 32 || in_padded % group)) return -1;
+    if (rows == 0) return 0;
+    const int64_t tiles = out / 16, pairs = in_padded / 2, tile_pairs = (tiles + 1) / 2,
+                  tile_words = pairs * 32;
+    /* Two decoded tiles per thread, allocated before the parallel region: every thread must
+     * reach the loop's work sharing. */
+    uint16_t *buffers = aligned_alloc(64, (size_t)(threads * 2 * tile_words) * 2);
+    if (buffers == NULL) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        int configured = 0;
+        uint16_t *w0 = buffers + omp_get_thread_num() * 2 * tile_words, *w1 = w0 + tile_words;
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < tile_pairs; s++) {
+            const int64_t t = 2 * s;
+            const int count = t + 1 < tiles ? 2 : 1; /* an odd last tile is computed twice */
+            for (int k = 0; k < count; k++) {
+                if (kind == WEIGHT_INT4)
+                    int4_decode_tile(codes, scales, mins, k ? w1 : w0, t + k, pairs,
+                                     in_padded / group, group);
+                else
+                    int8_decode_tile(codes, k ? w1 : w0, t + k, pairs);
+            }
+            amx_tile_pair(x, w0, count == 2 ? w1 : w0, count,
+                          kind == WEIGHT_INT8 ? scales : NULL, NULL, y, t, rows, in_padded, out,
+                          y_bf16, 0, &configured);
+        }
+        if (configured) _tile_release();
+    }
+    free(buffers);
+    return 0;
+}
+
+/* y [rows, out] = x [rows, in_padded] (bfloat16) @ W^T for an int4 weight in int4_linear's
+ * layout, on AMX (quantized_amx_linear). */
+int int4_amx_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
+                    const uint16_t *mins, void *y, int64_t rows, int64_t in_padded, int64_t out,
+                    int64_t group, int y_bf16, int threads) {
+    return quantized_amx_linear(WEIGHT_INT4, x, codes, scales, mins, y, rows, in_padded, out,
+                                group, y_bf16, threads);
+}
+
+/* int8_linear's product on AMX (quantized_amx_linear); in_padded a multiple of 32. */
+int int8_amx_linear(const void *x, const int8_t *codes, const uint16_t *scales, void *y,
+                    int64_t rows, int64_t in_padded, int64_t out, int y_bf16, int threads) {
+    return quantized_amx_linear(WEIGHT_INT8, x, codes, scales, NULL, y, rows, in_padded, out, 0,
+                                y_bf16, threads);
 }
 #endif
 #else
@@ -773,6 +867,17 @@ int bf16_amx_linear(const void *x, const uint16_t *w, const uint16_t *bias, void
                     int64_t rows, int64_t in_padded, int64_t out, int y_bf16, int threads) {
     return -1;
 }
+
+int int4_amx_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
+                    const uint16_t *mins, void *y, int64_t rows, int64_t in_padded, int64_t out,
+                    int64_t group, int y_bf16, int threads) {
+    return -1;
+}
+
+int int8_amx_linear(const void *x, const int8_t *codes, const uint16_t *scales, void *y,
+                    int64_t rows, int64_t in_padded, int64_t out, int y_bf16, int threads) {
+    return -1;
+}
 #endif
 
 /* ---- a decode step's decoder layers in one call ----
@@ -791,16 +896,20 @@ int bf16_amx_linear(const void *x, const uint16_t *w, const uint16_t *bias, void
  * out; residual [n, hidden] the residual stream out (the model's final norm adds the two). cos,
  * sin [n, dim]; slot_mapping [n]; slots [n, width] and lengths [n] as decode_attention takes
  * them. amx: bfloat16 products with whole A tiles on AMX's tile units (bf16_amx_linear);
- * int4_whole: int4 weights decoded whole into bfloat16 tiles for the bfloat16 kernels rather
- * than multiplied by int4_linear (kernels/cpu_quant.py's decodes_whole for this many rows).
+ * int4_path: how int4 weights are multiplied (INT4_TILES, INT4_WHOLE, INT4_AMX: kernels/
+ * cpu_quant.py's int4_path for this many rows); int8_amx: int8 weights by int8_amx_linear
+ * rather than int8_linear (its int8_on_amx).
  * Returns 0, or -1 (a kernel refused or no memory): the caller then runs the step the long
  * way, which rewrites the cache slots this call may have written with the same values. */
 typedef int (*LinearFn)(const void *, const uint16_t *, const uint16_t *, void *, int64_t,
                         int64_t, int64_t, int, int);
 enum { LINEAR_BF16 = 0, LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_FIELDS = 5, LAYER_FIELDS = 24 };
+/* How int4 weights are multiplied (kernels/cpu_quant.py's int4_path): int4_linear's tile loop,
+ * decoded whole into bfloat16 tiles for the bfloat16 kernels, or int4_amx_linear. */
+enum { INT4_TILES = 0, INT4_WHOLE = 1, INT4_AMX = 2 };
 
 static int layer_linear(const int64_t *d, const void *x, void *y, int64_t rows, int64_t in,
-                        int64_t out, int amx, int int4_whole, uint16_t **decoded,
+                        int64_t out, int amx, int int4_path, int int8_amx, uint16_t **decoded,
                         int64_t *decoded_size, int threads) {
     /* bfloat16 tiles on AMX's units where the inputs are whole A tiles, as bf16_forward picks */
     const LinearFn bf16 = amx && in % 32 == 0 ? bf16_amx_linear : bf16_linear;
@@ -809,7 +918,10 @@ static int layer_linear(const int64_t *d, const void *x, void *y, int64_t rows, 
         return bf16(x, (const uint16_t *)d[1], (const uint16_t *)d[2], y, rows, in, out, 1,
                     threads);
     case LINEAR_INT4:
-        if (int4_whole) {
+        if (int4_path == INT4_AMX)
+            return int4_amx_linear(x, (const uint8_t *)d[1], (const uint16_t *)d[2],
+                                   (const uint16_t *)d[3], y, rows, in, out, d[4], 1, threads);
+        if (int4_path == INT4_WHOLE) {
             if (*decoded_size < out * in) { /* one buffer, grown to the largest weight */
                 free(*decoded);
                 *decoded = aligned_alloc(64, (size_t)(out * in) * 2);
@@ -824,8 +936,8 @@ static int layer_linear(const int64_t *d, const void *x, void *y, int64_t rows, 
         return int4_linear(x, (const uint8_t *)d[1], (const uint16_t *)d[2],
                            (const uint16_t *)d[3], y, rows, in, out, d[4], 1, threads);
     case LINEAR_INT8:
-        return int8_linear(x, (const int8_t *)d[1], (const uint16_t *)d[2], y, rows, in, out, 1,
-                           threads);
+        return (int8_amx ? int8_amx_linear : int8_linear)(
+            x, (const int8_t *)d[1], (const uint16_t *)d[2], y, rows, in, out, 1, threads);
     }
     return -1;
 }
@@ -834,7 +946,7 @@ int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
                   const void *cos, const void *sin, const int64_t *slot_mapping,
                   const int64_t *slots, const int64_t *lengths, int64_t n, int64_t hidden,
                   int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, int64_t width,
-                  float eps, float scale, int amx, int int4_whole, int threads) {
+                  float eps, float scale, int amx, int int4_path, int int8_amx, int threads) {
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_width = q_size + 2 * kv_size;
     const int64_t counts[] = {n * hidden, n * qkv_width, n * q_size, n * kv_size, n * q_size,
                               n * 2 * inter, n * inter};
@@ -850,7 +962,7 @@ int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
     int64_t decoded_size = 0;
     int failed = 0;
 #define LINEAR(i, from, to, in, out)                                                             \
-    layer_linear(p + 4 + (i) * LINEAR_FIELDS, from, to, n, in, out, amx, int4_whole,              \
+    layer_linear(p + 4 + (i) * LINEAR_FIELDS, from, to, n, in, out, amx, int4_path, int8_amx,     \
                  &decoded, &decoded_size, threads)
     for (int64_t l = 0; l < layers && !failed; l++) {
         const int64_t *p = table + LAYER_FIELDS * l;

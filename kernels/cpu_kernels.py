@@ -127,6 +127,8 @@ def _library() -> ctypes.CDLL | None:
         # The weights' tile kernels (kernels/cpu_quant.py): -1 without AVX512-BF16.
         "int4_linear": [_PTR] * 5 + [_I64] * 4 + [_INT, _INT],
         "int4_dequantize": [_PTR] * 4 + [_I64] * 3 + [_INT],
+        "int4_amx_linear": [_PTR] * 5 + [_I64] * 4 + [_INT, _INT],
+        "int8_amx_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
         "int8_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
         # bfloat16 weights (kernels/cpu_linear.py): -1 without AVX512-BF16.
         "bf16_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
@@ -134,7 +136,7 @@ def _library() -> ctypes.CDLL | None:
         "bf16_amx_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
         "amx_enable": [],
         # A decode step's layers (kernels/cpu_layers.py): -1 without AVX512-BF16.
-        "decode_layers": [_PTR, _I64] + [_PTR] * 7 + [_I64] * 7 + [_F32, _F32] + [_INT] * 3,
+        "decode_layers": [_PTR, _I64] + [_PTR] * 7 + [_I64] * 7 + [_F32, _F32] + [_INT] * 4,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -10,9 +10,11 @@ VDPBF16PS as bfloat16 numbers (128 + code: an integer OR) and applies each group
 to the group's sums, so decoding costs two integer ops per 32 codes (cpu_kernels.c says how); for
 prefill-sized batches it decodes the whole weight into bfloat16 tiles and leaves the matmul to
 the bfloat16 tile loop (kernels/cpu_linear.py), which is faster there; on CPUs where the AMX
-kernel runs (kernels/cpu_linear.amx_runs) the decoded weight goes to it from AMX_MATMUL_ROWS
-rows, as the int4 loop does not use AMX's tile units. The int8 kernel converts
-each code to bfloat16 once per block of 16 rows and applies the channel's scale to the sum.
+kernel runs (kernels/cpu_linear.amx_runs), from AMX_MATMUL_ROWS rows each pair of weight tiles
+is decoded into cache and multiplied on AMX's tile units (int4_amx_linear), as the int4 loop
+does not use them. The int8 kernel converts each code to bfloat16 once per block of 16 rows and
+applies the channel's scale to the sum; with AMX, from INT8_AMX_ROWS rows, it decodes tile
+pairs into cache for the tile units likewise (int8_amx_linear).
 Weights keep their footprint: int4 codes plus float16 scales and mins (the 20 bytes per 32
 weights of a GGUF Q4_1 block), int8 codes plus bfloat16 scales, as PyTorch's ops hold them.
 
@@ -45,11 +47,17 @@ log = logging.getLogger(__name__)
 # the bfloat16 tile loop beats the int4 one (the demo model's layer shapes on a Zen 4 EPYC: even
 # at 64 rows, 1.07-1.09x faster at 128, 1.11-1.35x at 256).
 DEQUANTIZE_ROWS = 128
-# Where the AMX kernel runs, from this many rows of bfloat16 activations the weight is decoded
-# whole into bfloat16 tiles for it (the demo model's 30 layers' linears, cold weights, a 2-core
-# Xeon with AMX: 20 against the int4 loop's 39 ms at 16 rows, 137 against 1,105 at 512; even at
-# 8 rows, 22 ms each: decoding writes the whole bfloat16 weight).
-AMX_MATMUL_ROWS = 16
+# Where the AMX kernel runs, from this many rows of bfloat16 activations int4 weights go to
+# int4_amx_linear (each pair of weight tiles decoded into cache, then AMX's tile units) rather
+# than the int4 tile loop: the demo model's linears on a 2-core Xeon with AMX, one call each,
+# at 4 rows 0.80-0.85x the loop's speed, at 8 rows 1.33-1.47x, at 16 rows 2.3-2.5x (2026-12-05).
+# Before that kernel, the weight was decoded whole to memory for bf16_amx_linear from 16 rows.
+AMX_MATMUL_ROWS = 8
+# Where the AMX kernel runs, from this many rows of bfloat16 activations int8 weights go to
+# int8_amx_linear: the demo model's LM head (49152 x 576, int8 under every quantized format)
+# took 1.88 against the int8 loop's 1.93 ms at 2 rows, 2.3 against 8.6 ms at 16, 5.3 against
+# 35.4 at 64; at 1 row the loop is faster (1.50 against 1.84 ms).
+INT8_AMX_ROWS = 2
 _library = cpu_kernels._library  # one shared object; its C signatures are declared there
 
 
@@ -95,31 +103,49 @@ def _int4_decoded(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
     return w
 
 
-def decodes_whole(rows: int, matmul_rows: int, bf16: bool) -> bool:
-    """Whether an int4 linear over `rows` rows decodes its weight once into bfloat16 tiles for
-    the bfloat16 kernels rather than running the int4 tile loop: from DEQUANTIZE_ROWS rows, or
-    from `matmul_rows` rows of bfloat16 activations (0: never)."""
-    return rows >= DEQUANTIZE_ROWS or bool(matmul_rows and rows >= matmul_rows and bf16)
+# int4_path's answers, cpu_kernels.c's INT4_TILES / INT4_WHOLE / INT4_AMX.
+INT4_TILES, INT4_WHOLE, INT4_AMX = 0, 1, 2
+
+
+def int4_path(rows: int, matmul_rows: int, bf16: bool) -> int:
+    """How an int4 linear over `rows` rows is multiplied: by int4_amx_linear (each pair of
+    weight tiles decoded into cache) from `matmul_rows` rows of bfloat16 activations where AMX
+    runs (matmul_rows 0: it does not); else decoded whole into bfloat16 tiles for the bfloat16
+    tile loop from DEQUANTIZE_ROWS rows; else the int4 tile loop."""
+    if matmul_rows and rows >= matmul_rows and bf16:
+        return INT4_AMX
+    return INT4_WHOLE if rows >= DEQUANTIZE_ROWS else INT4_TILES
 
 
 def _int4_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                   mins: torch.Tensor, group_size: int, matmul_rows: int = 0) -> torch.Tensor:
-    """x @ W^T for an int4 weight in pack's layout: the int4 tile loop, or the weight decoded
-    once into bfloat16 tiles for bf16_forward (the AMX kernel or the bfloat16 tile loop) where
-    decodes_whole says so."""
+    """x @ W^T for an int4 weight in pack's layout, by the kernel int4_path picks."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 4
     rows = x.numel() // max(x.shape[-1], 1)
-    if decodes_whole(rows, matmul_rows, x.dtype == torch.bfloat16):
+    path = int4_path(rows, matmul_rows, x.dtype == torch.bfloat16)
+    if path == INT4_WHOLE:
         return bf16_forward(x, _int4_decoded(codes, scales, mins, group_size), None)
-    return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: _library().int4_linear(
+    kernel = "int4_amx_linear" if path == INT4_AMX else "int4_linear"
+    return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: getattr(_library(), kernel)(
         x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
         x2.shape[0], padded_in, out, group_size, y_bf16, torch.get_num_threads()))
 
 
-def _int8_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_on_amx(rows: int, matmul_rows: int, bf16: bool) -> bool:
+    """Whether an int8 linear over `rows` rows runs on AMX (int8_amx_linear: each pair of weight
+    tiles decoded into cache) rather than int8_linear's tile loop: from `matmul_rows` rows of
+    bfloat16 activations (0: AMX does not run, or the inputs are not whole A tiles)."""
+    return bool(matmul_rows and rows >= matmul_rows and bf16)
+
+
+def _int8_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                  matmul_rows: int = 0) -> torch.Tensor:
     """x @ W^T for a per-channel int8 weight in Int8Linear's layout."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 2
-    return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: _library().int8_linear(
+    rows = x.numel() // max(x.shape[-1], 1)
+    kernel = ("int8_amx_linear" if int8_on_amx(rows, matmul_rows, x.dtype == torch.bfloat16)
+              else "int8_linear")
+    return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: getattr(_library(), kernel)(
         x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), x2.shape[0],
         padded_in, out, y_bf16, torch.get_num_threads()))
 
@@ -137,12 +163,13 @@ def _int4_linear_fake(x, codes, scales, mins, group_size, matmul_rows):
 
 
 @torch.library.custom_op("servescope::int8_linear", mutates_args=())
-def _int8_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return _int8_forward(x, codes, scales)
+def _int8_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    matmul_rows: int) -> torch.Tensor:
+    return _int8_forward(x, codes, scales, matmul_rows)
 
 
 @_int8_linear_op.register_fake
-def _int8_linear_fake(x, codes, scales):
+def _int8_linear_fake(x, codes, scales, matmul_rows):
     return x.new_empty((*x.shape[:-1], codes.shape[0] * 16))
 
 
@@ -182,11 +209,14 @@ class Int8Linear:
         self.codes = tile_layout(codes)
         self.scales = q.scales[:, 0].to(torch.bfloat16).contiguous()
         self.nbytes = self.codes.numel() + 2 * self.scales.numel()
+        # From how many rows int8_amx_linear runs (0: AMX does not run here, or the inputs are
+        # not whole A tiles of 32).
+        self.matmul_rows = INT8_AMX_ROWS if amx_runs() and self.padded_in % 32 == 0 else 0
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         forward = (torch.ops.servescope.int8_linear if torch.compiler.is_compiling()
                    else _int8_forward)
-        y = forward(x, self.codes, self.scales)
+        y = forward(x, self.codes, self.scales, self.matmul_rows)
         return y if bias is None else y + bias
 
 
@@ -200,9 +230,10 @@ def prepare(q: QuantizedWeight) -> Int4Linear | Int8Linear | None:
 @functools.cache
 def available() -> bool:
     """Whether the kernels run here (AVX512-BF16) and agree with the dequantizing reference:
-    int4 on both paths (tiles of rows and the decoded weight: the AMX kernel's where it runs),
-    a partial row block, float32 and bfloat16 activations and a group of 64; int8 on a partial
-    and a whole row block, with an odd input count."""
+    int4 on each path int4_path takes here (tiles of rows, the weight decoded whole, and
+    int4_amx_linear where AMX runs, with a partial row block), float32 and bfloat16 activations
+    and a group of 64; int8 on a partial and a whole row block, with an odd input count, and
+    on int8_amx_linear where AMX runs."""
     lib = _library()
     if lib is None or not cpu_kernels.available():
         return False
@@ -210,9 +241,11 @@ def available() -> bool:
     cases = [(quantize_int4(torch.randn(48, 128, generator=gen), group), rows, dtype)
              for rows, group, dtype in ((3, 32, torch.bfloat16), (21, 64, torch.float32),
                                         (DEQUANTIZE_ROWS, 32, torch.bfloat16),
-                                        (DEQUANTIZE_ROWS, 64, torch.float32))]
-    cases += [(quantize_int8(torch.randn(32, 95, generator=gen)), rows, dtype)
-              for rows, dtype in ((5, torch.bfloat16), (16, torch.float32))]
+                                        (DEQUANTIZE_ROWS, 64, torch.float32),
+                                        (AMX_MATMUL_ROWS + 5, 64, torch.bfloat16))]
+    cases += [(quantize_int8(torch.randn(32, in_features, generator=gen)), rows, dtype)
+              for rows, in_features, dtype in ((5, 95, torch.bfloat16), (16, 95, torch.float32),
+                                               (INT8_AMX_ROWS + 17, 64, torch.bfloat16))]
     for q, rows, dtype in cases:
         x = torch.randn(rows, q.in_features, generator=gen).to(dtype)
         weight = Int4Linear(q) if q.bits == 4 else Int8Linear(q)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not cpu_linear.preferred(),
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "List three prime numbers:", "Once upon a time, in a small village,",
            "def fibonacci(n):"]
-# Sixteen: on a CPU with AMX, int4 weights are decoded whole for the AMX kernel from 16 rows.
+# Sixteen: on a CPU with AMX, int4 weights go to int4_amx_linear from 8 rows.
 MANY = [f"{p} ({i})" for i in range(4) for p in PROMPTS[:4]]
 
 

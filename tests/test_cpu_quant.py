@@ -55,9 +55,10 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("amx_path", [False, True], ids=["tile-loops", "amx-path"])
 def test_int4_linear_computes_the_dequantize_reference(group, rows, dtype, amx_path):
     # 208 inputs: padded to whole groups of 64 and 128 (zero inputs meet the padding).
-    # The AMX path (from AMX_MATMUL_ROWS rows, the weight decoded into bfloat16 tiles for the AMX
-    # kernel) is forced on here, so that a CPU without AMX checks its choice of rows too (with
-    # the bfloat16 tile loop in the kernel's place).
+    # The AMX path: from AMX_MATMUL_ROWS rows of bfloat16 activations, int4_amx_linear (each
+    # pair of weight tiles decoded into cache); float32 activations keep the other paths.
+    if amx_path and not _has_amx():
+        pytest.skip("the CPU lacks AMX")
     out_f, in_f = 96, 208 if group > 32 else 192
     q = quant.quantize_int4(_weight(out_f, in_f, seed=rows), group)
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(group)).to(dtype)
@@ -136,9 +137,31 @@ def test_the_decoded_weight_is_the_reference_in_bfloat16():
 def test_the_amx_path_is_taken_exactly_where_the_cpu_has_amx():
     weight = cpu_quant.prepare(quant.quantize_int4(_weight(32, 64, seed=6), 32))
     assert weight.matmul_rows == (cpu_quant.AMX_MATMUL_ROWS if _has_amx() else 0)
+    weight = cpu_quant.prepare(quant.quantize_int8(_weight(32, 64, seed=6)))
+    assert weight.matmul_rows == (cpu_quant.INT8_AMX_ROWS if _has_amx() else 0)
+    # Inputs that are not whole A tiles of 32 keep the int8 loop.
+    assert cpu_quant.prepare(quant.quantize_int8(_weight(32, 80, seed=6))).matmul_rows == 0
+
+
+@pytest.mark.skipif(not _has_amx(), reason="the CPU lacks AMX")
+@pytest.mark.parametrize("make", [lambda w: quant.quantize_int4(w, 32), quant.quantize_int8],
+                         ids=["int4", "int8"])
+def test_the_amx_kernels_agree_with_the_tile_loops_on_the_demo_models_shapes(make):
+    # The LM head's and a layer's shapes, at row counts on both sides of the switch: each
+    # pair of weight tiles decoded into cache and multiplied on the tile units gives the
+    # reference's values as the tile loop does.
+    for out_f, in_f in ((1024, 576), (576, 1536)):
+        q = make(_weight(out_f, in_f, seed=out_f))
+        weight = cpu_quant.prepare(q)
+        for rows in (1, 2, 7, 8, 16, 23):
+            x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
+            x = x.to(torch.bfloat16)
+            got = weight.linear(x)
+            assert ((got.float() - q.linear(x.float())).abs() <= _bound(x, q.dequantize())).all()
 
 
 @needs_kernel
+@pytest.mark.skipif(not _has_amx(), reason="the CPU lacks AMX")
 def test_float32_activations_keep_the_int4_loops_sums_below_dequantize_rows():
     # The AMX path decodes the weight to bfloat16 values and rounds as the bfloat16 kernels do;
     # float32 activations keep the int4 loop's sums until DEQUANTIZE_ROWS, as without AMX.
