@@ -509,10 +509,6 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
     return 0;
 }
 
-/* The weight as bfloat16 in bf16_linear's tile layout [tiles, pairs, 32], code * scale + min
- * rounded once (for prefill-sized batches, which the bfloat16 tile loop runs faster than the
- * int4 one: 8-row blocks there, and the decode redone per block). Lane i of pair p's word is
- * output 16t + i at inputs (2p, 2p + 1), so each decoded pair is one contiguous 64-byte store. */
 /* Weight tile t as bfloat16 in the tile layout ([pairs, 32] at tile_w), int4_dequantize's
  * values: serves it and int4_amx_linear, which decodes a tile pair at a time into cache. */
 static inline void int4_decode_tile(const uint8_t *codes, const uint16_t *scales,
@@ -545,6 +541,10 @@ static inline void int4_decode_tile(const uint8_t *codes, const uint16_t *scales
     }
 }
 
+/* The weight as bfloat16 in bf16_linear's tile layout [tiles, pairs, 32], code * scale + min
+ * rounded once (for prefill-sized batches, which the bfloat16 tile loop runs faster than the
+ * int4 one: 8-row blocks there, and the decode redone per block). Lane i of pair p's word is
+ * output 16t + i at inputs (2p, 2p + 1), so each decoded pair is one contiguous 64-byte store. */
 int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
                     uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
     if (out % 16 || group % 32 || in_padded % group) return -1;
@@ -691,8 +691,9 @@ static void amx_configure(int mb) {
 
 /* Output tiles t and t + 1 (count 2; count 1: t alone) for every row: y [rows, out] = x [rows,
  * in_padded] (bfloat16) @ W^T + bias, with w0 and w1 the two tiles' weights in the tile layout
- * ([pairs, 32] each). prefetch: ask for the weights ahead (they stream from memory); configured:
- * the row count the tile registers are set up for (0: none yet), kept across calls. */
+ * ([pairs, 32] each), times scale per output (an int8 weight's; NULL: 1). prefetch: ask for the
+ * weights ahead (they stream from memory); configured: the row count the tile registers are set
+ * up for (0: none yet), kept across calls. */
 static inline void amx_tile_pair(const void *x, const uint16_t *w0, const uint16_t *w1,
                                  int count, const uint16_t *scale, const uint16_t *bias, void *y,
                                  int64_t t, int64_t rows, int64_t in_padded, int64_t out,
@@ -729,7 +730,8 @@ static inline void amx_tile_pair(const void *x, const uint16_t *w0, const uint16
         _tile_stored(1, acc[1], 64);
         for (int k = 0; k < count; k++) {
             const __m512 b = bias == NULL ? _mm512_setzero_ps() : load_bf16x16(bias + (t + k) * 16);
-            const __m512 sc = scale == NULL ? _mm512_set1_ps(1.0f) : load_bf16x16(scale + (t + k) * 16);
+            const __m512 sc =
+                scale == NULL ? _mm512_set1_ps(1.0f) : load_bf16x16(scale + (t + k) * 16);
             for (int m = 0; m < mb; m++)
                 store_tile_row(tile_output(y, r0 + m, out, t + k, y_bf16),
                                _mm512_fmadd_ps(_mm512_load_ps(acc[k] + m * 16), sc, b), y_bf16);

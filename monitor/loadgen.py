@@ -195,10 +195,10 @@ def request_error(exc: Exception, spec: LoadSpec) -> str:
 
 
 def client_session(spec: LoadSpec, connections: int) -> aiohttp.ClientSession:
-    """The streaming client: aiohttp, as `vllm bench serve`. On two cores shared with the server
-    under test its CPU time per streamed token is the server's loss: 0.2 ms here against
-    httpx's 0.45-0.65 ms (served batch-1 throughput 1.035x with it, same server, alternating).
-    A stalled connection or read fails after timeout_s, as httpx's timeout did."""
+    """The streaming client: aiohttp, as `vllm bench serve`. On cores shared with the server
+    under test, the client's CPU time per streamed token is taken from the server: 0.25-0.31 ms
+    here against httpx's 0.51-0.75 (benchmarks/loadgen_client.py). A stalled connection or read
+    fails after timeout_s, as httpx's timeout did."""
     headers = {"Authorization": f"Bearer {spec.token}"} if spec.token else {}
     timeout = aiohttp.ClientTimeout(total=None, connect=spec.timeout_s,
                                     sock_read=spec.timeout_s)
