@@ -108,8 +108,10 @@ def prefill_steps(llms: dict[str, LLM], prompts: int, rounds: int) -> dict:
 
 def layer_linears(llm: LLM, rounds: int) -> dict:
     """Each layer shape's linear and the LM head at decode and prefill row counts: the kernel
-    (int4: by cpu_quant.int4_path; with AMX also `c_decoded_whole`, the weight decoded whole),
-    PyTorch's op on the same codes, and oneDNN bfloat16 on the same weight decoded."""
+    (by cpu_quant.int4_path / int8_on_amx; with AMX also `c_tile_loop`, its AMX kernel off,
+    `c_amx`, its AMX kernel at every row count, and for int4 `c_decoded_whole`, the weight
+    decoded whole), PyTorch's op on the same codes, and oneDNN bfloat16 on the same weight
+    decoded."""
     layer = llm.model.layers[0]
     kernels = {name: getattr(layer, name) for name in ("qkv", "o", "gate_up", "down")}
     kernels["lm_head (int8)"] = llm.model.lm_head
@@ -120,16 +122,29 @@ def layer_linears(llm: LLM, rounds: int) -> dict:
         dense = onednn.prepare_linear(codes.dequantize(torch.bfloat16))
         shape = f"{name} {kernel.out_features}x{kernel.in_features}"
         out[shape] = {}
-        for rows in (1, 16, 64, 256):
+        for rows in (1, 2, 4, 8, 16, 64, 256):
             x = torch.randn(rows, kernel.in_features).to(torch.bfloat16)
             times = {"c": _time(functools.partial(kernel.linear, x), rounds),
                      "pytorch": _time(functools.partial(theirs.linear, x), rounds),
                      "bfloat16": _time(functools.partial(onednn.linear, x, dense), rounds)}
+            if cpu_linear.amx_runs():  # the AMX kernels' switch rows come from these columns
+                times["c_tile_loop"] = _time(functools.partial(_amx_from, kernel, 0, x), rounds)
+                times["c_amx"] = _time(functools.partial(_amx_from, kernel, 1, x), rounds)
             if codes.bits == 4 and cpu_linear.amx_runs():
                 times["c_decoded_whole"] = _time(decoding_whole(
                     functools.partial(kernel.linear, x)), rounds)
             out[shape][str(rows)] = {side: round(t, 1) for side, t in times.items()}
     return out
+
+
+def _amx_from(kernel, rows: int, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's linear with its AMX kernel from `rows` rows (0: never, the int4 / int8 tile
+    loop; 1: at every row count)."""
+    kept, kernel.matmul_rows = kernel.matmul_rows, rows
+    try:
+        return kernel.linear(x)
+    finally:
+        kernel.matmul_rows = kept
 
 
 def _codes(kernel) -> quant.QuantizedWeight:
@@ -167,8 +182,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=5, help="decode steps per engine per round")
     p.add_argument("--prefill-prompts", type=int, default=16)
+    p.add_argument("--linears-only", action="store_true", help="only the per-layer timings")
     args = p.parse_args()
     llms = engines()
+    if args.linears_only:
+        print(json.dumps({"benchmark": "cpu_int4", "machine": machine(),
+                          "layer_linears_us": layer_linears(llms["c_int4"], args.rounds)},
+                         indent=1))
+        return
     result = {"benchmark": "cpu_int4", "machine": machine(),
               "baselines": "PyTorch's int4 op on the same Q4_1 codes; the default bfloat16 "
                            "weights (oneDNN); same process, alternating",

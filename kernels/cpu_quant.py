@@ -50,13 +50,14 @@ DEQUANTIZE_ROWS = 128
 # Where the AMX kernel runs, from this many rows of bfloat16 activations int4 weights go to
 # int4_amx_linear (each pair of weight tiles decoded into cache, then AMX's tile units) rather
 # than the int4 tile loop: the demo model's linears on a 2-core Xeon with AMX, one call each,
-# at 4 rows 0.80-0.85x the loop's speed, at 8 rows 1.33-1.47x, at 16 rows 2.3-2.5x (2026-12-05).
+# at 4 rows 0.87-0.97x the loop's speed, at 8 rows 1.12-1.50x, at 16 rows 2.2-2.6x
+# (benchmarks/cpu_int4.py --linears-only, 2026-12-05).
 # Before that kernel, the weight was decoded whole to memory for bf16_amx_linear from 16 rows.
 AMX_MATMUL_ROWS = 8
 # Where the AMX kernel runs, from this many rows of bfloat16 activations int8 weights go to
 # int8_amx_linear: the demo model's LM head (49152 x 576, int8 under every quantized format)
-# took 1.88 against the int8 loop's 1.93 ms at 2 rows, 2.3 against 8.6 ms at 16, 5.3 against
-# 35.4 at 64; at 1 row the loop is faster (1.50 against 1.84 ms).
+# ran 1.06-1.19x the int8 loop's speed at 2 rows, 3.7-4.0x at 16, 6.8-7.1x at 64
+# (benchmarks/cpu_int4.py); at 1 row 0.82x in one run, 1.16x in another, so 1 row keeps the loop.
 INT8_AMX_ROWS = 2
 _library = cpu_kernels._library  # one shared object; its C signatures are declared there
 
