@@ -202,9 +202,11 @@ def client_session(spec: LoadSpec, connections: int) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {spec.token}"} if spec.token else {}
     timeout = aiohttp.ClientTimeout(total=None, connect=spec.timeout_s,
                                     sock_read=spec.timeout_s)
-    # Lines up to 1 MiB: a chunk with many top log-probabilities is one long SSE line.
+    # Lines up to 1 MiB: a chunk with many top log-probabilities is one long SSE line. The
+    # environment's proxy settings apply, as they did with httpx.
     return aiohttp.ClientSession(headers=headers, timeout=timeout, read_bufsize=2**20,
-                                 connector=aiohttp.TCPConnector(limit=connections))
+                                 connector=aiohttp.TCPConnector(limit=connections),
+                                 trust_env=True)
 
 
 def _client_error(exc: Exception, url: str) -> str:
