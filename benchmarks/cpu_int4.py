@@ -108,7 +108,7 @@ def prefill_steps(llms: dict[str, LLM], prompts: int, rounds: int) -> dict:
 
 def layer_linears(llm: LLM, rounds: int) -> dict:
     """Each layer shape's linear and the LM head at decode and prefill row counts: the kernel
-    (by cpu_quant.int4_path / int8_on_amx; with AMX also `c_tile_loop`, its AMX kernel off,
+    (by cpu_quant.int4_path / on_amx; with AMX also `c_tile_loop`, its AMX kernel off,
     `c_amx`, its AMX kernel at every row count, and for int4 `c_decoded_whole`, the weight
     decoded whole), PyTorch's op on the same codes, and oneDNN bfloat16 on the same weight
     decoded."""

@@ -35,7 +35,7 @@ burn, fd = float(sys.argv[1]) / 1e3, int(sys.argv[2])
 while os.read(fd, 1):
     until = time.perf_counter() + burn
     while time.perf_counter() < until:
-        pass
+        pass  # spinning on purpose: its CPU time is what is measured
 """
 
 

@@ -782,7 +782,6 @@ static inline void int8_decode_tile(const int8_t *codes, uint16_t *tile_w, int64
  * per call; this reads the quantized bytes once. kind: WEIGHT_INT4 (codes, scales, mins in
  * int4_linear's layout, `group` inputs a group) or WEIGHT_INT8 (codes and per-output scales in
  * int8_linear's). */
-
 static int quantized_amx_linear(int kind, const void *x, const void *codes,
                                 const uint16_t *scales, const uint16_t *mins, void *y,
                                 int64_t rows, int64_t in_padded, int64_t out, int64_t group,
@@ -900,7 +899,7 @@ int int8_amx_linear(const void *x, const int8_t *codes, const uint16_t *scales, 
  * them. amx: bfloat16 products with whole A tiles on AMX's tile units (bf16_amx_linear);
  * int4_path: how int4 weights are multiplied (INT4_TILES, INT4_WHOLE, INT4_AMX: kernels/
  * cpu_quant.py's int4_path for this many rows); int8_amx: int8 weights by int8_amx_linear
- * rather than int8_linear (its int8_on_amx).
+ * rather than int8_linear (its on_amx).
  * Returns 0, or -1 (a kernel refused or no memory): the caller then runs the step the long
  * way, which rewrites the cache slots this call may have written with the same values. */
 typedef int (*LinearFn)(const void *, const uint16_t *, const uint16_t *, void *, int64_t,

@@ -32,15 +32,12 @@ class DecodeStack:
         self._biases = biases  # kept: the table points at them
         self._weights = [(la.input_norm.data_ptr(), la.post_norm.data_ptr(), four)
                          for la, four in zip(layers, linears, strict=True)]
-        # Int4Linear's matmul_rows, for cpu_quant.int4_path (0: without int4 weights).
-        int4 = [w for la in layers for w in (la.qkv, la.o, la.gate_up, la.down)
-                if isinstance(w, cpu_quant.Int4Linear)]
-        self._int4_matmul_rows = int4[0].matmul_rows if int4 else 0
-        # Int8Linear's matmul_rows, for cpu_quant.int8_on_amx (0: without int8 weights, or
-        # one whose inputs are not whole A tiles).
-        int8 = [w for la in layers for w in (la.qkv, la.o, la.gate_up, la.down)
-                if isinstance(w, cpu_quant.Int8Linear)]
-        self._int8_matmul_rows = min((w.matmul_rows for w in int8), default=0)
+        # The quantized weights' matmul_rows, for cpu_quant.int4_path and on_amx (0: none of
+        # that kind, or an int8 one whose inputs are not whole A tiles).
+        weights = [w for la in layers for w in (la.qkv, la.o, la.gate_up, la.down)]
+        self._int4_matmul_rows, self._int8_matmul_rows = (
+            min((w.matmul_rows for w in weights if isinstance(w, kind)), default=0)
+            for kind in (cpu_quant.Int4Linear, cpu_quant.Int8Linear))
         self._table: torch.Tensor | None = None
         self._caches_key: tuple | None = None
 
@@ -65,7 +62,7 @@ class DecodeStack:
         residual = torch.empty_like(h)
         d = self.dims
         int4_path = cpu_quant.int4_path(n, self._int4_matmul_rows, bf16=True)
-        int8_amx = cpu_quant.int8_on_amx(n, self._int8_matmul_rows, bf16=True)
+        int8_amx = cpu_quant.on_amx(n, self._int8_matmul_rows, bf16=True)
         status = cpu_kernels._library().decode_layers(
             table.data_ptr(), len(self._weights), h.data_ptr(), residual.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), slots.data_ptr(),

@@ -108,12 +108,19 @@ def _int4_decoded(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
 INT4_TILES, INT4_WHOLE, INT4_AMX = 0, 1, 2
 
 
+def on_amx(rows: int, matmul_rows: int, bf16: bool) -> bool:
+    """Whether a quantized linear over `rows` rows runs on AMX (int4_amx_linear /
+    int8_amx_linear: each pair of weight tiles decoded into cache) rather than a tile loop: from
+    the weight's `matmul_rows` rows of bfloat16 activations (0: AMX does not run here, or, for
+    int8, the inputs are not whole A tiles)."""
+    return bool(matmul_rows and rows >= matmul_rows and bf16)
+
+
 def int4_path(rows: int, matmul_rows: int, bf16: bool) -> int:
-    """How an int4 linear over `rows` rows is multiplied: by int4_amx_linear (each pair of
-    weight tiles decoded into cache) from `matmul_rows` rows of bfloat16 activations where AMX
-    runs (matmul_rows 0: it does not); else decoded whole into bfloat16 tiles for the bfloat16
-    tile loop from DEQUANTIZE_ROWS rows; else the int4 tile loop."""
-    if matmul_rows and rows >= matmul_rows and bf16:
+    """How an int4 linear over `rows` rows is multiplied: by int4_amx_linear where on_amx says
+    so; else decoded whole into bfloat16 tiles for the bfloat16 tile loop from DEQUANTIZE_ROWS
+    rows; else the int4 tile loop."""
+    if on_amx(rows, matmul_rows, bf16):
         return INT4_AMX
     return INT4_WHOLE if rows >= DEQUANTIZE_ROWS else INT4_TILES
 
@@ -132,19 +139,12 @@ def _int4_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         x2.shape[0], padded_in, out, group_size, y_bf16, torch.get_num_threads()))
 
 
-def int8_on_amx(rows: int, matmul_rows: int, bf16: bool) -> bool:
-    """Whether an int8 linear over `rows` rows runs on AMX (int8_amx_linear: each pair of weight
-    tiles decoded into cache) rather than int8_linear's tile loop: from `matmul_rows` rows of
-    bfloat16 activations (0: AMX does not run, or the inputs are not whole A tiles)."""
-    return bool(matmul_rows and rows >= matmul_rows and bf16)
-
-
 def _int8_forward(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                   matmul_rows: int = 0) -> torch.Tensor:
     """x @ W^T for a per-channel int8 weight in Int8Linear's layout."""
     out, padded_in = codes.shape[0] * 16, codes.shape[1] * 2
     rows = x.numel() // max(x.shape[-1], 1)
-    kernel = ("int8_amx_linear" if int8_on_amx(rows, matmul_rows, x.dtype == torch.bfloat16)
+    kernel = ("int8_amx_linear" if on_amx(rows, matmul_rows, x.dtype == torch.bfloat16)
               else "int8_linear")
     return through_kernel(x, padded_in, out, lambda x2, y, y_bf16: getattr(_library(), kernel)(
         x2.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), x2.shape[0],

@@ -106,7 +106,6 @@ def classify_error(exc: Exception, url: str, timeout_s: float) -> tuple[str, str
     if isinstance(exc, httpx.ConnectError):
         reason = "refused" if "refused" in text.lower() else "connect"
         return reason, f"cannot connect to {url} ({text})"
-
     return "error", f"{url} failed: {text or type(exc).__name__}"
 
 
