@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                                args.max_tokens, args.rounds, run_batch, CONCURRENT_PAIRS)
         runs[name] = {"copy_heavy": copy, "open_chat": chat, "unpredictable": noise,
                       f"concurrent_{CONCURRENT}": batch,
-                      "step_ms_by_tokens": spec.spec.summary()["step_ms_by_tokens"]}
+                      "step_ms_by_tokens": spec.spec.summary()["step_ms_by_tokens"],
+                      "draft_token_ms": spec.spec.summary()["draft_token_ms"]}
         spec.close()
     workloads = ("copy_heavy", "open_chat", "unpredictable", f"concurrent_{CONCURRENT}")
     targets = {"outputs_identical": all(r[w]["outputs_identical"] for r in runs.values()

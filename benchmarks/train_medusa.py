@@ -32,7 +32,6 @@ from benchmarks.train_draft import (  # noqa: E402
     MAX_TOKENS,
     PROMPTS,
     SEED,
-    TOPICS,
     VOCAB,
     Corpus,
     chat_prompts,
@@ -48,6 +47,9 @@ from engine.spec.config import DEMO_MEDUSA_PATH  # noqa: E402
 from engine.spec.medusa import FORMAT, head_names, medusa_states  # noqa: E402
 
 HEADS = 4
+# The shipped heads were trained on the first 60 topics (600 replies); the hidden-state draft
+# gained 12 points of held-out top-1 from all of them, the heads have not been retrained.
+TOPICS = 60
 EPOCHS = 8
 LR = 3e-3
 DECAY = 0.8  # head i's loss weight is DECAY**i (Medusa-1)

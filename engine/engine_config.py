@@ -77,7 +77,7 @@ class EngineConfig:
     speculative: str | None = _option(
         None, "speculative decoding: ngram[:k=10] (prompt lookup), draft:PATH[,k=4] (a smaller "
               "model with the same tokenizer, or a draft file from benchmarks/train_draft.py or "
-              "train_medusa.py), demo-draft[:k=2] (the demo model's own draft) or "
+              "train_medusa.py), demo-draft[:k=3] (the demo model's own draft) or "
               "demo-medusa[:k=3] (its Medusa heads); lookup=1 tries prompt lookup before a "
               "draft; branches=N verifies draft trees; default off", flag="--spec")
     prefix_caching: bool = _option(False, "share the KV blocks of common prompt prefixes "

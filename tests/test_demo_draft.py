@@ -70,7 +70,7 @@ def test_greedy_output_is_identical_with_the_demo_draft(demo_gguf, plain):
 
 def test_spec_names_for_the_demo_draft():
     cfg = parse_spec("demo-draft")
-    assert cfg.method == "draft" and cfg.num_draft_tokens == 2 and cfg.lookup
+    assert cfg.method == "draft" and cfg.num_draft_tokens == 3 and cfg.lookup
     cfg = parse_spec("demo-draft:k=3,lookup=0")
     assert cfg.num_draft_tokens == 3 and not cfg.lookup
     assert cfg.draft_model == str(DEMO_DRAFT_PATH)

@@ -469,6 +469,8 @@ class SpecDecoder(StepFeature):
                 "adaptive": self.config.adaptive,
                 "step_ms_by_tokens": {n: t * 1e3 for n, t in sorted(
                     self.costs.by_tokens.items())},
+                "draft_token_ms": (None if self.costs.draft_token_s is None
+                                   else self.costs.draft_token_s * 1e3),
                 "drafts": c.drafts, "draft_nodes": c.draft_nodes,
                 "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
                 "accepted_per_position": list(c.accepted_per_pos),
