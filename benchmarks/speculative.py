@@ -188,10 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {CONCURRENT} concurrent requests", file=sys.stderr)
         batch = compare_rounds(plain, spec, (OPEN_CHAT * CONCURRENT)[:CONCURRENT],
                                args.max_tokens, args.rounds, run_batch, CONCURRENT_PAIRS)
+        summary = spec.spec.summary()
         runs[name] = {"copy_heavy": copy, "open_chat": chat, "unpredictable": noise,
                       f"concurrent_{CONCURRENT}": batch,
-                      "step_ms_by_tokens": spec.spec.summary()["step_ms_by_tokens"],
-                      "draft_token_ms": spec.spec.summary()["draft_token_ms"]}
+                      "step_ms_by_tokens": summary["step_ms_by_tokens"],
+                      "draft_token_ms": summary["draft_token_ms"]}
         spec.close()
     workloads = ("copy_heavy", "open_chat", "unpredictable", f"concurrent_{CONCURRENT}")
     targets = {"outputs_identical": all(r[w]["outputs_identical"] for r in runs.values()

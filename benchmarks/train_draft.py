@@ -191,9 +191,14 @@ def draft_vocab(records: list[dict], train_idx: list[int], size: int, vocab_size
     a token id to its row there (-100, ignored by the loss, for a token left out)."""
     counts = Counter(t for i in train_idx for t in records[i]["ids"][records[i]["prompt_len"]:])
     vocab_ids = torch.tensor(sorted(t for t, _ in counts.most_common(size)))
+    return vocab_ids, rows_of(vocab_ids, vocab_size)
+
+
+def rows_of(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The map from a token id to its row in a draft vocabulary (-100 for a token left out)."""
     token_to_row = torch.full((vocab_size,), -100)
     token_to_row[vocab_ids] = torch.arange(len(vocab_ids))
-    return vocab_ids, token_to_row
+    return token_to_row
 
 
 def held_out_coverage(records: list[dict], held_idx: list[int], vocab_ids: torch.Tensor
@@ -242,10 +247,8 @@ def baseline_top1(path: str, records: list[dict], states: list[torch.Tensor], wh
 
     tensors = load_file(path)
     vocab_ids = tensors.pop("draft.vocab_ids").long()
-    token_to_row = torch.full((vocab_size,), -100)
-    token_to_row[vocab_ids] = torch.arange(len(vocab_ids))
     w = {k: v.float() for k, v in tensors.items()}
-    data = examples(records, states, which, token_to_row)
+    data = examples(records, states, which, rows_of(vocab_ids, vocab_size))
     return evaluate(w, data, embed, embed[vocab_ids], eps)
 
 
@@ -368,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     train_s = time.perf_counter() - t0
     compared = None
     if args.baseline:
-        per_topic = len(prompts) // args.topics
+        per_topic = len(json.loads(PROMPTS.read_text())["templates"])  # prompts run topic-major
         unseen = [i for i in held_idx if i // per_topic >= args.baseline_topics]
         unseen_data = examples(records, states, unseen, token_to_row)
         compared = {"baseline": {"file": Path(args.baseline).name,
