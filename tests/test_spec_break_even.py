@@ -169,13 +169,20 @@ def test_a_draft_that_is_right_keeps_drafting(demo_gguf, monkeypatch):
     assert c.acceptance_rate > 0.95 and c.mean_accepted_length > 3
 
 
-def test_a_sequence_left_without_drafts_probes_now_and_then(demo_gguf, monkeypatch):
+def rejected_sequence(demo_gguf, monkeypatch):
+    """An engine at the CPU costs above and a decoding sequence whose own drafts were all
+    rejected."""
     spec = measured(LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024,
                         speculative="ngram"), monkeypatch)
     rid = spec.add_request("Hello", SamplingParams(temperature=0, max_tokens=4))
     spec.step()
     seq = spec.core.seqs[rid]
-    seq.spec.position_rate, seq.spec.verifications = 0.0, 1  # its own drafts: all rejected
+    seq.spec.position_rate, seq.spec.verifications = 0.0, 1
+    return spec, seq
+
+
+def test_a_sequence_left_without_drafts_probes_now_and_then(demo_gguf, monkeypatch):
+    spec, seq = rejected_sequence(demo_gguf, monkeypatch)
     spec.spec.acceptance.num = 0.0  # and every other request's too: the prior is 0
     lengths = [spec.spec.draft_lengths([seq])[0] for _ in range(2 * PROBE_EVERY)]
     assert lengths.count(1) == 2 and set(lengths) == {0, 1}
@@ -186,12 +193,7 @@ def test_a_sequence_whose_drafts_were_rejected_drafts_again_where_others_are_acc
     """A few rejections stop a sequence's drafts; while it decodes without them its estimate
     drifts back to what drafts achieve for every request, so it drafts again within steps,
     not after a probe (PROBE_EVERY), and a verification then rules its estimate again."""
-    spec = measured(LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024,
-                        speculative="ngram"), monkeypatch)
-    rid = spec.add_request("Hello", SamplingParams(temperature=0, max_tokens=4))
-    spec.step()
-    seq = spec.core.seqs[rid]
-    seq.spec.position_rate, seq.spec.verifications = 0.0, 1  # its own drafts: all rejected
+    spec, seq = rejected_sequence(demo_gguf, monkeypatch)
     assert spec.spec.position_prior == pytest.approx(0.8)  # others' drafts: mostly accepted
     lengths = [spec.spec.draft_lengths([seq])[0] for _ in range(8)]
     first = next(i for i, k in enumerate(lengths) if k)
