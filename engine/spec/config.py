@@ -83,8 +83,8 @@ def parse_spec(value: str | SpecConfig | None) -> SpecConfig | None:
         fields["num_draft_tokens"] = LOOKUP_DEPTH
     if method == DEMO_DRAFT:
         # Up to 3 draft tokens (break-even picks each sequence's depth below that: the draft
-        # trained on 2960 replies gets its first two right together 33% of the time, and
-        # open chat with trees read 1.35x at 3 against 1.25x at 2, benchmarks/speculative.py)
+        # gets its first two right together 36% of the time on held-out prompts, and open
+        # chat with trees read 1.35x at 3 against 1.25x at 2, benchmarks/speculative.py)
         # and prompt lookup first (copy-heavy replies).
         fields = {"method": "draft", "draft_model": str(DEMO_DRAFT_PATH),
                   "num_draft_tokens": 3, "lookup": True}
