@@ -111,10 +111,14 @@ def compare(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int,
     draft_tokens = after["draft_tokens"] - before["draft_tokens"]
     nodes = after["draft_nodes"] - before["draft_nodes"]
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    differences = [d for b, f in zip(bases, fasts, strict=True)
+                   for d in first_differences(b["outputs"], f["outputs"])]
     return {
         "prompts": len(prompts), "max_tokens": max_tokens, "pairs": pairs,
-        "outputs_identical": all(b["outputs"] == f["outputs"]
-                                 for b, f in zip(bases, fasts, strict=True)),
+        "outputs_identical": not differences,
+        # Where replies differed: [prompt index, first differing token], for a hunt (one
+        # process's two plain engines once disagreed, unexplained: README).
+        "differences": differences,
         "baseline_tokens_per_s": _tokens_per_s(bases),
         "speculative_tokens_per_s": _tokens_per_s(fasts),
         "speedup": _tokens_per_s(fasts) / _tokens_per_s(bases),
@@ -124,6 +128,17 @@ def compare(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int,
         "nodes_per_level": nodes / draft_tokens if draft_tokens else None,
         "generated_tokens": sum(f["tokens"] for f in fasts),
     }
+
+
+def first_differences(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    """[prompt index, index of the first token that differs] for each reply that differs."""
+    out = []
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            same = (s == t for s, t in zip(x, y, strict=False))  # up to the shorter reply
+            out.append([i, next((j for j, eq in enumerate(same) if not eq),
+                                min(len(x), len(y)))])
+    return out
 
 
 def _tokens_per_s(runs: list[dict]) -> float:
@@ -146,6 +161,7 @@ def compare_rounds(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int, r
     results = [compare(plain, spec, prompts, max_tokens, run, pairs) for _ in range(rounds)]
     median = sorted(results, key=lambda r: r["speedup"])[(len(results) - 1) // 2]
     return {**median, "outputs_identical": all(r["outputs_identical"] for r in results),
+            "differences": [r["differences"] for r in results],
             "speedups": [round(r["speedup"], 3) for r in results]}
 
 
