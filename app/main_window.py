@@ -51,6 +51,7 @@ class MainWindow(QMainWindow):
         self.rail = NavigationRail(self._stack)
         self.panes: list[Pane] = []
         self._start_panes = start_panes
+        self.panes_started = False  # set once every pane has started, after the first paint
         self._shown = False
         self._closed = False
         self._build_central()
@@ -164,6 +165,7 @@ class MainWindow(QMainWindow):
         if self._start_panes and not self._closed:
             for pane in self.panes:
                 pane.start()
+            self.panes_started = True
             for pane in self.panes:
                 if hasattr(pane, "database_status"):
                     self.database_label.setText(pane.database_status())

@@ -79,6 +79,8 @@ def make_window(qtbot) -> Iterator[Callable[[], object]]:
         window.show()
         qtbot.waitExposed(window)
         windows.append(window)
+        # The panes start just after the first paint; tests act on a started window.
+        qtbot.waitUntil(lambda: window.panes_started, timeout=10_000)
         return window
 
     yield make

@@ -167,10 +167,11 @@ class MonitorService:
             self.on_database()
 
     def wait_for_database(self, timeout: float | None = None) -> bool:
-        """Block until the database is open or has failed (for the command line and tests)."""
+        """Block until the database is open or has failed (for the command line and tests);
+        False before start(), when it has not begun to open."""
         if self._opener is not None:
             self._opener.join(timeout)
-        return not self.db_opening
+        return self._started and not self.db_opening
 
     def _add_gpus(self) -> None:
         from monitor.nvml import NvmlSource
