@@ -157,7 +157,7 @@ def compare_rounds(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int, r
                    run=run_workload, pairs: int = 1) -> dict:
     """compare() `rounds` times in a row: the round with the median speed-up (the lower of
     the middle two for an even count), every round's speed-up beside it, outputs identical in
-    all."""
+    all, and each round's differences (compare's [prompt, first differing token] list)."""
     results = [compare(plain, spec, prompts, max_tokens, run, pairs) for _ in range(rounds)]
     median = sorted(results, key=lambda r: r["speedup"])[(len(results) - 1) // 2]
     return {**median, "outputs_identical": all(r["outputs_identical"] for r in results),

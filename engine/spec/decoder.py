@@ -47,6 +47,11 @@ PRIOR_RATE = 0.8
 PRIOR_DECAY = 0.95
 
 
+def ema(old: float, new: float) -> float:
+    """One step of a per-sequence moving average (EMA_DECAY: the weight of the old value)."""
+    return EMA_DECAY * old + (1 - EMA_DECAY) * new
+
+
 @dataclass
 class SpecCounters:
     """vLLM's speculative-decoding counters (drafts, draft tokens, accepted, per position)."""
@@ -84,7 +89,7 @@ def observe_width(state: SpecState) -> None:
     if not state.tokens:
         return
     depth = len(state.tokens) if state.tree is None else state.tree.max_depth
-    state.width = EMA_DECAY * state.width + (1 - EMA_DECAY) * len(state.tokens) / depth
+    state.width = ema(state.width, len(state.tokens) / depth)
 
 
 class Proposer(ABC):
@@ -415,15 +420,16 @@ class SpecDecoder(StepFeature):
         decided = {} if paying is None else dict(zip(timed, paying, strict=True))
         # The acceptance rule only where break-even did not decide: it counts down a cooldown
         # each time it is asked, which must not run on for sequences it does not rule.
-        return [self._probe(seq, decided[i], cap) if i in decided
+        return [self._with_idle_rules(seq, decided[i], cap) if i in decided
                 else min(self._adaptive_length(seq), cap)
                 for i, (seq, cap) in enumerate(zip(seqs, caps, strict=True))]
 
-    def _probe(self, seq: Sequence, k: int, cap: int) -> int:
-        """A sequence left without drafts: each step without them its acceptance estimate moves
-        one EMA weight back towards the prior (what drafts achieve for every request), since
-        the few rejections that stopped it say little about the text to come; and it tries one
-        draft now and then (where the prior is low too, its acceptance may still rise).
+    def _with_idle_rules(self, seq: Sequence, k: int, cap: int) -> int:
+        """The draft length break-even chose (k), with the rules for a sequence it left without
+        drafts (cap > 0, k = 0): each such step its acceptance estimate moves one EMA weight
+        back towards the prior (what drafts achieve for every request), since the few
+        rejections that stopped it say little about the text to come; and it tries one draft
+        now and then (where the prior is low too, its acceptance may still rise).
 
         Without the drift, two or three rejections in a row left a reply's estimate at 0.16-0.23
         with no verification to correct it, and the trained draft sat idle for 98 of 168 steps
@@ -434,7 +440,7 @@ class SpecDecoder(StepFeature):
             state.idle_steps = 0
             return k
         if state.verifications:
-            state.position_rate += (1 - EMA_DECAY) * (self.position_prior - state.position_rate)
+            state.position_rate = ema(state.position_rate, self.position_prior)
         state.idle_steps += 1
         if state.idle_steps < PROBE_EVERY:
             return 0
@@ -491,11 +497,10 @@ class SpecDecoder(StepFeature):
         """Count a verification and update the sequence's acceptance estimate."""
         self.counters.add(proposed, accepted, nodes)
         state = spec_state(seq)
-        state.rate = EMA_DECAY * state.rate + (1 - EMA_DECAY) * accepted / proposed
+        state.rate = ema(state.rate, accepted / proposed)
         # Per position: the drafts tried until the first rejection (all, if none was).
         tried = min(accepted + 1, proposed)
-        state.position_rate = (EMA_DECAY * self._position_rate(seq)
-                               + (1 - EMA_DECAY) * accepted / tried)
+        state.position_rate = ema(self._position_rate(seq), accepted / tried)
         state.verifications += 1
         self.acceptance.observe(accepted, tried)
 
