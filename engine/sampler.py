@@ -11,10 +11,20 @@ import torch
 from engine.sequence import Sequence
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's index of its largest value (the first where several tie; a NaN counts as the
+    largest), as torch.argmax gives it: through NumPy for float32 on the CPU, where torch's CPU
+    argmax took 86 us for one row of the demo model's 49,152 logits and NumPy's 4 us (a
+    16-sequence step spent about 1.4 ms in it, a verification of 8 drafts 0.4 ms)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """Pick one token per row of `logits` ([S, V], float32) under each sequence's params."""
     logits = processed_logits(logits, seqs)
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = argmax_rows(logits)
     rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if rows:
         probs = filtered_probs(logits[rows], [seqs[i].params for i in rows])

@@ -8,7 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.features import Step, StepFeature
-from engine.sampler import filtered_probs
+from engine.sampler import argmax_rows, filtered_probs
 from engine.spec.verify import verify_sampled, verify_sampled_all
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -131,3 +131,17 @@ def test_a_sequence_verified_in_a_batch_gets_the_tokens_it_gets_alone():
              for (a, b), d, g in zip([(0, 3), (3, 5), (5, 9)], drafts, gens(), strict=True)]
     assert together == alone
     assert all(1 <= len(t) <= len(d) + 1 for t, d in zip(together, drafts, strict=True))
+
+
+def test_argmax_rows_is_torchs_argmax_on_real_logits_ties_nans_and_views(llm):
+    """The greedy choice goes through NumPy on the CPU (torch's CPU argmax is 20x slower): it
+    must pick exactly torch.argmax's token, ties (the first), NaNs and infinities included."""
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    logits = torch.cat([llm.prompt_logits(i) for i in ids])  # every prompt position's logits
+    assert logits.dtype == torch.float32 and logits.shape[0] == sum(map(len, ids))
+    assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    odd = torch.tensor([[1.0, 3.0, 3.0, 2.0], [float("nan"), 5.0, float("nan"), 1.0],
+                        [1.0, float("nan"), 9.0, 1.0], [-float("inf")] * 4,
+                        [float("inf"), 1.0, float("inf"), 0.0]])
+    for x in (odd, odd[:, ::2], odd.t(), logits[::3, 7::5], logits.bfloat16(), odd.double()):
+        assert argmax_rows(x) == x.argmax(dim=-1).tolist()

@@ -16,7 +16,7 @@ from engine.block_manager import BlockManager
 from engine.config import ModelError
 from engine.model import LlamaModel
 from engine.runner import ModelRunner, RunItem
-from engine.sampler import draw, filtered_probs, generator_for
+from engine.sampler import argmax_rows, draw, filtered_probs, generator_for
 from engine.sequence import Sequence
 from engine.spec.decoder import Proposer, spec_state
 
@@ -67,7 +67,7 @@ class DraftModel(Proposer):
     def _pick(self, seq: Sequence, logits: torch.Tensor) -> None:
         state = spec_state(seq)
         if seq.params.greedy:
-            state.tokens.append(int(logits.argmax()))
+            state.tokens.append(argmax_rows(logits.unsqueeze(0))[0])
             return
         q = filtered_probs(logits.unsqueeze(0), [seq.params])[0]
         state.tokens.append(draw(q, generator_for(seq)))

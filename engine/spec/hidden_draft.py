@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelError
 from engine.model import LlamaModel
+from engine.sampler import argmax_rows
 from engine.sequence import Sequence
 from engine.spec.decoder import Proposer, branches_for, set_draft_paths, spec_state
 
@@ -182,7 +183,7 @@ class HiddenDraft(StateProposer):
             if level:
                 s = draft_step(s, self.embed[drafts[-1]].float(), self.weights, self.eps,
                                self.linear)
-            drafts.append(self.vocab_ids[self.scores(s).argmax(-1)])
+            drafts.append(self.vocab_ids[argmax_rows(self.scores(s))])
         return torch.stack(drafts, dim=1).tolist()
 
     def _tree_paths(self, s: torch.Tensor, depths: list[int], branches: list[int]

@@ -32,7 +32,7 @@ from functools import cached_property
 
 import torch
 
-from engine.sampler import draw, filtered_probs, generator_for
+from engine.sampler import argmax_rows, draw, filtered_probs, generator_for
 from engine.sequence import Sequence
 from engine.spec.verify import residual
 from kernels.metadata import ancestor_mask, tree_depths
@@ -177,7 +177,7 @@ def verify_tree_all(items: list[TreeDrafted]) -> list[TreeVerdict]:
     greedy = [i for i, d in enumerate(items) if d.seq.params.greedy]
     sampled = [i for i, d in enumerate(items) if not d.seq.params.greedy]
     if greedy:
-        best = torch.cat([items[i].logits for i in greedy]).argmax(dim=-1).tolist()
+        best = argmax_rows(torch.cat([items[i].logits for i in greedy]))
         start = 0
         for i in greedy:
             rows = len(items[i].tree) + 1
@@ -199,7 +199,7 @@ def verify_tree_all(items: list[TreeDrafted]) -> list[TreeVerdict]:
 def verify_tree_greedy(logits: torch.Tensor, tree: TokenTree) -> TreeVerdict:
     """The longest root path whose every token is the target's argmax at its parent, then the
     target's argmax after it."""
-    return walk_greedy(logits.argmax(dim=-1).tolist(), tree)
+    return walk_greedy(argmax_rows(logits), tree)
 
 
 def walk_greedy(best: list[int], tree: TokenTree) -> TreeVerdict:

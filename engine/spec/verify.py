@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import filtered_probs, generator_for, inverse_cdf
+from engine.sampler import argmax_rows, filtered_probs, generator_for, inverse_cdf
 from engine.sequence import Sequence
 
 
@@ -41,7 +41,7 @@ def verify_all(items: list[Drafted]) -> list[list[int]]:
     greedy = [i for i, d in enumerate(items) if d.seq.params.greedy]
     sampled = [i for i, d in enumerate(items) if not d.seq.params.greedy]
     if greedy:
-        best = torch.cat([items[i].logits for i in greedy]).argmax(dim=-1).tolist()
+        best = argmax_rows(torch.cat([items[i].logits for i in greedy]))
         start = 0
         for i in greedy:
             k = len(items[i].draft)
@@ -61,7 +61,7 @@ def verify_all(items: list[Drafted]) -> list[list[int]]:
 
 def verify_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
     """Accept while each draft equals the target's argmax; then the target's own argmax."""
-    return _accept_greedy(logits.argmax(dim=-1).tolist(), draft)
+    return _accept_greedy(argmax_rows(logits), draft)
 
 
 def _accept_greedy(best: list[int], draft: list[int]) -> list[int]:
