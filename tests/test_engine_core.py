@@ -145,3 +145,31 @@ def test_argmax_rows_is_torchs_argmax_on_real_logits_ties_nans_and_views(llm):
                         [float("inf"), 1.0, float("inf"), 0.0]])
     for x in (odd, odd[:, ::2], odd.t(), logits[::3, 7::5], logits.bfloat16(), odd.double()):
         assert argmax_rows(x) == x.argmax(dim=-1).tolist()
+
+
+def _exact_nucleus(row: torch.Tensor, k: int, p: float) -> set[int]:
+    """The top-k / top-p kept tokens of one row, from a whole-row sort in float64."""
+    values, order = row.double().sort(descending=True)
+    k = min(k, row.numel()) if k > 0 else row.numel()
+    probs = torch.softmax(values[:k], dim=-1)
+    keep = max(1, int(((probs.cumsum(-1) - probs) < p).sum()))
+    return set(order[:keep].tolist())
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (0, 0.5), (0, 0.01), (40, 1.0), (40, 0.9),
+                                          (1, 0.9), (100_000, 0.99), (0, 0.999)])
+def test_the_nucleus_is_the_whole_sorts_on_real_logits(llm, top_k, top_p):
+    """Top-k and top-p keep exactly the tokens a float64 sort of the whole row keeps, with
+    their logits, at several temperatures of the demo model's real logits (nuclei of one token
+    to tens of thousands)."""
+    from engine.sampler import _apply_top_k_top_p
+
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    logits = torch.cat([llm.prompt_logits(i) for i in ids])
+    for temperature in (0.3, 1.0, 2.0):
+        scaled = logits / temperature
+        fast = _apply_top_k_top_p(scaled, [top_k] * len(scaled), [top_p] * len(scaled))
+        for row, kept_row in zip(scaled, fast, strict=True):
+            kept = set(torch.isfinite(kept_row).nonzero().flatten().tolist())
+            assert kept == _exact_nucleus(row, top_k, top_p)
+            assert torch.equal(kept_row[list(kept)], row[list(kept)])

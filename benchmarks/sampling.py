@@ -1,0 +1,136 @@
+"""What choosing tokens costs the engine's decode, greedy and sampled, now against the way before.
+
+Two token-choice paths ran on torch CPU ops that are slow at the demo model's 49,152-token
+vocabulary: the greedy argmax (torch's, about 86 us a row on the 2-core CPU; now NumPy's,
+`engine.sampler.argmax_rows`) and the top-p nucleus (a sort of the whole row, about 3 ms; now
+`torch.topk` widened until the nucleus ends, `engine.sampler._apply_top_k_top_p`). This decodes
+in one process with each choice path in turn (rounds alternate which goes first): greedy, and
+sampled at the Engine pane's chat defaults (temperature 0.7, top-p 0.95), one request at a time
+and 16 at once, 64-token replies with ignore_eos; and times the choice alone (`sample` on 16
+rows of the model's real logits for the chat prompts). The paths before are this file's copies
+of the code as it was. Prints one JSON object: the machine, per workload the median tok/s of
+each path and the ratio now / before, and the choice's milliseconds per 16-row step.
+
+    .venv/bin/python benchmarks/sampling.py [--rounds 3] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams, sampler  # noqa: E402
+from engine.bench import machine  # noqa: E402
+from engine.models import fetch_demo_model  # noqa: E402
+
+PROMPTS = [
+    "What are three tips for staying focused while studying?",
+    "Explain what a GPU does in simple terms.",
+    "Write a short poem about the ocean.",
+    "What should I pack for a weekend hiking trip?",
+]
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95}  # app/panes/engine/state.py
+
+
+def torch_argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The greedy choice before: torch's argmax."""
+    return logits.argmax(dim=-1).tolist()
+
+
+def sorted_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]):
+    """The nucleus before: a sort of every whole row."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k]).unsqueeze(1)
+    remove = ranks >= k
+    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    remove |= (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+@contextmanager
+def choice_path(before: bool):
+    """The sampler's choice functions as they were (before) or as they are."""
+    saved = sampler.argmax_rows, sampler._apply_top_k_top_p
+    if before:
+        sampler.argmax_rows, sampler._apply_top_k_top_p = torch_argmax_rows, sorted_top_k_top_p
+    try:
+        yield
+    finally:
+        sampler.argmax_rows, sampler._apply_top_k_top_p = saved
+
+
+def choice_ms(llm: LLM, prompts: list[list[int]], params: SamplingParams, before: bool,
+              repeats: int = 20) -> float:
+    """Milliseconds `sample` takes for one step of 16 sequences, on the logits the model gives
+    at the last 16 positions of the prompts (median of `repeats`)."""
+    from engine.sequence import Sequence
+
+    logits = torch.cat([llm.prompt_logits(p) for p in prompts])[-16:]
+    seqs = [Sequence(f"r{i}", [1], params, 0.0) for i in range(len(logits))]
+    times = []
+    with choice_path(before):
+        for _ in range(repeats):
+            start = time.perf_counter()
+            sampler.sample(logits, seqs)
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def tokens_per_s(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    llm = LLM(str(fetch_demo_model(progress=lambda m, f: None)), device="cpu")
+    chat = [llm.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
+    workloads = {}
+    for kind, extra in (("greedy", {"temperature": 0.0}), ("sampled", CHAT_DEFAULTS)):
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=0, **extra)
+        workloads[f"{kind}_batch_1"] = (chat[:1], params)
+        workloads[f"{kind}_batch_16"] = ((chat * 4)[:16], params)
+    tokens_per_s(llm, chat[:2], SamplingParams(max_tokens=8))  # warm-up
+    runs: dict[str, dict[str, list[float]]] = {w: {"now": [], "before": []} for w in workloads}
+    for r in range(args.rounds):
+        for name, (prompts, params) in workloads.items():
+            for before in ((False, True) if r % 2 == 0 else (True, False)):
+                with choice_path(before):
+                    speed = tokens_per_s(llm, prompts, params)
+                runs[name]["before" if before else "now"].append(speed)
+                print(f"round {r + 1} {name} {'before' if before else 'now'}: {speed:.1f} tok/s",
+                      file=sys.stderr)
+    choice = {kind: {"now_ms": choice_ms(llm, chat, workloads[f"{kind}_batch_16"][1], False),
+                     "before_ms": choice_ms(llm, chat, workloads[f"{kind}_batch_16"][1], True)}
+              for kind in ("greedy", "sampled")}
+    result = {"benchmark": "token_choice", "model": llm.model_name, "dtype": llm.dtype,
+              "machine": machine(), "rounds": args.rounds, "max_tokens": args.max_tokens,
+              "choice_per_16_row_step": choice, "workloads": {}}
+    for name, r in runs.items():
+        now, before = statistics.median(r["now"]), statistics.median(r["before"])
+        result["workloads"][name] = {"now_tokens_per_s": now, "before_tokens_per_s": before,
+                                     "ratio": now / before, "rounds_now": r["now"],
+                                     "rounds_before": r["before"]}
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
