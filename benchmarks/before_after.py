@@ -36,6 +36,21 @@ def _get(result: dict, path: str):
     return value
 
 
+def _missing(result: dict, path: str) -> str | None:
+    """Why `path` names no value in `result` (the key that is not there and the keys that
+    are), or None where it does."""
+    value = result
+    for key in path.split("."):
+        if isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            value = value[int(key)]
+        elif isinstance(value, dict) and key in value:
+            value = value[key]
+        else:
+            there = sorted(value) if isinstance(value, dict) else f"a {type(value).__name__}"
+            return f"--figure {path}: no {key!r} in the script's output there (it has {there})"
+    return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", required=True, help="the earlier git revision")
@@ -56,6 +71,10 @@ def main() -> None:
         try:
             for _ in range(args.rounds):
                 runs["before"].append(_run(tree, args.script))
+                # A mistyped figure is said after the first run, not after every run.
+                wrong = [w for w in (_missing(runs["before"][0], f) for f in args.figure) if w]
+                if wrong:
+                    sys.exit("; ".join(wrong) + ".")
                 runs["after"].append(_run(ROOT, args.script))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
