@@ -67,10 +67,14 @@ class TaskRunner(QObject):
         super().__init__(parent)
         self._thread: _TaskThread | None = None
         self._cancel = threading.Event()
+        # Until the task's outcome reaches this thread. Not QThread.isRunning(): the thread
+        # still runs for a moment after it sends its outcome, and a click answered in that
+        # moment ("Diagnose now" again) was dropped as if a task were in progress.
+        self._in_progress = False
 
     def is_running(self) -> bool:
-        """Whether a task is in progress."""
-        return self._thread is not None and self._thread.isRunning()
+        """Whether a task is in progress (its outcome not yet delivered)."""
+        return self._in_progress
 
     def start(self, task: TaskFunction) -> None:
         """Start ``task``; a task already running is stopped first."""
@@ -78,11 +82,12 @@ class TaskRunner(QObject):
         self._cancel = threading.Event()
         thread = _TaskThread(task, self._cancel)
         thread.progressed.connect(self.progressed)
-        thread.succeeded.connect(self.succeeded)
-        thread.failed.connect(self.failed)
-        thread.cancelled.connect(self.cancelled)
+        thread.succeeded.connect(self._on_succeeded)
+        thread.failed.connect(self._on_failed)
+        thread.cancelled.connect(self._on_cancelled)
         thread.finished.connect(self._on_finished)
         self._thread = thread
+        self._in_progress = True
         thread.start()
 
     def cancel(self) -> None:
@@ -98,8 +103,32 @@ class TaskRunner(QObject):
         thread.quit()
         thread.wait()
         self._thread = None
+        self._in_progress = False
+
+    # The outcome is settled before it is passed on, so its handlers see no task in progress.
+    # A thread stopped by start() or stop() may still have signals queued: they are dropped, so
+    # a stale outcome never ends (or reports for) the task that replaced it.
+    def _settles(self) -> bool:
+        if self.sender() is not self._thread:
+            return False
+        self._in_progress = False
+        return True
+
+    def _on_succeeded(self, result: object) -> None:
+        if self._settles():
+            self.succeeded.emit(result)
+
+    def _on_failed(self, message: str) -> None:
+        if self._settles():
+            self.failed.emit(message)
+
+    def _on_cancelled(self) -> None:
+        if self._settles():
+            self.cancelled.emit()
 
     def _on_finished(self) -> None:
+        if not self._settles():  # an outcome is always sent first; this is the backstop
+            return
         # The finished thread object is kept until the next start() or stop(): dropping it
         # here, inside its own signal, would delete it while Qt is still delivering.
         self.finished.emit()

@@ -58,3 +58,64 @@ def test_a_cancelled_relay_stops_at_a_report_and_the_runner_says_cancelled(qtbot
         runner.cancel()
     runner.stop()
     assert stop.is_set()  # the helper was joined: nothing keeps running behind the runner
+
+
+def test_a_task_is_over_when_its_outcome_arrives_though_its_thread_lingers(qtbot, monkeypatch):
+    """A click answered between a task's outcome and its thread's exit (the Diagnosis tab's
+    "Diagnose now" pressed again right after a verdict) starts the next task, never dropped as
+    if one were still in progress."""
+    from app import workers
+
+    run = workers._TaskThread.run
+
+    def linger(self):
+        run(self)
+        threading.Event().wait(0.5)  # the thread still runs after sending its outcome
+
+    monkeypatch.setattr(workers._TaskThread, "run", linger)
+
+    def task(cancel):
+        return "verdict"
+        yield  # a task is a generator
+
+    runner = TaskRunner()
+    seen = []
+    runner.succeeded.connect(lambda result: seen.append((result, runner.is_running())))
+    with qtbot.waitSignal(runner.succeeded, timeout=5000):
+        runner.start(task)
+    assert seen == [("verdict", False)]
+    with qtbot.waitSignal(runner.succeeded, timeout=5000):
+        runner.start(task)  # again at once: the first thread has not exited yet
+    assert seen == [("verdict", False)] * 2
+    runner.stop()
+
+
+def test_a_replaced_tasks_outcome_is_dropped(qtbot):
+    """start() while a task runs stops it; what the stopped task still sends (its cancellation)
+    neither reaches the runner's listeners nor ends the task that replaced it."""
+    first_running, release = threading.Event(), threading.Event()
+
+    def first(cancel):
+        first_running.set()
+        cancel.wait(5)
+        return "stale"
+        yield
+
+    def second(cancel):
+        release.wait(5)
+        return "fresh"
+        yield
+
+    runner = TaskRunner()
+    outcomes = []
+    runner.succeeded.connect(outcomes.append)
+    runner.cancelled.connect(lambda: outcomes.append("cancelled"))
+    runner.start(first)
+    assert first_running.wait(5)
+    runner.start(second)  # stops the first (its cancellation is queued) and starts the second
+    qtbot.wait(200)  # the first's queued signals are delivered
+    assert outcomes == [] and runner.is_running()
+    with qtbot.waitSignal(runner.succeeded, timeout=5000):
+        release.set()
+    assert outcomes == ["fresh"] and not runner.is_running()
+    runner.stop()
