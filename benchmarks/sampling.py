@@ -72,13 +72,12 @@ def choice_path(before: bool):
         sampler.argmax_rows, sampler._apply_top_k_top_p = saved
 
 
-def choice_ms(llm: LLM, prompts: list[list[int]], params: SamplingParams, before: bool,
+def choice_ms(logits: torch.Tensor, params: SamplingParams, before: bool,
               repeats: int = 20) -> float:
-    """Milliseconds `sample` takes for one step of 16 sequences, on the logits the model gives
-    at the last 16 positions of the prompts (median of `repeats`)."""
+    """Milliseconds `sample` takes for one step of as many sequences as `logits` has rows
+    (median of `repeats`)."""
     from engine.sequence import Sequence
 
-    logits = torch.cat([llm.prompt_logits(p) for p in prompts])[-16:]
     seqs = [Sequence(f"r{i}", [1], params, 0.0) for i in range(len(logits))]
     times = []
     with choice_path(before):
@@ -117,8 +116,10 @@ def main() -> int:
                 runs[name]["before" if before else "now"].append(speed)
                 print(f"round {r + 1} {name} {'before' if before else 'now'}: {speed:.1f} tok/s",
                       file=sys.stderr)
-    choice = {kind: {"now_ms": choice_ms(llm, chat, workloads[f"{kind}_batch_16"][1], False),
-                     "before_ms": choice_ms(llm, chat, workloads[f"{kind}_batch_16"][1], True)}
+    # One 16-sequence step's logits: the model's at the last 16 positions of the chat prompts.
+    step_logits = torch.cat([llm.prompt_logits(p) for p in chat])[-16:]
+    choice = {kind: {"now_ms": choice_ms(step_logits, workloads[f"{kind}_batch_16"][1], False),
+                     "before_ms": choice_ms(step_logits, workloads[f"{kind}_batch_16"][1], True)}
               for kind in ("greedy", "sampled")}
     result = {"benchmark": "token_choice", "model": llm.model_name, "dtype": llm.dtype,
               "machine": machine(), "rounds": args.rounds, "max_tokens": args.max_tokens,

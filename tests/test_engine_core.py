@@ -133,12 +133,19 @@ def test_a_sequence_verified_in_a_batch_gets_the_tokens_it_gets_alone():
     assert all(1 <= len(t) <= len(d) + 1 for t, d in zip(together, drafts, strict=True))
 
 
-def test_argmax_rows_is_torchs_argmax_on_real_logits_ties_nans_and_views(llm):
+@pytest.fixture(scope="module")
+def prompt_logits(llm) -> torch.Tensor:
+    """The demo model's logits at every position of PROMPTS (one prefill each, made once)."""
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    logits = torch.cat([llm.prompt_logits(i) for i in ids])
+    assert logits.dtype == torch.float32 and logits.shape[0] == sum(map(len, ids))
+    return logits
+
+
+def test_argmax_rows_is_torchs_argmax_on_real_logits_ties_nans_and_views(prompt_logits):
     """The greedy choice goes through NumPy on the CPU (torch's CPU argmax is 20x slower): it
     must pick exactly torch.argmax's token, ties (the first), NaNs and infinities included."""
-    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-    logits = torch.cat([llm.prompt_logits(i) for i in ids])  # every prompt position's logits
-    assert logits.dtype == torch.float32 and logits.shape[0] == sum(map(len, ids))
+    logits = prompt_logits
     assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
     odd = torch.tensor([[1.0, 3.0, 3.0, 2.0], [float("nan"), 5.0, float("nan"), 1.0],
                         [1.0, float("nan"), 9.0, 1.0], [-float("inf")] * 4,
@@ -158,16 +165,14 @@ def _exact_nucleus(row: torch.Tensor, k: int, p: float) -> set[int]:
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (0, 0.5), (0, 0.01), (40, 1.0), (40, 0.9),
                                           (1, 0.9), (100_000, 0.99), (0, 0.999)])
-def test_the_nucleus_is_the_whole_sorts_on_real_logits(llm, top_k, top_p):
+def test_the_nucleus_is_the_whole_sorts_on_real_logits(prompt_logits, top_k, top_p):
     """Top-k and top-p keep exactly the tokens a float64 sort of the whole row keeps, with
     their logits, at several temperatures of the demo model's real logits (nuclei of one token
     to tens of thousands)."""
     from engine.sampler import _apply_top_k_top_p
 
-    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-    logits = torch.cat([llm.prompt_logits(i) for i in ids])
     for temperature in (0.3, 1.0, 2.0):
-        scaled = logits / temperature
+        scaled = prompt_logits / temperature
         fast = _apply_top_k_top_p(scaled, [top_k] * len(scaled), [top_p] * len(scaled))
         for row, kept_row in zip(scaled, fast, strict=True):
             kept = set(torch.isfinite(kept_row).nonzero().flatten().tolist())
