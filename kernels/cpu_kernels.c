@@ -14,6 +14,9 @@
  */
 #include <math.h>
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,6 +56,15 @@ typedef float f32x4 __attribute__((vector_size(16)));
 /* LANES values at `offset` of a float32 or bfloat16 array, as float32. */
 static inline vf load_vec(const void *base, int64_t offset, int bf16) {
     vf out;
+#if LANES == 16
+    /* One widening move (GCC 12 splits the generic conversion into two halves and an insert). */
+    if (bf16) {
+        const __m512i bits = _mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)((const uint16_t *)base + offset))), 16);
+        memcpy(&out, &bits, sizeof out);
+        return out;
+    }
+#endif
     if (bf16) {
         vu16 half;
         memcpy(&half, (const uint16_t *)base + offset, sizeof half);
@@ -141,17 +153,110 @@ static inline void prefetch_row(const void *cache, int64_t slot, const Job *job,
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
+/* exp_nonpositive on a vector (x <= 0, or -inf for 0): the same integer power and polynomial,
+ * with n = ceil(x*log2 e - 0.5) by truncation (x <= 0), so f stays in (-0.5, 0.5]. */
+typedef int32_t vi32 __attribute__((vector_size(LANES * 4)));
+static inline vf select_vec(vi32 mask, vf yes, vf no) {
+    vi32 a, b;
+    memcpy(&a, &yes, sizeof a);
+    memcpy(&b, &no, sizeof b);
+    a = (a & mask) | (b & ~mask);
+    memcpy(&yes, &a, sizeof yes);
+    return yes;
+}
+
+static inline vf exp_nonpositive_vec(vf x) {
+    vf t = x * 1.44269504088896341f;
+    t = select_vec(t < -126.0f, (vf){0} - 126.0f, t);
+    const vi32 n = __builtin_convertvector(t - 0.5f, vi32);
+    const vf f = t - __builtin_convertvector(n, vf);
+    vf p = 1.5353362e-4f + (vf){0};
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const vi32 bits = (n + 127) << 23;
+    vf power;
+    memcpy(&power, &bits, sizeof power);
+    return select_vec(x < -87.0f, (vf){0}, p * power);
+}
+
+#if LANES == 16
+/* Lane j of the result is sum_lanes(v[j]), added in the same pairs and order (lane i with i+8,
+ * then i+4, i+2, i+1), so each sum is bit for bit the one sum_lanes gives; two shuffles and an
+ * add per pair of vectors, 45 operations for 16 sums against about 9 per sum_lanes. v is
+ * overwritten. */
+static inline vf pair_sums(vf a, vf b, vi32 lo, vi32 hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+static inline vf sum_lanes_of(vf *v) {
+    const vi32 a_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi32 a_hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi32 b_lo = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const vi32 b_hi = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const vi32 c_lo = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const vi32 c_hi = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const vi32 d_lo = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const vi32 d_hi = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    for (int j = 0; j < 8; j++) v[j] = pair_sums(v[j], v[j + 8], a_lo, a_hi);
+    for (int j = 0; j < 4; j++) v[j] = pair_sums(v[j], v[j + 4], b_lo, b_hi);
+    for (int j = 0; j < 2; j++) v[j] = pair_sums(v[j], v[j + 2], c_lo, c_hi);
+    return pair_sums(v[0], v[1], d_lo, d_hi);
+}
+#endif
+
+/* Query heads whose value sums are accumulated together in one pass over the values: as many
+ * as keep group x chunks accumulators in registers. */
+#define ACC_VECS 16
+
+/* The scores' row stride: whole vectors, the padding scored -inf (weight 0). */
+static inline int64_t score_stride(int64_t len) { return (len + LANES - 1) / LANES * LANES; }
+
 /* One (sequence, KV head), `chunks` = dim / LANES: each key is read and converted once and scored
- * against every query head that shares it (grouped-query attention); softmax in float32; each
- * query head then sums the values in registers. `qf` holds the group's queries, `scores`
- * group x len floats. A constant `chunks` (the inlined cases below) unrolls the inner loops. */
+ * against every query head that shares it (grouped-query attention); softmax in float32, its
+ * exponentials a vector at a time; each value row is read once for the query heads that share
+ * it, their sums held in registers. `qf` holds the group's queries, `scores` group x
+ * score_stride(len) floats. A constant `chunks` (the inlined cases below) unrolls the inner
+ * loops. */
 static inline __attribute__((always_inline)) void attend_chunks(
         const Job *job, int64_t b, int64_t h, vf *qf, float *scores, const int chunks) {
     const int64_t dim = job->dim, group = job->heads / job->kv_heads, len = job->lengths[b];
+    const int64_t stride = score_stride(len);
     const int64_t *slots = job->slots + b * job->width;
     const int64_t first_q = (b * job->heads + h * group) * dim;
     for (int64_t i = 0; i < group * chunks; i++) qf[i] = load_vec(job->q, first_q + LANES * i, job->bf16);
     const int64_t bytes = dim * (job->bf16 ? 2 : 4);
+#if LANES == 16
+    /* A vector of keys at a time: each query head's LANES dot-product vectors are summed across
+     * together (sum_lanes_of), not one horizontal sum per key. */
+    vf *dots = qf + group * chunks;
+    for (int64_t t0 = 0; t0 < len; t0 += LANES) {
+        const int64_t n = len - t0 < LANES ? len - t0 : LANES;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t t = t0 + j, row = (slots[t] * job->kv_heads + h) * dim;
+            if (t + PREFETCH < len) {
+                prefetch_row(job->k_cache, slots[t + PREFETCH], job, h, bytes);
+                prefetch_row(job->v_cache, slots[t + PREFETCH], job, h, bytes);
+            }
+            vf key[MAX_CHUNKS];
+            for (int c = 0; c < chunks; c++) key[c] = load_vec(job->k_cache, row + LANES * c, job->bf16);
+            for (int64_t g = 0; g < group; g++) {
+                vf dot = qf[g * chunks] * key[0];
+                for (int c = 1; c < chunks; c++) dot += qf[g * chunks + c] * key[c];
+                dots[g * LANES + j] = dot;
+            }
+        }
+        for (int64_t j = n; j < LANES; j++)
+            for (int64_t g = 0; g < group; g++) dots[g * LANES + j] = (vf){0};
+        for (int64_t g = 0; g < group; g++) {
+            const vf sums = sum_lanes_of(dots + g * LANES) * job->scale;
+            memcpy(scores + g * stride + t0, &sums, sizeof sums);
+        }
+    }
+#else
     for (int64_t t = 0; t < len; t++) {
         const int64_t row = (slots[t] * job->kv_heads + h) * dim;
         if (t + PREFETCH < len) {
@@ -163,28 +268,53 @@ static inline __attribute__((always_inline)) void attend_chunks(
         for (int64_t g = 0; g < group; g++) {
             vf dot = qf[g * chunks] * key[0];
             for (int c = 1; c < chunks; c++) dot += qf[g * chunks + c] * key[c];
-            scores[g * len + t] = sum_lanes(dot) * job->scale;
+            scores[g * stride + t] = sum_lanes(dot) * job->scale;
         }
     }
+#endif
+    float inv[group];
     for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * len, top = -INFINITY, total = 0.0f;
-        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_nonpositive(sg[t] - top);
-            total += sg[t];
+        float *sg = scores + g * stride;
+        for (int64_t t = len; t < stride; t++) sg[t] = -INFINITY;
+        /* The largest score a vector at a time (a scalar max is a chain of dependent steps). */
+        vf most = (vf){0} - INFINITY;
+        for (int64_t t = 0; t < stride; t += LANES) {
+            vf x;
+            memcpy(&x, sg + t, sizeof x);
+            most = select_vec(x > most, x, most);
         }
-        const float inv = 1.0f / total;
-        vf acc[MAX_CHUNKS];
-        for (int c = 0; c < chunks; c++) acc[c] = (vf){0};
+        float top = most[0];
+        for (int i = 1; i < LANES; i++) top = most[i] > top ? most[i] : top;
+        vf total = (vf){0};
+        for (int64_t t = 0; t < stride; t += LANES) {
+            vf e;
+            memcpy(&e, sg + t, sizeof e);
+            e = exp_nonpositive_vec(e - top);
+            memcpy(sg + t, &e, sizeof e);
+            total += e;
+        }
+        inv[g] = 1.0f / sum_lanes(total);
+    }
+    const int64_t heads_per_pass = chunks >= ACC_VECS ? 1 : ACC_VECS / chunks;
+    for (int64_t g0 = 0; g0 < group; g0 += heads_per_pass) {
+        const int64_t pass = group - g0 < heads_per_pass ? group - g0 : heads_per_pass;
+        vf acc[ACC_VECS > MAX_CHUNKS ? ACC_VECS : MAX_CHUNKS];
+        for (int64_t i = 0; i < pass * chunks; i++) acc[i] = (vf){0};
         for (int64_t t = 0; t < len; t++) {
             const int64_t row = (slots[t] * job->kv_heads + h) * dim;
-            if (g == 0 && t + PREFETCH < len)
+            if (g0 == 0 && t + PREFETCH < len)
                 prefetch_row(job->v_cache, slots[t + PREFETCH], job, h, bytes);
-            const float p = sg[t];
-            for (int c = 0; c < chunks; c++) acc[c] += p * load_vec(job->v_cache, row + LANES * c, job->bf16);
+            vf value[MAX_CHUNKS];
+            for (int c = 0; c < chunks; c++) value[c] = load_vec(job->v_cache, row + LANES * c, job->bf16);
+            for (int64_t g = 0; g < pass; g++) {
+                const float p = scores[(g0 + g) * stride + t];
+                for (int c = 0; c < chunks; c++) acc[g * chunks + c] += p * value[c];
+            }
         }
-        for (int c = 0; c < chunks; c++)
-            store_vec(job->out, first_q + g * dim + LANES * c, job->bf16, acc[c] * inv);
+        for (int64_t g = 0; g < pass; g++)
+            for (int c = 0; c < chunks; c++)
+                store_vec(job->out, first_q + (g0 + g) * dim + LANES * c, job->bf16,
+                          acc[g * chunks + c] * inv[g0 + g]);
     }
 }
 
@@ -217,8 +347,8 @@ int decode_attention(const void *q, const void *k_cache, const void *v_cache, vo
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        vf *qf = aligned_alloc(sizeof(vf), sizeof(vf) * (size_t)(group * (dim / LANES)));
-        float *scores = malloc(sizeof(float) * (size_t)(group * longest));
+        vf *qf = aligned_alloc(sizeof(vf), sizeof(vf) * (size_t)(group * (dim / LANES + LANES)));
+        float *scores = malloc(sizeof(float) * (size_t)(group * score_stride(longest)));
         failed = qf == NULL || scores == NULL;
         /* Tasks dealt round-robin: neighbouring sequences have similar lengths, so the
          * threads' shares come out even without sorting. */

@@ -195,6 +195,37 @@ def test_the_cpu_kernels_kernel_attends_like_dense(heads, kv_heads, block_size, 
                        got)
 
 
+@pytest.mark.skipif(cpu_kernels._library() is None,
+                    reason="the C kernels did not build here (no C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (4, 4, 48)])
+def test_the_cpu_decode_attention_kernel_over_long_contexts_attends_like_dense(
+        heads, kv_heads, dim, dtype):
+    """Contexts across and off the kernel's blocks of keys (1, one vector of keys, one past it,
+    a few hundred), keys at scattered slots, and scores far apart (some weights underflow to 0):
+    each row as a float64 softmax says."""
+    gen = torch.Generator().manual_seed(dim + heads)
+    lengths = [1, 15, 16, 17, 47, 300]
+    k_cache = torch.randn(1024, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(1024, kv_heads, dim, generator=gen).to(dtype)
+    q = (torch.randn(len(lengths), heads, dim, generator=gen) * 25).to(dtype)
+    slots = torch.stack([torch.randperm(1024, generator=gen)[: max(lengths)] for _ in lengths])
+    meta = AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), decode_slots=slots,
+                             decode_lengths=torch.tensor(lengths))
+    scale = 1 / math.sqrt(dim)
+    got = cpu_kernels.decode_attention(q, k_cache, v_cache, meta, scale).float()
+    group = heads // kv_heads
+    for row, length in enumerate(lengths):
+        keys = k_cache[slots[row, :length]].double().repeat_interleave(group, dim=1)
+        values = v_cache[slots[row, :length]].double().repeat_interleave(group, dim=1)
+        probs = (torch.einsum("hd,khd->hk", q[row].double(), keys) * scale).softmax(-1)
+        assert float(probs.min()) < 1e-38 or length < 300  # weights below float32's range
+        want = torch.einsum("hk,khd->hd", probs, values).float()
+        tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else \
+            {"atol": 2e-2, "rtol": 2e-2}
+        torch.testing.assert_close(got[row], want, **tol)
+
+
 def test_the_cpu_kernels_kernel_leaves_what_it_does_not_run_to_the_reference():
     """A head dim off its vector width and a quantized cache go to the torch path unchanged."""
     q, k_cache, v_cache, meta, expected, _, seqs = _paged_step(4, 2, 4, dim=20)
