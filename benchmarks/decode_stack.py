@@ -63,12 +63,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=5, help="decode steps per engine per round")
     p.add_argument("--weights", default="float", help="float (bfloat16 here), int4 or int8")
+    p.add_argument("--prompt-words", type=int, default=64,
+                   help="words per prompt (a long one makes attention a larger share)")
     args = p.parse_args()
     llms = engines(args.weights)
     decode = {}
     for batch in args.batch:
         rng = np.random.default_rng(batch)
-        prompts = [make_prompt(64, rng) for _ in range(batch)]
+        prompts = [make_prompt(args.prompt_words, rng) for _ in range(batch)]
         decode[str(batch)] = step_summary(
             alternating_decode_ms(llms, prompts, args.rounds, args.steps),
             {"one_call_over_op_by_op": ("op_by_op", "one_call")})
@@ -76,7 +78,7 @@ def main() -> None:
         "benchmark": "decode_stack", "machine": machine(),
         "baseline": "the model's op-by-op loop on the same weights (the path before the one "
                     "call); same process, alternating",
-        "weights": args.weights,
+        "weights": args.weights, "prompt_words": args.prompt_words,
         "linear_kernel": "bf16_amx_linear" if cpu_linear.amx_runs() else "bf16_linear",
         "decode": decode, "greedy_replies": replies_identical(llms)}, indent=1))
 

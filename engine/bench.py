@@ -116,8 +116,10 @@ def alternating_decode_ms(llms: dict, prompts: list, rounds: int, steps: int) ->
     for llm in llms.values():
         for prompt in prompts:
             llm.add_request(prompt, params)
-        for _ in range(3):  # the prefill, then warm decode steps
-            llm.step()
+        # The prefill (long prompts take many chunked steps), then two warm decode steps.
+        while llm.step()[1].num_prefill_tokens:
+            pass
+        llm.step()
     step_ms = {side: [] for side in llms}
     for _ in range(rounds):
         for side, llm in llms.items():
