@@ -116,8 +116,9 @@ def compare(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int,
     return {
         "prompts": len(prompts), "max_tokens": max_tokens, "pairs": pairs,
         "outputs_identical": not differences,
-        # Where replies differed: [prompt index, first differing token], for a hunt (one
-        # process's two plain engines once disagreed, unexplained: README).
+        # Where replies differed: [prompt index, first differing token], for a hunt (two
+        # plain engines of one process disagreed in some runs: the first engine's rotary
+        # table, engine/rope.py).
         "differences": differences,
         "baseline_tokens_per_s": _tokens_per_s(bases),
         "speculative_tokens_per_s": _tokens_per_s(fasts),

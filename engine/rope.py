@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from engine.config import ModelConfig, ModelError
@@ -45,7 +46,15 @@ def _llama3_scaling(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 def cos_sin_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position ([max_positions, head_dim]) in the rotate_half layout."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    """cos and sin for every position ([max_positions, head_dim]) in the rotate_half layout.
+
+    The angles are float32 products as the reference implementations compute them; their cos
+    and sin are taken by NumPy in float64 and rounded once to float32, not by torch's float32
+    cos: in about one process in six, the first engine's table (torch's first cos call in the
+    process, split over two threads) came out different in the main thread's half, by enough
+    to move 1.8% of its bfloat16 entries a unit, so two engines of one process gave different
+    greedy replies (seen in speculative.py's control, diagnosed with a table comparison)."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1).double().cpu().numpy()
+    return (torch.from_numpy(np.cos(emb)).float().to(inv_freq.device),
+            torch.from_numpy(np.sin(emb)).float().to(inv_freq.device))
