@@ -25,7 +25,7 @@ from kernels import cpu_kernels, cpu_layers, cpu_linear, cpu_quant, onednn, quan
 from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 
 OPS = ("prepare_linear", "linear", "rms_norm", "rotary", "silu_and_mul", "store_kv",
-       "paged_attention", "paged_attention_mass", "prepare_decode_stack")
+       "paged_attention", "paged_attention_mass", "prepare_decode_stack", "softmax_topk")
 
 
 def _table(name: str, prepare_quantized=None, **overrides) -> SimpleNamespace:

@@ -426,6 +426,79 @@ int rotary(const void *q, const void *k, const void *cos, const void *sin, void 
     return 0;
 }
 
+/* ---- a draft tree's next tokens ----
+ * Each row's k largest softmax probabilities, largest first, and their columns, as
+ * torch.softmax(x).topk(k) gives them, for x [rows, n] float32 with row stride `stride` and
+ * k <= 64: one pass keeps the k largest scores (a vector of scores is looked at one by one only
+ * where one beats the k-th so far, which after the first few vectors is rare) and finds the
+ * maximum, one sums the exponentials. Equal scores rank by column, the lower first. A row with
+ * a NaN returns -1 (the caller's torch path says what it says). */
+#define TOPK_MAX 64
+
+static inline void keep_largest(float *best, int64_t *at, int *have, int k, float x, int64_t col) {
+    int p;
+    if (*have < k)
+        p = (*have)++;
+    else if (x > best[k - 1])
+        p = k - 1;
+    else
+        return;
+    while (p > 0 && best[p - 1] < x) {
+        best[p] = best[p - 1];
+        at[p] = at[p - 1];
+        p--;
+    }
+    best[p] = x;
+    at[p] = col;
+}
+
+int softmax_topk(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t k,
+                 float *probs, int64_t *cols) {
+    if (k < 1 || k > TOPK_MAX || k > n) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        float best[TOPK_MAX];
+        int64_t at[TOPK_MAX];
+        int have = 0;
+        vi32 nan = (vi32){0};
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            vf v;
+            memcpy(&v, row + i, sizeof v);
+            nan |= (vi32)(v != v);
+            const float floor = have < k ? -INFINITY : best[k - 1];
+            const vi32 above = (vi32)(v > floor);
+            int any = 0;
+            for (int j = 0; j < LANES; j++) any |= above[j];
+            if (!any) continue;
+            for (int j = 0; j < LANES; j++)
+                if (above[j]) keep_largest(best, at, &have, (int)k, v[j], i + j);
+        }
+        for (; i < n; i++) {
+            if (row[i] != row[i]) return -1;
+            keep_largest(best, at, &have, (int)k, row[i], i);
+        }
+        for (int j = 0; j < LANES; j++)
+            if (nan[j]) return -1;
+        if (have < k) return -1; /* every score -inf */
+        const float top = best[0];
+        vf total = (vf){0};
+        float tail = 0.0f;
+        for (i = 0; i + LANES <= n; i += LANES) {
+            vf v;
+            memcpy(&v, row + i, sizeof v);
+            total += exp_nonpositive_vec(v - top);
+        }
+        for (; i < n; i++) tail += exp_nonpositive(row[i] - top);
+        const float inv = 1.0f / (sum_lanes(total) + tail);
+        for (int j = 0; j < k; j++) {
+            probs[r * k + j] = exp_nonpositive(best[j] - top) * inv;
+            cols[r * k + j] = at[j];
+        }
+    }
+    return 0;
+}
+
 /* SwiGLU of rows [rows, 2 * width] (gate, then up) into out [rows, width]: silu(gate) * up, the
  * silu rounded to the dtype before the product as the reference's two ops do. */
 int silu_and_mul(const void *x, void *out, int64_t rows, int64_t width, int bf16, int threads) {

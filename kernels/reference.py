@@ -59,6 +59,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def softmax_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest softmax probabilities (float32, largest first) and their columns
+    ([rows, k] each), for scores [rows, n]: a draft tree's next tokens."""
+    return torch.softmax(scores.float(), dim=-1).topk(k, dim=-1)
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,

@@ -419,6 +419,41 @@ def test_the_cpu_rms_norm_kernel_computes_the_reference(rows, width, dtype):
         assert torch.equal(summed, want_summed)  # one rounded add either way
 
 
+@pytest.mark.skipif(cpu_kernels._library() is None,
+                    reason="the C kernels did not build here (no C compiler)")
+@pytest.mark.parametrize("width,k", [(8192, 4), (8192, 1), (1000, 8), (17, 17), (49152, 64)])
+def test_the_cpu_softmax_topk_kernel_ranks_like_torch(width, k):
+    """The k most probable columns and their probabilities as torch's softmax and topk give
+    them: peaked and flat rows, a width off the vector length, a strided view of wider rows;
+    equal scores rank by column; a row with NaN, or with fewer than k finite scores, takes
+    torch's path (so says what torch says)."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(width + k)
+    wide = torch.randn(6, width + 5, generator=gen) * torch.tensor([[0.1], [1], [3], [8], [1],
+                                                                    [1]])
+    scores = wide[:, :width]  # rows of stride width + 5
+    probs, cols = cpu_kernels.softmax_topk(scores, k)
+    want = torch.softmax(scores, dim=-1).topk(k, dim=-1)
+    assert torch.equal(cols, want.indices)
+    torch.testing.assert_close(probs, want.values, rtol=2e-6, atol=1e-9)
+
+    tied = torch.zeros(2, width)
+    tied[0, width // 3] = tied[0, width // 2] = tied[0, width - 1] = 5.0
+    probs, cols = cpu_kernels.softmax_topk(tied, k)
+    top = sorted({width // 3, width // 2, width - 1})
+    assert cols[0, : min(k, 3)].tolist() == top[: min(k, 3)]
+    assert cols[1].tolist() == list(range(k))  # all equal: the first k columns
+    torch.testing.assert_close(probs.sum(-1), torch.softmax(tied, -1).topk(k).values.sum(-1))
+
+    odd = torch.randn(2, width, generator=gen)
+    odd[0, width // 2] = float("nan")
+    odd[1, 1:] = float("-inf")
+    if k > 1:
+        for got, want in zip(cpu_kernels.softmax_topk(odd, k),
+                             reference.softmax_topk(odd, k), strict=True):
+            torch.testing.assert_close(got, want, equal_nan=True)
+
+
 def test_rotary_tables_hold_the_correctly_rounded_cos_and_sin_of_each_float32_angle():
     """Every entry is the float32 nearest the cos / sin of its float32 angle (position x
     inverse frequency), checked against Python's math at 3,000 scattered entries: a table of

@@ -133,6 +133,13 @@ class StateProposer(Proposer):
         """The draft vocabulary's logits ([..., vocab]) from states s ([..., hidden])."""
         return self.linear(s, self.head)[..., : self.vocab_ids.numel()]
 
+    def top_tokens(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most probable draft tokens of each row of `scores` ([..., vocab]): their
+        probabilities and token ids ([..., k] each), most probable first."""
+        probs, cols = self.ops.softmax_topk(scores.reshape(-1, scores.shape[-1]), k)
+        shape = (*scores.shape[:-1], k)
+        return probs.view(shape), self.vocab_ids[cols].view(shape)
+
     def remember(self, sampling: list, new_tokens: list[list[int]],
                  hidden: torch.Tensor) -> None:
         """Keep, per sampling sequence (ScheduledSeq), the target's hidden state at the row that
@@ -195,8 +202,7 @@ class HiddenDraft(StateProposer):
         # (probability, path, its probability at each depth, row of s)
         beams = [[(1.0, [], [], row)] for row in range(len(depths))]
         for level in range(max(depths)):
-            probs, rows = torch.softmax(self.scores(s), dim=-1).topk(max(branches), dim=-1)
-            probs, tokens = probs.tolist(), self.vocab_ids[rows].tolist()
+            probs, tokens = (t.tolist() for t in self.top_tokens(self.scores(s), max(branches)))
             next_rows: list[int] = []
             for i, beam in enumerate(beams):
                 if level >= depths[i]:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import LlamaModel
+from engine.sampler import argmax_rows
 from engine.sequence import Sequence
 from engine.spec.decoder import branches_for, set_draft_paths, spec_state
 from engine.spec.hidden_draft import StateProposer, keep_best, load_draft_file
@@ -71,12 +72,11 @@ class MedusaHeads(StateProposer):
             scores = self.scores(medusa_states(h, self.weights, depth, self.linear))
             # [depth, B, vocab]
             if max(branches) == 1:
-                chains = self.vocab_ids[scores.argmax(-1)].T.tolist()  # [B, depth]
+                chains = self.vocab_ids[torch.tensor(argmax_rows(scores))].T.tolist()  # [B, depth]
                 for (seq, k), chain in zip(active, chains, strict=True):
                     set_draft_paths(seq, [chain[:k]])
                 return
-            probs, rows = torch.softmax(scores, dim=-1).topk(max(branches), dim=-1)
-            tokens = self.vocab_ids[rows]
+            probs, tokens = self.top_tokens(scores, max(branches))
         probs, tokens = probs.transpose(0, 1).tolist(), tokens.transpose(0, 1).tolist()
         for i, (seq, k) in enumerate(active):
             set_draft_paths(seq, *best_paths(probs[i][:k], tokens[i][:k], branches[i]))
