@@ -125,17 +125,15 @@ static inline float sum_lanes(vf v) {
 /* exp(x) for x <= 0 (the softmax's shifted scores), vectorisable: 2^(x*log2 e) split into an
  * integer power (the exponent bits) and a degree-6 polynomial for 2^f on [-0.5, 0.5]; relative
  * error about 2e-7, like expf. Below -87 (2^-126) it returns 0. */
+/* 2^f on [-0.5, 0.5] by Horner's rule, for a float or a vector of them. */
+#define EXP2_POLY(f)                                                                             \
+    ((((((1.5353362e-4f * (f) + 1.3398874e-3f) * (f) + 9.6181291e-3f) * (f) + 5.5504109e-2f) *   \
+           (f) + 2.4022651e-1f) * (f) + 6.9314718e-1f) * (f) + 1.0f)
+
 static inline float exp_nonpositive(float x) {
     float t = x * 1.44269504088896341f;
     t = t < -126.0f ? -126.0f : t;
-    const float n = __builtin_roundf(t), f = t - n;
-    float p = 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    const float n = __builtin_roundf(t), f = t - n, p = EXP2_POLY(f);
     union { uint32_t u; float f; } scale;
     scale.u = (uint32_t)((int32_t)n + 127) << 23;
     return x < -87.0f ? 0.0f : p * scale.f;
@@ -169,14 +167,7 @@ static inline vf exp_nonpositive_vec(vf x) {
     vf t = x * 1.44269504088896341f;
     t = select_vec(t < -126.0f, (vf){0} - 126.0f, t);
     const vi32 n = __builtin_convertvector(t - 0.5f, vi32);
-    const vf f = t - __builtin_convertvector(n, vf);
-    vf p = 1.5353362e-4f + (vf){0};
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    const vf f = t - __builtin_convertvector(n, vf), p = EXP2_POLY(f);
     const vi32 bits = (n + 127) << 23;
     vf power;
     memcpy(&power, &bits, sizeof power);
@@ -215,6 +206,25 @@ static inline vf sum_lanes_of(vf *v) {
 /* The scores' row stride: whole vectors, the padding scored -inf (weight 0). */
 static inline int64_t score_stride(int64_t len) { return (len + LANES - 1) / LANES * LANES; }
 
+/* Key t of a (sequence, KV head) against each query head of its group: the dot products'
+ * lane-wise partial sums, head g's at out[g * out_stride]; later keys' rows are requested ahead. */
+static inline __attribute__((always_inline)) void key_dots(
+        const Job *job, const int64_t *slots, int64_t t, int64_t len, int64_t h, const vf *qf,
+        int64_t group, int64_t bytes, vf *out, int64_t out_stride, const int chunks) {
+    const int64_t row = (slots[t] * job->kv_heads + h) * job->dim;
+    if (t + PREFETCH < len) {
+        prefetch_row(job->k_cache, slots[t + PREFETCH], job, h, bytes);
+        prefetch_row(job->v_cache, slots[t + PREFETCH], job, h, bytes);
+    }
+    vf key[MAX_CHUNKS];
+    for (int c = 0; c < chunks; c++) key[c] = load_vec(job->k_cache, row + LANES * c, job->bf16);
+    for (int64_t g = 0; g < group; g++) {
+        vf dot = qf[g * chunks] * key[0];
+        for (int c = 1; c < chunks; c++) dot += qf[g * chunks + c] * key[c];
+        out[g * out_stride] = dot;
+    }
+}
+
 /* One (sequence, KV head), `chunks` = dim / LANES: each key is read and converted once and scored
  * against every query head that shares it (grouped-query attention); softmax in float32, its
  * exponentials a vector at a time; each value row is read once for the query heads that share
@@ -235,20 +245,8 @@ static inline __attribute__((always_inline)) void attend_chunks(
     vf *dots = qf + group * chunks;
     for (int64_t t0 = 0; t0 < len; t0 += LANES) {
         const int64_t n = len - t0 < LANES ? len - t0 : LANES;
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t t = t0 + j, row = (slots[t] * job->kv_heads + h) * dim;
-            if (t + PREFETCH < len) {
-                prefetch_row(job->k_cache, slots[t + PREFETCH], job, h, bytes);
-                prefetch_row(job->v_cache, slots[t + PREFETCH], job, h, bytes);
-            }
-            vf key[MAX_CHUNKS];
-            for (int c = 0; c < chunks; c++) key[c] = load_vec(job->k_cache, row + LANES * c, job->bf16);
-            for (int64_t g = 0; g < group; g++) {
-                vf dot = qf[g * chunks] * key[0];
-                for (int c = 1; c < chunks; c++) dot += qf[g * chunks + c] * key[c];
-                dots[g * LANES + j] = dot;
-            }
-        }
+        for (int64_t j = 0; j < n; j++)
+            key_dots(job, slots, t0 + j, len, h, qf, group, bytes, dots + j, LANES, chunks);
         for (int64_t j = n; j < LANES; j++)
             for (int64_t g = 0; g < group; g++) dots[g * LANES + j] = (vf){0};
         for (int64_t g = 0; g < group; g++) {
@@ -257,19 +255,10 @@ static inline __attribute__((always_inline)) void attend_chunks(
         }
     }
 #else
+    vf *dots = qf + group * chunks;
     for (int64_t t = 0; t < len; t++) {
-        const int64_t row = (slots[t] * job->kv_heads + h) * dim;
-        if (t + PREFETCH < len) {
-            prefetch_row(job->k_cache, slots[t + PREFETCH], job, h, bytes);
-            prefetch_row(job->v_cache, slots[t + PREFETCH], job, h, bytes);
-        }
-        vf key[MAX_CHUNKS];
-        for (int c = 0; c < chunks; c++) key[c] = load_vec(job->k_cache, row + LANES * c, job->bf16);
-        for (int64_t g = 0; g < group; g++) {
-            vf dot = qf[g * chunks] * key[0];
-            for (int c = 1; c < chunks; c++) dot += qf[g * chunks + c] * key[c];
-            scores[g * stride + t] = sum_lanes(dot) * job->scale;
-        }
+        key_dots(job, slots, t, len, h, qf, group, bytes, dots, 1, chunks);
+        for (int64_t g = 0; g < group; g++) scores[g * stride + t] = sum_lanes(dots[g]) * job->scale;
     }
 #endif
     float inv[group];
