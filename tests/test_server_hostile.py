@@ -315,3 +315,19 @@ def test_a_prompt_beyond_any_context_is_refused_untokenized(server, client, llm)
         "messages": [{"role": "user", "content": text}], "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     _canary(client)
+
+
+def test_every_connection_sends_without_waiting_for_acks(server):
+    """The server's connections have Nagle's algorithm off (TCP_NODELAY). With it on (the
+    listening socket made with protocol 0, which asyncio does not take for TCP), a kept-alive
+    stream's first token waited for the client's delayed ACK of the response headers, about
+    40 ms on Linux, and the tokens after it came bunched."""
+    host, port = server.server_address
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")  # kept alive after
+        status, _ = _read_answer(s)
+        assert status == 200
+        sockets = [c.transport.get_extra_info("socket")
+                   for c in server.uvicorn.server_state.connections]
+        assert sockets
+        assert all(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for sock in sockets)
