@@ -122,14 +122,14 @@ static inline float sum_lanes(vf v) {
     return r[0];
 }
 
-/* exp(x) for x <= 0 (the softmax's shifted scores), vectorisable: 2^(x*log2 e) split into an
- * integer power (the exponent bits) and a degree-6 polynomial for 2^f on [-0.5, 0.5]; relative
- * error about 2e-7, like expf. Below -87 (2^-126) it returns 0. */
 /* 2^f on [-0.5, 0.5] by Horner's rule, for a float or a vector of them. */
 #define EXP2_POLY(f)                                                                             \
     ((((((1.5353362e-4f * (f) + 1.3398874e-3f) * (f) + 9.6181291e-3f) * (f) + 5.5504109e-2f) *   \
            (f) + 2.4022651e-1f) * (f) + 6.9314718e-1f) * (f) + 1.0f)
 
+/* exp(x) for x <= 0 (the softmax's shifted scores), vectorisable: 2^(x*log2 e) split into an
+ * integer power (the exponent bits) and a degree-6 polynomial for 2^f on [-0.5, 0.5]; relative
+ * error about 2e-7, like expf. Below -87 (2^-126) it returns 0. */
 static inline float exp_nonpositive(float x) {
     float t = x * 1.44269504088896341f;
     t = t < -126.0f ? -126.0f : t;
@@ -151,9 +151,9 @@ static inline void prefetch_row(const void *cache, int64_t slot, const Job *job,
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
-/* exp_nonpositive on a vector (x <= 0, or -inf for 0): the same integer power and polynomial,
- * with n = ceil(x*log2 e - 0.5) by truncation (x <= 0), so f stays in (-0.5, 0.5]. */
 typedef int32_t vi32 __attribute__((vector_size(LANES * 4)));
+
+/* Lane by lane, `yes` where mask is set (all ones), else `no`. */
 static inline vf select_vec(vi32 mask, vf yes, vf no) {
     vi32 a, b;
     memcpy(&a, &yes, sizeof a);
@@ -163,6 +163,8 @@ static inline vf select_vec(vi32 mask, vf yes, vf no) {
     return yes;
 }
 
+/* exp_nonpositive on a vector (x <= 0, or -inf for 0): the same integer power and polynomial,
+ * with n = ceil(x*log2 e - 0.5) by truncation (x <= 0), so f stays in (-0.5, 0.5]. */
 static inline vf exp_nonpositive_vec(vf x) {
     vf t = x * 1.44269504088896341f;
     t = select_vec(t < -126.0f, (vf){0} - 126.0f, t);
@@ -239,10 +241,10 @@ static inline __attribute__((always_inline)) void attend_chunks(
     const int64_t first_q = (b * job->heads + h * group) * dim;
     for (int64_t i = 0; i < group * chunks; i++) qf[i] = load_vec(job->q, first_q + LANES * i, job->bf16);
     const int64_t bytes = dim * (job->bf16 ? 2 : 4);
+    vf *dots = qf + group * chunks;
 #if LANES == 16
     /* A vector of keys at a time: each query head's LANES dot-product vectors are summed across
      * together (sum_lanes_of), not one horizontal sum per key. */
-    vf *dots = qf + group * chunks;
     for (int64_t t0 = 0; t0 < len; t0 += LANES) {
         const int64_t n = len - t0 < LANES ? len - t0 : LANES;
         for (int64_t j = 0; j < n; j++)
@@ -255,7 +257,6 @@ static inline __attribute__((always_inline)) void attend_chunks(
         }
     }
 #else
-    vf *dots = qf + group * chunks;
     for (int64_t t = 0; t < len; t++) {
         key_dots(job, slots, t, len, h, qf, group, bytes, dots, 1, chunks);
         for (int64_t g = 0; g < group; g++) scores[g * stride + t] = sum_lanes(dots[g]) * job->scale;
