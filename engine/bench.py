@@ -111,7 +111,13 @@ def alternating_decode_ms(llms: dict, prompts: list, rounds: int, steps: int) ->
     (greedy, EOS ignored): each round runs one untimed step and `steps` timed ones of each engine
     in turn, so the machine's load falls on all alike. The requests are finished afterwards, so
     the engines come back empty."""
-    params = SamplingParams(temperature=0.0, max_tokens=rounds * (steps + 1) + 8,
+    # A request already prefilled decodes a token in each later prefill step of the others, so
+    # each may make one token per prefill step before the rounds: room for those too.
+    first = next(iter(llms.values()))
+    prompt_tokens = sum(len(first.tokenizer.encode(p)) if isinstance(p, str) else len(p)
+                        for p in prompts)
+    prefill_steps = -(-prompt_tokens // first.max_num_batched_tokens) + 1
+    params = SamplingParams(temperature=0.0, max_tokens=rounds * (steps + 1) + 8 + prefill_steps,
                             ignore_eos=True)
     for llm in llms.values():
         for prompt in prompts:
