@@ -298,6 +298,42 @@ def test_a_verification_gives_each_token_the_logits_decoding_gives_it(demo_bf16)
         bm.free(seq)
 
 
+# Shuffled words (benchmarks/speculative.py's unpredictable workload) and open chat: prompt
+# lookup finds many earlier continuations of the last words, so its trees grow wide.
+WIDE_TREE_PROMPTS = [
+    "Continue this list of words with more words, in no order: would for agreed that tuesday "
+    "spaces their worried bike after children tuesday discuss their that children owners "
+    "business new children agreed their after discuss debate children school fewer and worried "
+    "after spaces residents to but keep bike for bike visitors made months residents debate and "
+    "shops said agreed",
+    "Write a short poem about the ocean.",
+]
+
+
+def test_wide_trees_keep_greedy_output_in_bfloat16(demo_gguf, demo_bf16):
+    """Prompt lookup with 4 branches of up to 10 tokens drafts trees of up to 40 nodes; a
+    verification of more than DECODE_ROW_CHUNK tokens would attend as a prefill chunk, in
+    another summation order, and in bfloat16 both replies here changed (at tokens 40 and 47 on
+    the EPYC). Trees are cut to what verifies as decode rows, so the replies are the plain
+    engine's token for token."""
+    from engine import LLM, SamplingParams
+    from engine.runner import DECODE_ROW_CHUNK
+
+    params = SamplingParams(temperature=0, max_tokens=56)
+    ids = [demo_bf16.chat_prompt([{"role": "user", "content": p}]) for p in WIDE_TREE_PROMPTS]
+    expected = [demo_bf16.generate([i], params)[0].token_ids for i in ids]
+    llm = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=512,
+              speculative="ngram:branches=4,adaptive=0")
+    try:
+        assert [llm.generate([i], params)[0].token_ids for i in ids] == expected
+        # One sequence at a time: every verification was a step of at most DECODE_ROW_CHUNK
+        # tokens, and some were trees wider than a chain.
+        assert max(llm.spec.costs.by_tokens) <= DECODE_ROW_CHUNK
+        assert llm.spec.counters.draft_nodes > llm.spec.counters.draft_tokens
+    finally:
+        llm.close()
+
+
 def test_copy_slots_moves_quantized_values_with_their_scales(demo):
     from engine.block_manager import BlockManager
     from engine.runner import ModelRunner

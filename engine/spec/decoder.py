@@ -17,6 +17,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.features import Step, StepFeature
+from engine.runner import DECODE_ROW_CHUNK
 from engine.sequence import Sequence
 from engine.spec.break_even import (
     CALIBRATION_DECAY,
@@ -40,6 +41,12 @@ EMA_DECAY = 0.7
 FULL_AT = 0.5
 OFF_BELOW = 0.15
 COOLDOWN = 8
+# The most draft tokens (a chain's, or a tree's nodes) one sequence puts into a verification.
+# The runner attends a sequence's new tokens as decode rows, each as a plain decode step would,
+# only up to DECODE_ROW_CHUNK of them; more go through a prefill chunk's attention, whose sums run
+# in another order, so in bfloat16 a near tie could go the other way and the reply differ from
+# plain decoding's (40-node prompt-lookup trees did, on open chat and shuffled words).
+MAX_DRAFT_NODES = DECODE_ROW_CHUNK - 1
 # A new request's acceptance per draft position before its own first verification: accepted
 # over tried across recent verifications of every request (a moving ratio, PRIOR_DECAY), and
 # PRIOR_RATE before any.
@@ -394,12 +401,18 @@ class SpecDecoder(StepFeature):
                 state.tokens = list(state.tree.tokens)
 
     def _fit_trees(self, seqs: list[Sequence]) -> None:
-        """A tree's nodes beyond its first path are drafts admission did not plan a request's
+        """A tree keeps its first MAX_DRAFT_NODES nodes (parents come first, so they are still
+        a tree). Its nodes beyond its first path are drafts admission did not plan a request's
         blocks for: keep them only where the free blocks hold them now, else draft the first
         path alone (a sequence the pool cannot hold would be preempted by its own drafts)."""
         for seq in seqs:
             state = spec_state(seq)
             tree = state.tree
+            if tree is not None and len(tree) > MAX_DRAFT_NODES:
+                tree = state.tree = tree.prefix(MAX_DRAFT_NODES)
+                state.tokens = list(tree.tokens)
+                if state.node_probs is not None:
+                    state.node_probs = state.node_probs[:MAX_DRAFT_NODES]
             if tree is not None and not self.block_manager.can_append(seq, 1 + len(tree)):
                 # Nodes are numbered in proposal order: the first leaf ends the first path.
                 state.tokens, state.tree = tree.path_tokens(tree.leaves()[0]), None
@@ -450,7 +463,7 @@ class SpecDecoder(StepFeature):
     @property
     def max_draft_tokens(self) -> int:
         """The most drafts a sequence may take in one step (admission sizes requests by it)."""
-        deepest = self.config.max_draft_tokens
+        deepest = min(self.config.max_draft_tokens, MAX_DRAFT_NODES)
         if self.proposer.max_depth is not None:  # not behind lookup (LookupFirst has none)
             return min(deepest, self.proposer.max_depth)
         return deepest
