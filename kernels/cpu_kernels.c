@@ -614,6 +614,35 @@ static inline __attribute__((always_inline)) void bf16_tile_rows(
         store_tile_row(tile_output(y, m, out, 0, y_bf16), acc[m], y_bf16);
 }
 
+/* A last, partial row block (mb rows) for nt tiles at once, mb * nt <= 16: one accumulator
+ * chain per row and tile. A lone row's chain waits on each VDPBF16PS before the next can start
+ * (its latency), so a row past the full blocks cost what a whole pass of one row does: a
+ * demo-model layer's matmuls took 1.27x as long for 17 rows as for 16 on the Zen 4 EPYC, which
+ * priced any draft out of a step of 16 sequences. Chains side by side hide the latency (1 row:
+ * 8 tiles, 2: 4, 3-4: 2; from 5 rows a tile has chains enough): 17 rows 0.86x, 1 row 0.57x (warm
+ * caches, benchmarks/tile_kernel_rows.py). Each output still sums its pairs in the same order
+ * from the same start, so its value is the one a full block gives it, to the bit. */
+static inline __attribute__((always_inline)) void bf16_tile_group_rows(
+    const int mb, const int nt, const uint32_t *xt, int64_t pairs, const uint16_t *w,
+    const uint16_t *bias, void *y, int64_t out, int y_bf16) {
+    __m512 acc[ROW_BLOCK];
+    for (int j = 0; j < nt; j++) {
+        const __m512 start = bias == NULL ? _mm512_setzero_ps() : load_bf16x16(bias + j * 16);
+        for (int m = 0; m < mb; m++) acc[j * mb + m] = start;
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint32_t *words = xt + p * mb;
+        for (int j = 0; j < nt; j++) {
+            const __m512bh wv =
+                (__m512bh)_mm512_loadu_si512((const void *)(w + (j * pairs + p) * 32));
+            for (int m = 0; m < mb; m++) DP_BROADCAST(acc[j * mb + m], wv, words + m);
+        }
+    }
+    for (int j = 0; j < nt; j++)
+        for (int m = 0; m < mb; m++)
+            store_tile_row(tile_output(y, m, out, j, y_bf16), acc[j * mb + m], y_bf16);
+}
+
 #define INT4_ROW_BLOCK 8 /* rows per pass: two float32 accumulators each, in registers */
 
 /* One tile's 16 outputs for `mb` rows (a constant at each call site, so the accumulators stay
@@ -790,6 +819,11 @@ static inline __attribute__((always_inline)) void tile_rows(
                        out, y_bf16);
 }
 
+#define GROUP_ROWS(n, tiles_at_once)                                                   \
+    case n:                                                                            \
+        bf16_tile_group_rows(n, tiles_at_once, xr, pairs, wg, bg, yr, out, y_bf16);    \
+        break;
+
 #define TILE_ROWS(n)                                                              \
     case n:                                                                       \
         tile_rows(kind, n, xt + r * pairs, pairs, t, w, per_out, yr, out, y_bf16); \
@@ -804,20 +838,39 @@ static inline __attribute__((always_inline)) int tiles_linear(
     const int64_t tiles = out / 16, pairs = in_padded / 2;
     uint32_t *xt = malloc(sizeof(uint32_t) * rows * pairs);
     if (xt == NULL) return -1;
+    /* The rows past the full blocks, and how many tiles take them at once (bfloat16 only). */
+    const int64_t rem = rows % ROW_BLOCK, full = rows - rem;
+    const int group = kind != WEIGHT_BF16 ? 1 : rem == 1 ? 8 : rem == 2 ? 4 : rem <= 4 ? 2 : 1;
 #pragma omp parallel num_threads(threads)
     {
         by_pair((const uint32_t *)x, xt, rows, pairs, ROW_BLOCK);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++)
-            for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
-                void *yr = tile_output(y, r, out, t, y_bf16);
-                switch (rows - r < ROW_BLOCK ? rows - r : ROW_BLOCK) {
-                    TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4)
-                    TILE_ROWS(5) TILE_ROWS(6) TILE_ROWS(7) TILE_ROWS(8)
-                    TILE_ROWS(9) TILE_ROWS(10) TILE_ROWS(11) TILE_ROWS(12)
-                    TILE_ROWS(13) TILE_ROWS(14) TILE_ROWS(15) TILE_ROWS(16)
+        /* Each thread a contiguous range of tiles, as a static schedule splits them. */
+        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+        const int64_t t_end = tiles * (i + 1) / n;
+        for (int64_t t0 = tiles * i / n; t0 < t_end;) {
+            const int nt = t0 + group <= t_end ? group : 1;
+            for (int64_t t = t0; t < t0 + nt; t++)
+                for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+                    if (r == full && nt > 1) break; /* the group's partial block: below */
+                    void *yr = tile_output(y, r, out, t, y_bf16);
+                    switch (rows - r < ROW_BLOCK ? rows - r : ROW_BLOCK) {
+                        TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4)
+                        TILE_ROWS(5) TILE_ROWS(6) TILE_ROWS(7) TILE_ROWS(8)
+                        TILE_ROWS(9) TILE_ROWS(10) TILE_ROWS(11) TILE_ROWS(12)
+                        TILE_ROWS(13) TILE_ROWS(14) TILE_ROWS(15) TILE_ROWS(16)
+                    }
+                }
+            if (nt > 1) {
+                const uint32_t *xr = xt + full * pairs;
+                const uint16_t *wg = (const uint16_t *)w + t0 * pairs * 32;
+                const uint16_t *bg = per_out == NULL ? NULL : per_out + t0 * 16;
+                void *yr = tile_output(y, full, out, t0, y_bf16);
+                switch (rem) {
+                    GROUP_ROWS(1, 8) GROUP_ROWS(2, 4) GROUP_ROWS(3, 2) GROUP_ROWS(4, 2)
                 }
             }
+            t0 += nt;
+        }
     }
     free(xt);
     return 0;

@@ -94,15 +94,22 @@ def test_an_empty_batch_gives_an_empty_result():
 
 
 @needs_kernel
-def test_rows_in_a_batch_do_not_change_each_others_results():
+@pytest.mark.parametrize("out_f", [64, 176])  # 4 and 11 tiles of 16 outputs
+def test_rows_in_a_batch_do_not_change_each_others_results(out_f):
     # Every row's sums run in the same order whatever else is in the batch, so a decode row
-    # batched with others gets the logits it gets alone (oneDNN's blocking does not promise it).
-    weight = cpu_linear.Bf16Linear(_weight(64, 128, seed=7).to(torch.bfloat16))
+    # batched with others gets the logits it gets alone (oneDNN's blocking does not promise it):
+    # rows in a full block of 16, and the rows of a last, partial block, which several tiles take
+    # at once (1-4 rows: 4 tiles, 5-8: 2), the tiles left over one at a time.
+    weight = cpu_linear.Bf16Linear(_weight(out_f, 128, seed=7).to(torch.bfloat16))
+    bias = torch.randn(out_f, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     x = torch.randn(300, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    together = weight.linear(x)
+    together = weight.linear(x, bias)  # rows 0-287 in full blocks
     for i in (0, 15, 16, 32, 299):
-        assert torch.equal(weight.linear(x[i : i + 1])[0], together[i])
-    assert torch.equal(weight.linear(x[10:27]), together[10:27])
+        assert torch.equal(weight.linear(x[i : i + 1], bias)[0], together[i])
+    for start, stop in ((10, 27), (0, 3), (0, 20), (5, 29), (0, 13), (40, 89)):
+        assert torch.equal(weight.linear(x[start:stop], bias), together[start:stop]), (start, stop)
+    want = F.linear(x.float(), weight.dense().float(), bias.float())
+    assert ((together.float() - want).abs() <= _bound(x, weight.dense(), bias)).all()
 
 
 def test_weights_the_kernel_does_not_take_keep_onednns_layout():

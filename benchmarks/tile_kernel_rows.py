@@ -1,0 +1,122 @@
+"""The bfloat16 tile kernel (cpu_kernels.c's bf16_linear) at an earlier revision and in the working
+tree, in one process: a decoder layer's four matmuls of the demo model by rows per call.
+
+Engine-level before/after runs (before_after.py) run each revision in its own process, and on
+the shared 2-core VM those moved by 10-30% between processes (a batch-1 decode step read 8.0-15.3
+ms in one hour); here both builds of the kernel are loaded side by side and called in turns on
+the same weights and inputs, so the ratio is the kernel's own. Both builds' outputs are compared
+too: they must be identical to the bit (a row's sums may not depend on how rows are blocked).
+
+The weights are the demo model's layer shapes (SmolLM2-135M: hidden 576, 9 query and 3 KV heads
+of 64, MLP 1536), random, in the tile layout; timings are with warm caches (each matmul is
+called 100 times in a row), so they show the kernel's compute and latency, not the weight
+stream from memory a real decode step pays on top.
+
+    python benchmarks/tile_kernel_rows.py --before HEAD~1 [--rows 1 2 4 8 16 17 20] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import torch  # noqa: E402
+
+from engine.bench import machine  # noqa: E402
+from kernels import cpu_kernels, cpu_linear  # noqa: E402
+
+ROOT = _HERE.parent
+# (outputs, inputs) of the demo model's q/k/v, o, gate/up and down projections.
+LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+CALLS = 100  # per matmul and timing
+
+
+def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
+    """The kernel source compiled as the engine compiles it (cpu_kernels.FLAGS), loaded."""
+    src, lib = directory / f"{name}.c", directory / f"{name}.so"
+    src.write_text(source)
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    subprocess.run([compiler, *cpu_kernels.FLAGS, str(src), "-o", str(lib), "-lm"], check=True,
+                   capture_output=True, timeout=300)
+    loaded = ctypes.CDLL(str(lib))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    loaded.bf16_linear.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
+    return loaded
+
+
+def layer_us(lib: ctypes.CDLL, weights: dict, inputs: dict, rows: int) -> tuple[float, list]:
+    """Microseconds for one layer's four matmuls of `rows` rows, and their outputs."""
+    total, outputs = 0.0, []
+    for name, (out, inn) in LAYER.items():
+        x, w = inputs[name][:rows].contiguous(), weights[name]
+        y = torch.empty(rows, out, dtype=torch.bfloat16)
+
+        def call(x=x, w=w, y=y, out=out, inn=inn):
+            status = lib.bf16_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), rows, inn,
+                                     out, 1, torch.get_num_threads())
+            if status:
+                raise RuntimeError("bf16_linear refused")
+
+        for _ in range(5):
+            call()
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            call()
+        total += (time.perf_counter() - start) / CALLS
+        outputs.append(y.clone())
+    return total * 1e6, outputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--before", required=True, help="the earlier git revision")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 17, 20, 24])
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    if not cpu_linear.available():
+        print(json.dumps({"error": "the tile kernel does not run here (no AVX512-BF16)"}))
+        return 1
+    before_source = subprocess.run(["git", "show", f"{args.before}:kernels/cpu_kernels.c"],
+                                   cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: cpu_linear.tile_layout(torch.randn(o, i, generator=gen).to(torch.bfloat16))
+               for n, (o, i) in LAYER.items()}
+    inputs = {n: torch.randn(max(args.rows), i, generator=gen).to(torch.bfloat16)
+              for n, (_, i) in LAYER.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"before": build(before_source, Path(tmp), "before"),
+                "after": build(cpu_kernels.SOURCE.read_text(), Path(tmp), "after")}
+        times: dict = {side: {r: [] for r in args.rows} for side in libs}
+        identical = True
+        for _ in range(args.rounds):
+            for rows in args.rows:
+                outs = {}
+                for side, lib in libs.items():
+                    us, outs[side] = layer_us(lib, weights, inputs, rows)
+                    times[side][rows].append(us)
+                identical &= all(torch.equal(a, b) for a, b in zip(*outs.values(), strict=True))
+    result = {"benchmark": "tile_kernel_rows", "machine": machine(), "before": args.before,
+              "baseline": "the kernel at --before, loaded beside the working tree's, alternating",
+              "layer": "the demo model's q/k/v, o, gate/up and down matmuls (warm caches)",
+              "threads": torch.get_num_threads(), "outputs_identical": identical, "rows": {}}
+    for rows in args.rows:
+        before, after = (statistics.median(times[s][rows]) for s in ("before", "after"))
+        result["rows"][str(rows)] = {"before_us": round(before, 1), "after_us": round(after, 1),
+                                     "after_over_before": round(after / before, 3)}
+    print(json.dumps(result, indent=2))
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
