@@ -249,6 +249,34 @@ def test_the_old_rule_runs_only_where_break_even_does_not_decide():
     assert spec_state(plain).cooldown == 4 and spec_state(seeded).cooldown == 3
 
 
+def test_an_idle_sequence_probes_only_where_a_probe_costs_no_more_than_a_plain_token():
+    from engine.sequence import Sequence
+    from engine.spec import SpecConfig
+    from engine.spec.break_even import PROBE_EVERY
+    from engine.spec.decoder import SpecDecoder, spec_state
+
+    def probes(batch_ms: dict, batch: int) -> int:
+        """Drafts given to `batch` sequences break-even leaves idle (acceptance 0), over
+        PROBE_EVERY steps."""
+        decoder = SpecDecoder(SpecConfig(num_draft_tokens=3))
+        decoder.costs = costs(batch_ms, draft_ms=0.3)
+        seqs = [Sequence(f"s{i}", [1, 2, 3], SamplingParams(temperature=0), 0.0)
+                for i in range(batch)]
+        decoder.acceptance.num = 0.0  # drafts never accepted so far: a prior of 0
+        for seq in seqs:
+            spec_state(seq).verifications, spec_state(seq).position_rate = 1, 0.0
+        return sum(sum(decoder.draft_lengths(seqs)) for _ in range(PROBE_EVERY))
+
+    # Batch 1 on this CPU: one more query token is nearly free, so each idle sequence probes
+    # once every PROBE_EVERY steps.
+    assert probes(CPU_MS, 1) == 1
+    # 16 sequences on the EPYC before its kernel's fix: the 17th query token cost 3.6 ms of a
+    # 22.4 ms step, more than twice a plain token's 1.4 ms: no probes.
+    assert probes({1: 10.0, 8: 12.0, 16: 22.4, 17: 26.0, 24: 28.0}, 16) == 0
+    # The same batch where the 17th token costs 0.5 ms: probes again.
+    assert probes({1: 10.0, 8: 12.0, 16: 22.4, 17: 22.9, 24: 27.0}, 16) == 16
+
+
 # A GPU-like step: extra query tokens nearly free at small batches.
 FLAT_MS = {1: 10.0, 8: 10.2, 16: 10.5, 64: 14.0}
 

@@ -431,18 +431,31 @@ class SpecDecoder(StepFeature):
                                [caps[i] for i in timed], self.costs,
                                [spec_state(seqs[i]).width for i in timed])
         decided = {} if paying is None else dict(zip(timed, paying, strict=True))
+        probe = bool(decided) and self._probe_pays(len(seqs))
         # The acceptance rule only where break-even did not decide: it counts down a cooldown
         # each time it is asked, which must not run on for sequences it does not rule.
-        return [self._with_idle_rules(seq, decided[i], cap) if i in decided
+        return [self._with_idle_rules(seq, decided[i], cap, probe) if i in decided
                 else min(self._adaptive_length(seq), cap)
                 for i, (seq, cap) in enumerate(zip(seqs, caps, strict=True))]
 
-    def _with_idle_rules(self, seq: Sequence, k: int, cap: int) -> int:
+    def _probe_pays(self, batch: int) -> bool:
+        """Whether a probe (one draft token for a sequence break-even left without drafts) costs
+        at most what one token costs decoding plainly at this batch: the step's extra query
+        token and the drafting. At batch 1 a probe is nearly free; at 16 sequences on the EPYC
+        the 17th query token once cost 3.6 ms of a 22 ms step, and probes alone, one every other
+        step, made speculation 2-4% slower than none."""
+        step, more = self.costs.step_s(batch), self.costs.step_s(batch + 1)
+        if step is None or more is None:
+            return True
+        return more - step + (self.costs.draft_token_s or 0.0) <= step / batch
+
+    def _with_idle_rules(self, seq: Sequence, k: int, cap: int, probe: bool = True) -> int:
         """The draft length break-even chose (k), with the rules for a sequence it left without
         drafts (cap > 0, k = 0): each such step its acceptance estimate moves one EMA weight
         back towards the prior (what drafts achieve for every request), since the few
         rejections that stopped it say little about the text to come; and it tries one draft
-        now and then (where the prior is low too, its acceptance may still rise).
+        now and then (where the prior is low too, its acceptance may still rise), where such a
+        probe costs no more than a plain token (_probe_pays).
 
         Without the drift, two or three rejections in a row left a reply's estimate at 0.16-0.23
         with no verification to correct it, and the trained draft sat idle for 98 of 168 steps
@@ -455,7 +468,7 @@ class SpecDecoder(StepFeature):
         if state.verifications:
             state.position_rate = ema(state.position_rate, self.position_prior)
         state.idle_steps += 1
-        if state.idle_steps < PROBE_EVERY:
+        if state.idle_steps < PROBE_EVERY or not probe:
             return 0
         state.idle_steps = 0
         return 1
