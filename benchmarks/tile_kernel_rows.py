@@ -1,5 +1,6 @@
-"""The bfloat16 tile kernel (cpu_kernels.c's bf16_linear) at an earlier revision and in the working
-tree, in one process: a decoder layer's four matmuls of the demo model by rows per call.
+"""A tile kernel (cpu_kernels.c's bf16_linear, or int4_linear with --kernel int4) at an earlier
+revision and in the working tree, in one process: a decoder layer's four matmuls of the demo model
+by rows per call.
 
 Engine-level before/after runs (before_after.py) run each revision in its own process, and on
 the shared 2-core VM those moved by 10-30% between processes (a batch-1 decode step read 8.0-15.3
@@ -8,11 +9,12 @@ the same weights and inputs, so the ratio is the kernel's own. Both builds' outp
 too: they must be identical to the bit (a row's sums may not depend on how rows are blocked).
 
 The weights are the demo model's layer shapes (SmolLM2-135M: hidden 576, 9 query and 3 KV heads
-of 64, MLP 1536), random, in the tile layout; timings are with warm caches (each matmul is
-called 100 times in a row), so they show the kernel's compute and latency, not the weight
-stream from memory a real decode step pays on top.
+of 64, MLP 1536), random, in the kernel's layout (int4: groups of 32, as the demo's Q4_1);
+timings are with warm caches (each matmul is called 100 times in a row), so they show the
+kernel's compute and latency, not the weight stream from memory a real decode step pays on top.
 
-    python benchmarks/tile_kernel_rows.py --before HEAD~1 [--rows 1 2 4 8 16 17 20] [--rounds 5]
+    python benchmarks/tile_kernel_rows.py --before HEAD~1 [--kernel int4] [--rows 1 2 4 8 16 17]
+        [--rounds 5]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ ROOT = _HERE.parent
 # (outputs, inputs) of the demo model's q/k/v, o, gate/up and down projections.
 LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 CALLS = 100  # per matmul and timing
+INT4_GROUP = 32
 
 
 def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
@@ -52,21 +55,48 @@ def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
     loaded = ctypes.CDLL(str(lib))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     loaded.bf16_linear.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
+    loaded.int4_linear.argtypes = [p] * 5 + [i64] * 4 + [i32, i32]
     return loaded
 
 
-def layer_us(lib: ctypes.CDLL, weights: dict, inputs: dict, rows: int) -> tuple[float, list]:
+def random_weights(kernel: str, gen: torch.Generator) -> dict:
+    """Per matmul of LAYER, its weight in the kernel's layout: bfloat16 tiles, or int4 codes
+    with float16 scales and mins per group (cpu_quant.pack's layout)."""
+    weights = {}
+    for name, (out, inn) in LAYER.items():
+        if kernel == "bf16":
+            w = torch.randn(out, inn, generator=gen).to(torch.bfloat16)
+            weights[name] = (cpu_linear.tile_layout(w),)
+        else:
+            tiles, groups = out // 16, inn // INT4_GROUP
+            codes = torch.randint(0, 256, (tiles, inn // 4, 32), generator=gen,
+                                  dtype=torch.uint8)
+            scales = (torch.rand(tiles, groups, 16, generator=gen) * 0.02).to(torch.float16)
+            mins = (-torch.rand(tiles, groups, 16, generator=gen) * 0.1).to(torch.float16)
+            weights[name] = (codes, scales, mins)
+    return weights
+
+
+def layer_us(lib: ctypes.CDLL, kernel: str, weights: dict, inputs: dict,
+             rows: int) -> tuple[float, list]:
     """Microseconds for one layer's four matmuls of `rows` rows, and their outputs."""
     total, outputs = 0.0, []
     for name, (out, inn) in LAYER.items():
         x, w = inputs[name][:rows].contiguous(), weights[name]
         y = torch.empty(rows, out, dtype=torch.bfloat16)
+        threads = torch.get_num_threads()
+        if kernel == "bf16":
+            args = (x.data_ptr(), w[0].data_ptr(), None, y.data_ptr(), rows, inn, out, 1,
+                    threads)
+            fn = lib.bf16_linear
+        else:
+            args = (x.data_ptr(), *(t.data_ptr() for t in w), y.data_ptr(), rows, inn, out,
+                    INT4_GROUP, 1, threads)
+            fn = lib.int4_linear
 
-        def call(x=x, w=w, y=y, out=out, inn=inn):
-            status = lib.bf16_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), rows, inn,
-                                     out, 1, torch.get_num_threads())
-            if status:
-                raise RuntimeError("bf16_linear refused")
+        def call(fn=fn, args=args):
+            if fn(*args):
+                raise RuntimeError(f"{fn.__name__} refused")
 
         for _ in range(5):
             call()
@@ -81,6 +111,7 @@ def layer_us(lib: ctypes.CDLL, weights: dict, inputs: dict, rows: int) -> tuple[
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", required=True, help="the earlier git revision")
+    p.add_argument("--kernel", choices=["bf16", "int4"], default="bf16")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 17, 20, 24])
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
@@ -90,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     before_source = subprocess.run(["git", "show", f"{args.before}:kernels/cpu_kernels.c"],
                                    cwd=ROOT, capture_output=True, text=True, check=True).stdout
     gen = torch.Generator().manual_seed(0)
-    weights = {n: cpu_linear.tile_layout(torch.randn(o, i, generator=gen).to(torch.bfloat16))
-               for n, (o, i) in LAYER.items()}
+    weights = random_weights(args.kernel, gen)
     inputs = {n: torch.randn(max(args.rows), i, generator=gen).to(torch.bfloat16)
               for n, (_, i) in LAYER.items()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             for rows in args.rows:
                 outs = {}
                 for side, lib in libs.items():
-                    us, outs[side] = layer_us(lib, weights, inputs, rows)
+                    us, outs[side] = layer_us(lib, args.kernel, weights, inputs, rows)
                     times[side][rows].append(us)
                 identical &= all(torch.equal(a, b) for a, b in zip(*outs.values(), strict=True))
     result = {"benchmark": "tile_kernel_rows", "machine": machine(), "before": args.before,
               "baseline": "the kernel at --before, loaded beside the working tree's, alternating",
               "layer": "the demo model's q/k/v, o, gate/up and down matmuls (warm caches)",
-              "threads": torch.get_num_threads(), "outputs_identical": identical, "rows": {}}
+              "kernel": args.kernel, "threads": torch.get_num_threads(),
+              "outputs_identical": identical, "rows": {}}
     for rows in args.rows:
         before, after = (statistics.median(times[s][rows]) for s in ("before", "after"))
         result["rows"][str(rows)] = {"before_us": round(before, 1), "after_us": round(after, 1),

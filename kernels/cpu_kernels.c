@@ -645,46 +645,58 @@ static inline __attribute__((always_inline)) void bf16_tile_group_rows(
 
 #define INT4_ROW_BLOCK 8 /* rows per pass: two float32 accumulators each, in registers */
 
-/* One tile's 16 outputs for `mb` rows (a constant at each call site, so the accumulators stay
- * in registers). xt: the row block in by_pair's layout; xsum: [rows, groups] sums of the rows'
- * bfloat16 inputs per group. */
+/* The 16 outputs of each of `nt` consecutive tiles for `mb` rows (constants at each call site,
+ * so the accumulators stay in registers; nt * mb <= INT4_ROW_BLOCK). xt: the row block in
+ * by_pair's layout; xsum: [rows, groups] sums of the rows' bfloat16 inputs per group. Several
+ * tiles at once serve a row block of 1-4 rows (a batch-1 decode step's): a lone row's partial
+ * sum is one chain of VDPBF16PS, each waiting on the one before, and the int4 weight's stream
+ * is a quarter of bfloat16's, so the chain's latency, not memory, set the pace; chains side by
+ * side hide it (benchmarks/tile_kernel_rows.py --kernel int4). Each output sums in the same
+ * order whatever nt is, so its value does not depend on it. */
 static inline __attribute__((always_inline)) void int4_tile_rows(
-    const int mb, const uint32_t *xt, int64_t pairs, const float *xsum, int64_t groups,
-    const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group_pairs,
-    void *y, int64_t out, int y_bf16) {
+    const int mb, const int nt, const uint32_t *xt, int64_t pairs, const float *xsum,
+    int64_t groups, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
+    int64_t group_pairs, void *y, int64_t out, int y_bf16) {
     __m512 acc[INT4_ROW_BLOCK], part[INT4_ROW_BLOCK];
-    for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+    for (int i = 0; i < nt * mb; i++) acc[i] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi16(15), offset = _mm512_set1_epi16(0x4300);
     for (int64_t g = 0; g < groups; g++) {
-        for (int m = 0; m < mb; m++) part[m] = _mm512_setzero_ps();
+        for (int i = 0; i < nt * mb; i++) part[i] = _mm512_setzero_ps();
         for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p += 2) {
-            const __m512i v =
-                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + p * 16)));
-            /* (v & 15) | 0x4300 in one ternary-logic op; the high nibbles need only the OR. */
-            const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(v, nibble, offset, 0xEA);
-            const __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), offset);
             const uint32_t *words = xt + p * mb;
-            for (int m = 0; m < mb; m++) {
-                DP_BROADCAST(part[m], w0, words + m);
-                DP_BROADCAST(part[m], w1, words + mb + m);
+            for (int j = 0; j < nt; j++) {
+                const __m512i v = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(codes + j * pairs * 16 + p * 16)));
+                /* (v & 15) | 0x4300 in one ternary-logic op; the high nibbles need only the OR. */
+                const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(v, nibble, offset, 0xEA);
+                const __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), offset);
+                for (int m = 0; m < mb; m++) {
+                    DP_BROADCAST(part[j * mb + m], w0, words + m);
+                    DP_BROADCAST(part[j * mb + m], w1, words + mb + m);
+                }
             }
         }
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
-        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * 16)));
-        const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, mn); /* min - 128 s */
-        for (int m = 0; m < mb; m++) {
-            acc[m] = _mm512_fmadd_ps(part[m], s, acc[m]);
-            acc[m] = _mm512_fmadd_ps(shift, _mm512_set1_ps(xsum[m * groups + g]), acc[m]);
+        for (int j = 0; j < nt; j++) {
+            const int64_t at = j * groups * 16 + g * 16;
+            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + at)));
+            const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + at)));
+            const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, mn); /* min-128s */
+            for (int m = 0; m < mb; m++) {
+                __m512 *a = &acc[j * mb + m];
+                *a = _mm512_fmadd_ps(part[j * mb + m], s, *a);
+                *a = _mm512_fmadd_ps(shift, _mm512_set1_ps(xsum[m * groups + g]), *a);
+            }
         }
     }
-    for (int m = 0; m < mb; m++)
-        store_tile_row(tile_output(y, m, out, 0, y_bf16), acc[m], y_bf16);
+    for (int j = 0; j < nt; j++)
+        for (int m = 0; m < mb; m++)
+            store_tile_row(tile_output(y, m, out, j, y_bf16), acc[j * mb + m], y_bf16);
 }
 
-#define INT4_ROWS(n)                                                                           \
-    case n:                                                                                    \
-        int4_tile_rows(n, xr, pairs, xs, groups, tile_codes, tile_scales, tile_mins, group / 2, \
-                       yr, out, y_bf16);                                                       \
+#define INT4_ROWS(n, tiles_at_once)                                                         \
+    case n:                                                                                 \
+        int4_tile_rows(n, tiles_at_once, xr, pairs, xs, groups, tile_codes, tile_scales,    \
+                       tile_mins, group / 2, yr, out, y_bf16);                              \
         break;
 
 int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
@@ -707,23 +719,42 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 sum += bf16_to_f32(((const uint16_t *)x)[r * in_padded + k]);
             xsum[r * groups + g] = sum;
         }
+    /* The rows past the full blocks, and how many tiles take them at once. */
+    const int64_t rem = rows % INT4_ROW_BLOCK, full = rows - rem;
+    const int at_once = rem == 1 ? 8 : rem == 2 ? 4 : rem <= 4 ? 2 : 1;
 #pragma omp parallel num_threads(threads)
     {
         by_pair((const uint32_t *)x, xt, rows, pairs, INT4_ROW_BLOCK);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t *tile_codes = codes + t * pairs * 16;
-            const uint16_t *tile_scales = scales + t * groups * 16;
-            const uint16_t *tile_mins = mins + t * groups * 16;
-            for (int64_t r = 0; r < rows; r += INT4_ROW_BLOCK) {
-                const uint32_t *xr = xt + r * pairs;
-                const float *xs = xsum + r * groups;
-                void *yr = tile_output(y, r, out, t, y_bf16);
-                switch (rows - r < INT4_ROW_BLOCK ? rows - r : INT4_ROW_BLOCK) {
-                    INT4_ROWS(1) INT4_ROWS(2) INT4_ROWS(3) INT4_ROWS(4)
-                    INT4_ROWS(5) INT4_ROWS(6) INT4_ROWS(7) INT4_ROWS(8)
+        /* Each thread a contiguous range of tiles, as a static schedule splits them. */
+        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+        const int64_t t_end = tiles * (i + 1) / n;
+        for (int64_t t0 = tiles * i / n; t0 < t_end;) {
+            const int nt = t0 + at_once <= t_end ? at_once : 1;
+            for (int64_t t = t0; t < t0 + nt; t++)
+                for (int64_t r = 0; r < (nt > 1 ? full : rows); r += INT4_ROW_BLOCK) {
+                    const uint8_t *tile_codes = codes + t * pairs * 16;
+                    const uint16_t *tile_scales = scales + t * groups * 16;
+                    const uint16_t *tile_mins = mins + t * groups * 16;
+                    const uint32_t *xr = xt + r * pairs;
+                    const float *xs = xsum + r * groups;
+                    void *yr = tile_output(y, r, out, t, y_bf16);
+                    switch (rows - r < INT4_ROW_BLOCK ? rows - r : INT4_ROW_BLOCK) {
+                        INT4_ROWS(1, 1) INT4_ROWS(2, 1) INT4_ROWS(3, 1) INT4_ROWS(4, 1)
+                        INT4_ROWS(5, 1) INT4_ROWS(6, 1) INT4_ROWS(7, 1) INT4_ROWS(8, 1)
+                    }
+                }
+            if (nt > 1) { /* the partial block of the group's tiles at once */
+                const uint8_t *tile_codes = codes + t0 * pairs * 16;
+                const uint16_t *tile_scales = scales + t0 * groups * 16;
+                const uint16_t *tile_mins = mins + t0 * groups * 16;
+                const uint32_t *xr = xt + full * pairs;
+                const float *xs = xsum + full * groups;
+                void *yr = tile_output(y, full, out, t0, y_bf16);
+                switch (rem) {
+                    INT4_ROWS(1, 8) INT4_ROWS(2, 4) INT4_ROWS(3, 2) INT4_ROWS(4, 2)
                 }
             }
+            t0 += nt;
         }
     }
     free(xsum);
@@ -850,8 +881,7 @@ static inline __attribute__((always_inline)) int tiles_linear(
         for (int64_t t0 = tiles * i / n; t0 < t_end;) {
             const int nt = t0 + group <= t_end ? group : 1;
             for (int64_t t = t0; t < t0 + nt; t++)
-                for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
-                    if (r == full && nt > 1) break; /* the group's partial block: below */
+                for (int64_t r = 0; r < (nt > 1 ? full : rows); r += ROW_BLOCK) {
                     void *yr = tile_output(y, r, out, t, y_bf16);
                     switch (rows - r < ROW_BLOCK ? rows - r : ROW_BLOCK) {
                         TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4)
@@ -860,7 +890,7 @@ static inline __attribute__((always_inline)) int tiles_linear(
                         TILE_ROWS(13) TILE_ROWS(14) TILE_ROWS(15) TILE_ROWS(16)
                     }
                 }
-            if (nt > 1) {
+            if (nt > 1) { /* the partial block of the group's tiles at once */
                 const uint32_t *xr = xt + full * pairs;
                 const uint16_t *wg = (const uint16_t *)w + t0 * pairs * 32;
                 const uint16_t *bg = per_out == NULL ? NULL : per_out + t0 * 16;

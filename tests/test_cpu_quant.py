@@ -106,19 +106,23 @@ def test_an_empty_batch_gives_an_empty_result(make):
 
 
 @needs_kernel
-def test_rows_in_a_batch_do_not_change_each_others_results():
+@pytest.mark.parametrize("out_f", [64, 352])  # 4 and 22 tiles of 16 outputs
+def test_rows_in_a_batch_do_not_change_each_others_results(out_f):
     # Every row goes through the same tile code whatever else is in the batch (decode rows
-    # batched with others must get the logits they get alone, up to the block they fall in),
-    # below the row counts where the weight is decoded whole (DEQUANTIZE_ROWS; on a CPU with
-    # AMX, AMX_MATMUL_ROWS: the decoded weight rounds otherwise). The 33 rows here stand for a
-    # batch of decodes, so the AMX path is held off.
-    q = quant.quantize_int4(_weight(64, 128, seed=7), 32)
+    # batched with others must get the logits they get alone), below the row counts where the
+    # weight is decoded whole (DEQUANTIZE_ROWS; on a CPU with AMX, AMX_MATMUL_ROWS: the decoded
+    # weight rounds otherwise): rows in full blocks of 8, and the 1-4 rows of a last, partial
+    # block, which several tiles take at once. The 33 rows here stand for a batch of decodes,
+    # so the AMX path is held off.
+    q = quant.quantize_int4(_weight(out_f, 128, seed=7), 32)
     weight = cpu_quant.prepare(q)
     weight.matmul_rows = 0
     x = torch.randn(33, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    together = weight.linear(x)
+    together = weight.linear(x)  # rows 0-31 in full blocks
     for i in (0, 15, 16, 32):
         assert torch.equal(weight.linear(x[i : i + 1])[0], together[i])
+    for start, stop in ((0, 2), (5, 8), (3, 7), (10, 19), (1, 11), (0, 12), (4, 25)):
+        assert torch.equal(weight.linear(x[start:stop]), together[start:stop]), (start, stop)
 
 
 @needs_kernel
