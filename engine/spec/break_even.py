@@ -57,6 +57,13 @@ class StepCosts:
 
     by_tokens: dict[int, float] = field(default_factory=dict)
     draft_token_s: float | None = None
+    # The same per batch size (sequences decoding): a step's time depends on its shape, not only
+    # its query tokens (on the EPYC a plain step of 16 sequences took 23 ms, one sequence's
+    # 16-token verification 28-31), and priced from all steps alike, drafts at 16 sequences
+    # looked nearly free and made speculation 13% slower than none. See at_batch.
+    by_batch: dict[int, StepCosts] = field(default_factory=dict, repr=False, compare=False)
+    # A batch's own slope until it has stepped two sizes: all steps' (set by at_batch).
+    fallback_slope: float | None = field(default=None, repr=False, compare=False)
     # The measured sizes in order, their times and the fitted slope, rebuilt after a step is
     # observed: draft_lengths prices every depth of every sequence each step (at 16 sequences
     # and depths up to 10, rebuilding them per price cost 0.9 ms of a 26.5 ms step:
@@ -64,11 +71,24 @@ class StepCosts:
     _curve: tuple[list[int], list[float], float | None] | None = \
         field(default=None, repr=False, compare=False)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
+    def observe_step(self, tokens: int, seconds: float, batch: int | None = None) -> None:
         old = self.by_tokens.get(tokens)
         self.by_tokens[tokens] = seconds if old is None else \
             COST_DECAY * old + (1 - COST_DECAY) * seconds
         self._curve = None
+        if batch is not None:
+            self.by_batch.setdefault(batch, StepCosts()).observe_step(tokens, seconds)
+
+    def at_batch(self, batch: int) -> StepCosts:
+        """The costs of steps decoding `batch` sequences, from their own steps: a size they have
+        not stepped is priced from their nearest one along the slope of all steps until they
+        have stepped two; the proposer's cost is all steps'. Where no step was recorded with
+        its batch (a table set by hand), all steps'."""
+        if not self.by_batch:
+            return self
+        own = self.by_batch.setdefault(batch, StepCosts())
+        own.fallback_slope, own.draft_token_s = self.slope(), self.draft_token_s
+        return own
 
     def observe_drafting(self, tokens: int, seconds: float) -> None:
         if tokens <= 0:
@@ -92,11 +112,12 @@ class StepCosts:
         Anchored at measured sizes, not read off the fitted line: a line through small batches
         (where a CPU step is memory-bound, 0.5 ms a token) and one measured large one put
         T(17) below the measured T(16) and drafting at 16 looked free."""
-        sizes, times, slope = self._fitted()
+        sizes, times, _ = self._fitted()
         i = bisect_left(sizes, tokens)
         if i < len(sizes) and sizes[i] == tokens:
             return times[i]
-        if slope is None:
+        slope = self.slope()
+        if slope is None or not sizes:
             return None
         if 0 < i < len(sizes):
             below, above = sizes[i - 1], sizes[i]
@@ -107,12 +128,16 @@ class StepCosts:
 
     def slope(self) -> float | None:
         """Seconds one more query token adds to a step: the least-squares line through the
-        measured sizes (never negative), or None while fewer than two have been seen."""
-        return self._fitted()[2]
+        measured sizes (never negative); with fewer than two, the fallback (all steps', for a
+        batch's own costs) or None."""
+        own = self._fitted()[2]
+        return self.fallback_slope if own is None else own
 
     @property
     def known(self) -> bool:
-        return len(self.by_tokens) >= 2
+        """Whether sizes can be priced: two measured, or a slope to price from (a batch's own
+        costs, which may not have measured even their plain step yet)."""
+        return len(self.by_tokens) >= 2 or self.fallback_slope is not None
 
 
 def _non_decreasing(times: list[float]) -> list[float]:
@@ -186,13 +211,13 @@ def draft_lengths(rates: list[float], caps: list[int], costs: StepCosts,
     """
     widths = widths or [1.0] * len(rates)
     batch = len(rates)
-    time_s = costs.step_s(batch)
-    if time_s is None or not costs.known:
+    if not costs.known:
         return None
     if batch not in costs.by_tokens:
         # A batch size never stepped: one plain step measures it before any draft is priced
         # against a guess (16 new requests once drafted on costs extrapolated from batch 1's).
         return [0] * batch
+    time_s = costs.step_s(batch)
     per_draft = costs.draft_token_s or 0.0
     step_s = cache(costs.step_s)  # each size priced once per call, not once per depth tried
     tokens, n = float(batch), batch

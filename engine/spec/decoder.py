@@ -352,7 +352,7 @@ class SpecDecoder(StepFeature):
         if any(s.num_new_tokens != 1 + s.num_draft for s in step.scheduled):
             return  # a prefill chunk rode along: not a decode step's cost
         tokens = sum(s.num_new_tokens for s in step.scheduled)
-        self.costs.observe_step(tokens, step.now - self._drafted_at)
+        self.costs.observe_step(tokens, step.now - self._drafted_at, len(step.scheduled))
 
     # ---- proposing ----
     def propose_all(self, seqs: list[Sequence]) -> None:
@@ -375,7 +375,8 @@ class SpecDecoder(StepFeature):
         branch_threshold against the node's calibrated probability); the first path's depth
         break-even chose already. A tree left with its first path alone is drafted as a chain.
         Not for seeded sampled requests (their drafts may not depend on measured times)."""
-        threshold = branch_threshold(self.costs, len(seqs)) if self.config.adaptive else None
+        threshold = (branch_threshold(self.costs.at_batch(len(seqs)), len(seqs))
+                     if self.config.adaptive else None)
         if threshold is None:
             return
         scale = self.calibration.value(1.0, CALIBRATION_MIN)
@@ -428,7 +429,7 @@ class SpecDecoder(StepFeature):
         # depend on where drafts fall: its lengths may not depend on measured times.
         timed = [i for i, seq in enumerate(seqs) if not _reproducible(seq)]
         paying = draft_lengths([self._position_rate(seqs[i]) for i in timed],
-                               [caps[i] for i in timed], self.costs,
+                               [caps[i] for i in timed], self.costs.at_batch(len(timed)),
                                [spec_state(seqs[i]).width for i in timed])
         decided = {} if paying is None else dict(zip(timed, paying, strict=True))
         probe = bool(decided) and self._probe_pays(len(seqs))
@@ -444,7 +445,8 @@ class SpecDecoder(StepFeature):
         token and the drafting. At batch 1 a probe is nearly free; at 16 sequences on the EPYC
         the 17th query token once cost 3.6 ms of a 22 ms step, and probes alone, one every other
         step, made speculation 2-4% slower than none."""
-        step, more = self.costs.step_s(batch), self.costs.step_s(batch + 1)
+        costs = self.costs.at_batch(batch)
+        step, more = costs.step_s(batch), costs.step_s(batch + 1)
         if step is None or more is None:
             return True
         return more - step + (self.costs.draft_token_s or 0.0) <= step / batch
