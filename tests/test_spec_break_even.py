@@ -89,6 +89,15 @@ def test_a_large_batch_drafts_only_for_the_sure_sequences():
     assert lengths[0] > 0 and lengths[1:] == [0] * 15
 
 
+def test_a_sequence_without_room_to_draft_does_not_hold_back_the_others():
+    # Sequences left without drafts end the pricing of those less likely than them, but only
+    # of those that could draft no deeper: the first one here has no room left (cap 0).
+    c = costs(CPU_MS)
+    assert draft_lengths([0.9], [4], c)[0] > 0
+    assert draft_lengths([0.95, 0.9], [0, 4], costs({1: 20.0, 2: 21.0, 3: 22.0, 4: 23.0,
+                                                       5: 24.0, 6: 25.0}))[1] > 0
+
+
 def test_a_tree_is_priced_by_its_nodes_not_its_depth():
     # 16 sequences at the batch costs above, one of them drafting trees of 3 nodes per level:
     # a chain of depth k adds k query tokens, that tree 3k, for the same acceptance per level.

@@ -222,7 +222,15 @@ def draft_lengths(rates: list[float], caps: list[int], costs: StepCosts,
     step_s = cache(costs.step_s)  # each size priced once per call, not once per depth tried
     tokens, n = float(batch), batch
     lengths = [0] * batch
+    # The last sequence left without drafts (its rate, width and cap): one after it in the
+    # order, no likelier, no narrower and no deeper, gains less at every depth for no less
+    # time, against the same batch, so it is left without drafts unpriced (at 16 sequences the
+    # pricing took 0.36 ms of a 25 ms step, most of it for sequences that drafted nothing).
+    idle: tuple[float, float, int] | None = None
     for i in sorted(range(batch), key=lambda j: -rates[j]):
+        if (idle is not None and rates[i] <= idle[0] and widths[i] >= idle[1]
+                and caps[i] <= idle[2]):
+            continue
         best = (tokens / time_s, 0, tokens, time_s)
         for k, gain in enumerate(expected_accepted_by_depth(rates[i], caps[i]), start=1):
             nodes = tree_nodes(widths[i], k)
@@ -236,4 +244,6 @@ def draft_lengths(rates: list[float], caps: list[int], costs: StepCosts,
         _, k, tokens, time_s = best
         lengths[i] = k
         n += tree_nodes(widths[i], k)
+        if not k:
+            idle = (rates[i], widths[i], caps[i])
     return lengths
