@@ -643,6 +643,21 @@ static inline __attribute__((always_inline)) void bf16_tile_group_rows(
             store_tile_row(tile_output(y, m, out, j, y_bf16), acc[j * mb + m], y_bf16);
 }
 
+/* How many tiles take the `rem` rows of a last, partial row block at once: enough accumulator
+ * chains side by side to hide VDPBF16PS's latency (bf16_tile_group_rows says why); 1 where the
+ * block has chains enough, or there is none. */
+static inline int tiles_at_once(int64_t rem) {
+    return rem == 1 ? 8 : rem == 2 ? 4 : rem == 3 || rem == 4 ? 2 : 1;
+}
+
+/* This thread's contiguous range of `tiles`, as a static schedule splits them (called inside a
+ * parallel region). */
+static inline void thread_tiles(int64_t tiles, int64_t *begin, int64_t *end) {
+    const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+    *begin = tiles * i / n;
+    *end = tiles * (i + 1) / n;
+}
+
 #define INT4_ROW_BLOCK 8 /* rows per pass: two float32 accumulators each, in registers */
 
 /* The 16 outputs of each of `nt` consecutive tiles for `mb` rows (constants at each call site,
@@ -693,10 +708,10 @@ static inline __attribute__((always_inline)) void int4_tile_rows(
             store_tile_row(tile_output(y, m, out, j, y_bf16), acc[j * mb + m], y_bf16);
 }
 
-#define INT4_ROWS(n, tiles_at_once)                                                         \
-    case n:                                                                                 \
-        int4_tile_rows(n, tiles_at_once, xr, pairs, xs, groups, tile_codes, tile_scales,    \
-                       tile_mins, group / 2, yr, out, y_bf16);                              \
+#define INT4_ROWS(n, nt_)                                                      \
+    case n:                                                                    \
+        int4_tile_rows(n, nt_, xr, pairs, xs, groups, tile_codes, tile_scales, \
+                       tile_mins, group / 2, yr, out, y_bf16);                 \
         break;
 
 int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
@@ -719,16 +734,14 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 sum += bf16_to_f32(((const uint16_t *)x)[r * in_padded + k]);
             xsum[r * groups + g] = sum;
         }
-    /* The rows past the full blocks, and how many tiles take them at once. */
     const int64_t rem = rows % INT4_ROW_BLOCK, full = rows - rem;
-    const int at_once = rem == 1 ? 8 : rem == 2 ? 4 : rem <= 4 ? 2 : 1;
+    const int at_once = tiles_at_once(rem);
 #pragma omp parallel num_threads(threads)
     {
         by_pair((const uint32_t *)x, xt, rows, pairs, INT4_ROW_BLOCK);
-        /* Each thread a contiguous range of tiles, as a static schedule splits them. */
-        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
-        const int64_t t_end = tiles * (i + 1) / n;
-        for (int64_t t0 = tiles * i / n; t0 < t_end;) {
+        int64_t t0, t_end;
+        thread_tiles(tiles, &t0, &t_end);
+        while (t0 < t_end) {
             const int nt = t0 + at_once <= t_end ? at_once : 1;
             for (int64_t t = t0; t < t0 + nt; t++)
                 for (int64_t r = 0; r < (nt > 1 ? full : rows); r += INT4_ROW_BLOCK) {
@@ -850,9 +863,9 @@ static inline __attribute__((always_inline)) void tile_rows(
                        out, y_bf16);
 }
 
-#define GROUP_ROWS(n, tiles_at_once)                                                   \
-    case n:                                                                            \
-        bf16_tile_group_rows(n, tiles_at_once, xr, pairs, wg, bg, yr, out, y_bf16);    \
+#define GROUP_ROWS(n, nt_)                                                \
+    case n:                                                               \
+        bf16_tile_group_rows(n, nt_, xr, pairs, wg, bg, yr, out, y_bf16); \
         break;
 
 #define TILE_ROWS(n)                                                              \
@@ -869,16 +882,14 @@ static inline __attribute__((always_inline)) int tiles_linear(
     const int64_t tiles = out / 16, pairs = in_padded / 2;
     uint32_t *xt = malloc(sizeof(uint32_t) * rows * pairs);
     if (xt == NULL) return -1;
-    /* The rows past the full blocks, and how many tiles take them at once (bfloat16 only). */
     const int64_t rem = rows % ROW_BLOCK, full = rows - rem;
-    const int group = kind != WEIGHT_BF16 ? 1 : rem == 1 ? 8 : rem == 2 ? 4 : rem <= 4 ? 2 : 1;
+    const int group = kind == WEIGHT_BF16 ? tiles_at_once(rem) : 1; /* int8: one at a time */
 #pragma omp parallel num_threads(threads)
     {
         by_pair((const uint32_t *)x, xt, rows, pairs, ROW_BLOCK);
-        /* Each thread a contiguous range of tiles, as a static schedule splits them. */
-        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
-        const int64_t t_end = tiles * (i + 1) / n;
-        for (int64_t t0 = tiles * i / n; t0 < t_end;) {
+        int64_t t0, t_end;
+        thread_tiles(tiles, &t0, &t_end);
+        while (t0 < t_end) {
             const int nt = t0 + group <= t_end ? group : 1;
             for (int64_t t = t0; t < t0 + nt; t++)
                 for (int64_t r = 0; r < (nt > 1 ? full : rows); r += ROW_BLOCK) {
