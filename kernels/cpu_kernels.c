@@ -645,10 +645,9 @@ static inline __attribute__((always_inline)) void bf16_tile_group_rows(
 
 /* How many tiles take the `rem` rows of a last, partial row block at once: enough accumulator
  * chains side by side to hide VDPBF16PS's latency (bf16_tile_group_rows says why); 1 where the
- * block has chains enough, or there is none. */
-static inline int tiles_at_once(int64_t rem) {
-    return rem == 1 ? 8 : rem == 2 ? 4 : rem == 3 || rem == 4 ? 2 : 1;
-}
+ * block has chains enough, or there is none. A macro: the loops' switch cases pass it as a
+ * constant for their row count, which must be what the loop advanced its tiles by. */
+#define TILES_AT_ONCE(rem) ((rem) == 1 ? 8 : (rem) == 2 ? 4 : (rem) == 3 || (rem) == 4 ? 2 : 1)
 
 /* This thread's contiguous range of `tiles`, as a static schedule splits them (called inside a
  * parallel region). */
@@ -735,7 +734,7 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
             xsum[r * groups + g] = sum;
         }
     const int64_t rem = rows % INT4_ROW_BLOCK, full = rows - rem;
-    const int at_once = tiles_at_once(rem);
+    const int at_once = TILES_AT_ONCE(rem);
 #pragma omp parallel num_threads(threads)
     {
         by_pair((const uint32_t *)x, xt, rows, pairs, INT4_ROW_BLOCK);
@@ -764,7 +763,8 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 const float *xs = xsum + full * groups;
                 void *yr = tile_output(y, full, out, t0, y_bf16);
                 switch (rem) {
-                    INT4_ROWS(1, 8) INT4_ROWS(2, 4) INT4_ROWS(3, 2) INT4_ROWS(4, 2)
+                    INT4_ROWS(1, TILES_AT_ONCE(1)) INT4_ROWS(2, TILES_AT_ONCE(2))
+                    INT4_ROWS(3, TILES_AT_ONCE(3)) INT4_ROWS(4, TILES_AT_ONCE(4))
                 }
             }
             t0 += nt;
@@ -883,7 +883,7 @@ static inline __attribute__((always_inline)) int tiles_linear(
     uint32_t *xt = malloc(sizeof(uint32_t) * rows * pairs);
     if (xt == NULL) return -1;
     const int64_t rem = rows % ROW_BLOCK, full = rows - rem;
-    const int group = kind == WEIGHT_BF16 ? tiles_at_once(rem) : 1; /* int8: one at a time */
+    const int group = kind == WEIGHT_BF16 ? TILES_AT_ONCE(rem) : 1; /* int8: one at a time */
 #pragma omp parallel num_threads(threads)
     {
         by_pair((const uint32_t *)x, xt, rows, pairs, ROW_BLOCK);
@@ -907,7 +907,8 @@ static inline __attribute__((always_inline)) int tiles_linear(
                 const uint16_t *bg = per_out == NULL ? NULL : per_out + t0 * 16;
                 void *yr = tile_output(y, full, out, t0, y_bf16);
                 switch (rem) {
-                    GROUP_ROWS(1, 8) GROUP_ROWS(2, 4) GROUP_ROWS(3, 2) GROUP_ROWS(4, 2)
+                    GROUP_ROWS(1, TILES_AT_ONCE(1)) GROUP_ROWS(2, TILES_AT_ONCE(2))
+                    GROUP_ROWS(3, TILES_AT_ONCE(3)) GROUP_ROWS(4, TILES_AT_ONCE(4))
                 }
             }
             t0 += nt;
