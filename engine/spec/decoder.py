@@ -449,7 +449,7 @@ class SpecDecoder(StepFeature):
         step, more = costs.step_s(batch), costs.step_s(batch + 1)
         if step is None or more is None:
             return True
-        return more - step + (self.costs.draft_token_s or 0.0) <= step / batch
+        return more - step + (costs.draft_token_s or 0.0) <= step / batch
 
     def _with_idle_rules(self, seq: Sequence, k: int, cap: int, probe: bool = True) -> int:
         """The draft length break-even chose (k), with the rules for a sequence it left without
