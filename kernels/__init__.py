@@ -28,10 +28,11 @@ OPS = ("prepare_linear", "linear", "rms_norm", "rotary", "silu_and_mul", "store_
        "paged_attention", "paged_attention_mass", "prepare_decode_stack", "softmax_topk")
 
 
-def _table(name: str, prepare_quantized=None, **overrides) -> SimpleNamespace:
+def _table(name: str, prepare_quantized=None, int4_kernel=None, **overrides) -> SimpleNamespace:
     ops = {op: getattr(reference, op) for op in OPS} | overrides
     ops["prepare_linear"], ops["linear"] = _quant_aware(ops["prepare_linear"], ops["linear"],
                                                         prepare_quantized)
+    ops["prepare_compact_linear"] = _compact(ops["prepare_linear"], int4_kernel)
     return SimpleNamespace(name=name, **ops)
 
 
@@ -50,6 +51,26 @@ def _quant_aware(prepare, linear, prepare_quantized):
         return weight.linear(x, bias)
 
     return prepare_any, linear_any
+
+
+def _compact(prepare_any, int4_kernel):
+    """prepare_compact_linear: a float weight as int4 (groups of COMPACT_GROUP) where the table
+    has an int4 kernel of its own that takes it (`int4_kernel`: the kernel's weight, or None),
+    else as prepare_linear has it. For weights whose every byte is read each step and whose
+    products need not be exact: a speculative draft's (the target verifies its proposals, so a
+    draft in int4 can only propose differently, never change an output)."""
+
+    def prepare_compact_linear(weight: torch.Tensor):
+        if int4_kernel is not None and weight.is_floating_point():
+            fast = int4_kernel(quant.quantize_int4(weight.float(), COMPACT_GROUP))
+            if fast is not None:
+                return fast
+        return prepare_any(weight)
+
+    return prepare_compact_linear
+
+
+COMPACT_GROUP = 32  # prepare_compact_linear's int4 group size
 
 
 def _prepare_cpu_linear(weight: torch.Tensor):
@@ -76,6 +97,7 @@ if ONEDNN_DTYPES:
     # they do not build or pass their self-check, or do not take a call's dtype or shape, the
     # reference's ops run).
     _BACKENDS["onednn"] = _table("onednn", prepare_quantized=_prepare_cpu_quantized,
+                                 int4_kernel=cpu_quant.prepare,
                                  prepare_linear=_prepare_cpu_linear, linear=onednn.linear,
                                  prepare_decode_stack=cpu_layers.prepare, **cpu_kernels.OPS)
 # Importing triton takes a while and is only needed on CUDA: its table is built on first use.

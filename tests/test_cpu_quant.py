@@ -195,6 +195,27 @@ def test_the_cpu_table_runs_int4_weights_through_the_kernel():
 
 
 @needs_kernel
+def test_a_compact_weight_is_int4_in_the_kernel_and_float_where_it_cannot_be():
+    # What a speculative draft's matrices become (engine/spec/hidden_draft.py): int4 through
+    # the kernel, a quarter of the bytes, the product within int4's rounding of the float one.
+    ops = kernels.ops_for("cpu", torch.bfloat16)
+    w = _weight(64, 96, seed=7).to(torch.bfloat16)
+    compact = ops.prepare_compact_linear(w)
+    assert isinstance(compact, cpu_quant.Int4Linear)
+    assert compact.nbytes < w.numel() * w.element_size() / 3
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = x.float() @ w.float().T
+    got = ops.linear(x, compact).float()
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    # A shape the kernel does not take (40 outputs) and the reference table: as prepare_linear.
+    odd = _weight(40, 96, seed=7).to(torch.bfloat16)
+    assert torch.equal(ops.linear(x, ops.prepare_compact_linear(odd)),
+                       ops.linear(x, ops.prepare_linear(odd)))
+    reference = kernels.ops_for("cpu", torch.bfloat16, "reference")
+    assert reference.prepare_compact_linear(w) is w
+
+
+@needs_kernel
 def test_a_compiled_function_calls_the_kernels_through_their_custom_ops():
     int4 = cpu_quant.prepare(quant.quantize_int4(_weight(64, 96, seed=2), 32))
     int8 = cpu_quant.prepare(quant.quantize_int8(_weight(64, 96, seed=3)))

@@ -105,22 +105,26 @@ class StateProposer(Proposer):
         self.embed = target.embed
         self.ops, self.dtype = target.ops, target.dtype
         self.vocab_ids = vocab_ids.to(target.device)
-        # The tied LM head's kept rows, in the target's dtype through its own matmul (a draft
-        # token's cost is mostly reading this head: float32 made it 1.3-1.7 ms of a 10.5 ms
-        # bfloat16 step on the 2-core EPYC). Padded to whole tiles of 16 rows, the padding's
-        # scores cut off again (scores()).
+        # The tied LM head's kept rows, through the target's matmul in its compact form (int4
+        # where the kernels have it): a draft token's cost is mostly reading this head and the
+        # draft's matrices, every step. In float32 the head took 1.3-1.7 ms of a 10.5 ms
+        # bfloat16 step on the 2-core EPYC; in int4 rather than bfloat16, open chat's
+        # speculation ran 1.06-1.12x faster there with the same acceptance
+        # (benchmarks/before_after.py over speculative.py, README). Padded to whole tiles of 16
+        # rows, the padding's scores cut off again (scores()).
         rows = self.vocab_ids.numel()
         head = F.pad(target.embed[self.vocab_ids], (0, 0, 0, -rows % 16))
-        self.head = self.ops.prepare_linear(head.to(target.dtype).contiguous())
+        self.head = self.ops.prepare_compact_linear(head.to(target.dtype).contiguous())
 
     def prepare(self, weights: dict[str, torch.Tensor]) -> dict:
-        """The draft's matrices prepared for the target's matmul and its biases in the target's
-        dtype (once, not per draft step); other vectors (a norm's weight) in float32."""
+        """The draft's matrices prepared for the target's matmul, compact as the head is, and
+        its biases in the target's dtype (once, not per draft step); other vectors (a norm's
+        weight) in float32."""
         device = self.embed.device
 
         def one(name: str, v: torch.Tensor):
             if v.dim() == 2:
-                return self.ops.prepare_linear(v.to(device, self.dtype).contiguous())
+                return self.ops.prepare_compact_linear(v.to(device, self.dtype).contiguous())
             return v.to(device, self.dtype if name.endswith(".bias") else torch.float32)
 
         return {k: one(k, v) for k, v in weights.items()}

@@ -1,0 +1,106 @@
+"""A draft's matrices in their compact form (int4, `ops.prepare_compact_linear`) against the target's
+float form, in one process, as JSON.
+
+Three engines on the same model: plain decoding, speculation with the draft as it ships (its head
+and MLP compact where the kernels have int4), and the same speculation with the draft's matrices
+re-prepared as the target's own (bfloat16 through its tile kernel: the draft before the change).
+Each round runs the workload on all three in turn, so the machine's load falls on them alike (it
+moved single runs of this VM by 10-30% between processes); the speed-ups over plain decoding and
+compact over float are per round, and their medians are reported. Outputs are checked equal to
+plain decoding: a draft in int4 can only propose differently.
+Run: python benchmarks/draft_weights.py [--spec demo-draft:lookup=0,branches=4]
+     [--workload open_chat|concurrent_16] [--rounds 5] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# Run as a script, this folder comes first on sys.path and this file's neighbours could shadow
+# the project's packages.
+sys.path = [p for p in sys.path if Path(p).resolve() != HERE]
+
+import torch.nn.functional as F  # noqa: E402
+
+from engine import LLM  # noqa: E402
+from engine.bench import machine  # noqa: E402
+from engine.models import fetch_demo_model  # noqa: E402
+
+
+def _speculative():
+    """benchmarks/speculative.py (its workloads and runners), loaded by path."""
+    spec = importlib.util.spec_from_file_location("speculative_bench", HERE / "speculative.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def as_float_draft(llm: LLM, draft_file: str) -> None:
+    """Re-prepare `llm`'s hidden-state draft's head and matrices as the target's own linears
+    (prepare_linear), as they were before they became compact."""
+    from safetensors.torch import load_file
+
+    draft = llm.spec.draft
+    rows = draft.vocab_ids.numel()
+    head = F.pad(draft.embed[draft.vocab_ids], (0, 0, 0, -rows % 16))
+    draft.head = draft.ops.prepare_linear(head.to(draft.dtype).contiguous())
+    for name, tensor in load_file(draft_file).items():
+        if tensor.dim() == 2:
+            draft.weights[name] = draft.ops.prepare_linear(tensor.to(draft.dtype).contiguous())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--spec", default="demo-draft:lookup=0,branches=4",
+                   help="a speculation setting with the demo model's hidden-state draft")
+    p.add_argument("--workload", choices=("open_chat", "concurrent_16"), default="open_chat")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    bench = _speculative()
+    model = str(fetch_demo_model(progress=lambda m, f: None))
+    plain = LLM(model, device="cpu", dtype="bfloat16")
+    compact = LLM(model, device="cpu", dtype="bfloat16", speculative=args.spec)
+    full = LLM(model, device="cpu", dtype="bfloat16", speculative=args.spec)
+    as_float_draft(full, full.spec.config.draft_model)
+    if args.workload == "open_chat":
+        prompts, run = bench.OPEN_CHAT, bench.run_workload
+    else:
+        prompts, run = (bench.OPEN_CHAT * bench.CONCURRENT)[:bench.CONCURRENT], bench.run_batch
+    for llm in (compact, full):  # the step costs speculation prices drafts by
+        for warm in (bench.COPY_HEAVY, bench.OPEN_CHAT, bench.UNPREDICTABLE):
+            bench.run_workload(llm, warm, args.max_tokens)
+    rounds = []
+    for _ in range(args.rounds):
+        base, fast, slow = (run(llm, prompts, args.max_tokens) for llm in (plain, compact, full))
+        rounds.append({
+            "plain_tokens_per_s": base["tokens_per_s"],
+            "compact_speedup": fast["tokens_per_s"] / base["tokens_per_s"],
+            "float_speedup": slow["tokens_per_s"] / base["tokens_per_s"],
+            "compact_over_float": fast["tokens_per_s"] / slow["tokens_per_s"],
+            "outputs_identical": fast["outputs"] == base["outputs"] == slow["outputs"]})
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                          for k, v in rounds[-1].items()}), file=sys.stderr)
+    head = compact.spec.draft.head
+    result = {
+        "benchmark": "draft_weights", "spec": args.spec, "workload": args.workload,
+        "machine": machine(), "compact_form": type(head).__name__,
+        "head_bytes": {"compact": getattr(head, "nbytes", None),
+                       "float": getattr(full.spec.draft.head, "nbytes", None)},
+        "rounds": rounds,
+        **{f"median_{k}": statistics.median(r[k] for r in rounds)
+           for k in ("compact_speedup", "float_speedup", "compact_over_float")},
+        "outputs_identical": all(r["outputs_identical"] for r in rounds),
+    }
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
