@@ -1,5 +1,5 @@
-"""A draft's matrices in their compact form (int4, `ops.prepare_compact_linear`) against the target's
-float form, in one process, as JSON.
+"""A draft's matrices in their compact form (int4, `ops.prepare_compact_linear`) against the
+target's float form, in one process, as JSON.
 
 Three engines on the same model: plain decoding, speculation with the draft as it ships (its head
 and MLP compact where the kernels have int4), and the same speculation with the draft's matrices

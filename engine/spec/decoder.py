@@ -357,25 +357,31 @@ class SpecDecoder(StepFeature):
     # ---- proposing ----
     def propose_all(self, seqs: list[Sequence]) -> None:
         """Set the drafts (possibly none) of every sequence about to decode."""
-        lengths = self.draft_lengths(seqs)
-        start = time.perf_counter()
-        self.proposer.propose(list(zip(seqs, lengths, strict=True)))
-        # The proposer's cost per token it drafted, before pruning drops some (counting only
-        # the kept ones would make each drafted token look dearer the more are pruned).
-        proposed = sum(len(spec_state(seq).tokens) for seq in seqs)
-        self.costs.observe_drafting(proposed, time.perf_counter() - start)
-        self._prune_branches(seqs)
-        self._fit_trees(seqs)
-        for seq in seqs:
-            observe_width(spec_state(seq))
+        # Only sequences given drafts reach the proposer (none drafts for k = 0; their drafts
+        # were cleared before scheduling): at 16 sequences most steps draft for none, and the
+        # loops over all of them were most of speculation's cost in such a step.
+        requests = [(seq, k) for seq, k in zip(seqs, self.draft_lengths(seqs), strict=True) if k]
+        if requests:
+            drafting = [seq for seq, _ in requests]
+            start = time.perf_counter()
+            self.proposer.propose(requests)
+            # The proposer's cost per token it drafted, before pruning drops some (counting
+            # only the kept ones would make each drafted token look dearer the more are pruned).
+            proposed = sum(len(spec_state(seq).tokens) for seq in drafting)
+            self.costs.observe_drafting(proposed, time.perf_counter() - start)
+            self._prune_branches(drafting, len(seqs))
+            self._fit_trees(drafting)
+            for seq in drafting:
+                observe_width(spec_state(seq))
         self._drafted_at = time.perf_counter()
 
-    def _prune_branches(self, seqs: list[Sequence]) -> None:
+    def _prune_branches(self, seqs: list[Sequence], batch: int) -> None:
         """Keep a tree's nodes off its first path only where they pay (break_even.py's
-        branch_threshold against the node's calibrated probability); the first path's depth
-        break-even chose already. A tree left with its first path alone is drafted as a chain.
-        Not for seeded sampled requests (their drafts may not depend on measured times)."""
-        threshold = (branch_threshold(self.costs.at_batch(len(seqs)), len(seqs))
+        branch_threshold at the step's `batch` against the node's calibrated probability); the
+        first path's depth break-even chose already. A tree left with its first path alone is
+        drafted as a chain. Not for seeded sampled requests (their drafts may not depend on
+        measured times)."""
+        threshold = (branch_threshold(self.costs.at_batch(batch), batch)
                      if self.config.adaptive else None)
         if threshold is None:
             return

@@ -148,11 +148,18 @@ class StateProposer(Proposer):
                  hidden: torch.Tensor) -> None:
         """Keep, per sampling sequence (ScheduledSeq), the target's hidden state at the row that
         chose its newest token: the step's rows are 1 + num_draft per sequence, in order."""
-        start = 0
+        rows, start = [], 0
         for s, tokens in zip(sampling, new_tokens, strict=True):
             # A tree's accepted rows were laid out as a chain's already (SpecDecoder._keep_path).
-            spec_state(s.seq).hidden = hidden[start + len(tokens) - 1].float()
+            rows.append(start + len(tokens) - 1)
             start += 1 + s.num_draft
+        if not rows:
+            return
+        # One gather and one conversion for the whole step, not one per sequence: at 16
+        # sequences every step pays this, drafts or not.
+        kept = hidden[torch.tensor(rows, device=hidden.device)].float().unbind(0)
+        for s, state in zip(sampling, kept, strict=True):
+            spec_state(s.seq).hidden = state
 
 
 class HiddenDraft(StateProposer):
