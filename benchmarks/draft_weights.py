@@ -55,6 +55,12 @@ def as_float_draft(llm: LLM, draft_file: str) -> None:
             draft.weights[name] = draft.ops.prepare_linear(tensor.to(draft.dtype).contiguous())
 
 
+def _accepted_length(before: dict, after: dict) -> float | None:
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    return 1 + accepted / drafts if drafts else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--spec", default="demo-draft:lookup=0,branches=4",
@@ -76,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for llm in (compact, full):  # the step costs speculation prices drafts by
         for warm in (bench.COPY_HEAVY, bench.OPEN_CHAT, bench.UNPREDICTABLE):
             bench.run_workload(llm, warm, args.max_tokens)
+    counted = {name: bench._counters(llm) for name, llm in (("compact", compact), ("float", full))}
     rounds = []
     for _ in range(args.rounds):
         base, fast, slow = (run(llm, prompts, args.max_tokens) for llm in (plain, compact, full))
@@ -94,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         "head_bytes": {"compact": getattr(head, "nbytes", None),
                        "float": getattr(full.spec.draft.head, "nbytes", None)},
         "rounds": rounds,
+        # Accepted drafts per verification plus the bonus token, over all rounds: the compact
+        # draft proposes from rounded products, so its acceptance is measured, not assumed.
+        "mean_accepted_length": {name: _accepted_length(counted[name], bench._counters(llm))
+                                 for name, llm in (("compact", compact), ("float", full))},
         **{f"median_{k}": statistics.median(r[k] for r in rounds)
            for k in ("compact_speedup", "float_speedup", "compact_over_float")},
         "outputs_identical": all(r["outputs_identical"] for r in rounds),

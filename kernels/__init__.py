@@ -9,7 +9,8 @@ replace the reference for one device and dtype without the model knowing.
 `prepare_linear` / `linear` also take weight-only quantized weights (kernels/quant.py): the
 reference dequantizes them per call, the oneDNN table runs int4 and per-channel int8 through the
 C kernels of kernels/cpu_quant.py where the CPU has AVX512-BF16, else PyTorch's packed int8 /
-int4 ops where they exist.
+int4 ops where they exist. `prepare_compact_linear` is `prepare_linear` for weights that need
+not multiply exactly (a speculative draft's): int4 where the table has an int4 kernel of its own.
 """
 
 from __future__ import annotations
