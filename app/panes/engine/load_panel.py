@@ -38,6 +38,7 @@ from app.panes.engine.state import (
 from app.settings import Settings
 from app.theme import LEVEL_COLOURS, current_theme
 from app.workers import Progress, TaskRunner
+from engine.spec.config import parse_spec
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AUTO_DTYPE_LABEL = "Auto (bf16 where native, else fp32)"  # the tooltip says where
@@ -155,10 +156,10 @@ class LoadPanel(QGroupBox):
         self.concurrency_spin.setToolTip("Requests the KV cache must hold at full context at once")
         self.spec_combo.addItem("Off", "off")
         self.spec_combo.addItem("Prompt lookup (n-gram), up to 10 draft tokens", "ngram:k=10")
-        self.spec_combo.addItem("Demo model's own draft, after prompt lookup, up to 2 draft "
-                                "tokens", "demo-draft")
-        self.spec_combo.addItem("Demo model's Medusa heads, after prompt lookup, up to 3 draft "
-                                "tokens", "demo-medusa")
+        self.spec_combo.addItem(_shipped_draft_label("Demo model's own draft", "demo-draft"),
+                                "demo-draft")
+        self.spec_combo.addItem(_shipped_draft_label("Demo model's Medusa heads", "demo-medusa"),
+                                "demo-medusa")
         self.spec_combo.addItem("Draft model file…", DRAFT_FILE)
         self.spec_combo.setToolTip("Speculative decoding: lossless. Prompt lookup pays off when "
                                    "replies copy from the prompt (edits, summaries, code); the "
@@ -528,3 +529,12 @@ def _savings(request: LoadRequest, dtype: str, chosen: Any, plain: Any) -> list[
         lines.append(f"an {request.kv_cache_dtype} KV cache saves "
                      f"{format_bytes(plain.kv_bytes - chosen.kv_bytes)} against {dtype}")
     return lines
+
+
+def _shipped_draft_label(name: str, spec: str) -> str:
+    """A shipped draft's entry, read off the settings `spec` stands for (a label written by
+    hand said 2 draft tokens where the setting drafted 3)."""
+    cfg = parse_spec(spec)
+    trees = f", trees of up to {cfg.num_branches} branches" if cfg.num_branches > 1 else ""
+    return (f"{name}, after prompt lookup, up to {cfg.num_draft_tokens} draft tokens{trees}"
+            if cfg.lookup else f"{name}, up to {cfg.num_draft_tokens} draft tokens{trees}")
