@@ -4,9 +4,10 @@ target's float form, in one process, as JSON.
 Three engines on the same model: plain decoding, speculation with the draft as it ships (its head
 and MLP compact where the kernels have int4), and the same speculation with the draft's matrices
 re-prepared as the target's own (bfloat16 through its tile kernel: the draft before the change).
-Each round runs the workload on all three in turn, so the machine's load falls on them alike (it
-moved single runs of this VM by 10-30% between processes); the speed-ups over plain decoding and
-compact over float are per round, and their medians are reported. Outputs are checked equal to
+Each round runs the workload on all three in turn, each round starting one engine later, so the
+machine's load falls on them alike (it moved single runs of this VM by 10-30% between
+processes); the speed-ups over plain decoding and compact over float are per round, and their
+medians are reported. Outputs are checked equal to
 plain decoding: a draft in int4 can only propose differently.
 Run: python benchmarks/draft_weights.py [--spec demo-draft:lookup=0,branches=4]
      [--workload open_chat|concurrent_16] [--rounds 5] [--max-tokens 128]
@@ -79,13 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         prompts, run = bench.OPEN_CHAT, bench.run_workload
     else:
         prompts, run = (bench.OPEN_CHAT * bench.CONCURRENT)[:bench.CONCURRENT], bench.run_batch
-    for llm in (compact, full):  # the step costs speculation prices drafts by
+    for llm in (plain, compact, full):  # the step costs speculation prices drafts by
         for warm in (bench.COPY_HEAVY, bench.OPEN_CHAT, bench.UNPREDICTABLE):
             bench.run_workload(llm, warm, args.max_tokens)
     counted = {name: bench._counters(llm) for name, llm in (("compact", compact), ("float", full))}
     rounds = []
-    for _ in range(args.rounds):
-        base, fast, slow = (run(llm, prompts, args.max_tokens) for llm in (plain, compact, full))
+    engines = [plain, compact, full]
+    for i in range(args.rounds):
+        # Each round starts one engine later, so none always runs first or after the same one.
+        order = engines[i % 3:] + engines[: i % 3]
+        ran = {id(llm): run(llm, prompts, args.max_tokens) for llm in order}
+        base, fast, slow = (ran[id(llm)] for llm in engines)
         rounds.append({
             "plain_tokens_per_s": base["tokens_per_s"],
             "compact_speedup": fast["tokens_per_s"] / base["tokens_per_s"],

@@ -212,14 +212,17 @@ def _counters(llm: LLM) -> dict:
 def compare_rounds(plain: LLM, spec: LLM, prompts: list[str], max_tokens: int, rounds: int,
                    run_pair=run_interleaved, pairs: int = 1) -> dict:
     """compare() `rounds` times in a row: the round with the median speed-up (the lower of
-    the middle two for an even count), every round's speed-up beside it, outputs identical in
-    all, and each round's differences (compare's [prompt, first differing token] list)."""
+    the middle two for an even count; its decode_speedup is that round's), every round's
+    speed-up and decode-phase speed-up beside it, outputs identical in all, and each round's
+    differences (compare's [prompt, first differing token] list)."""
     results = [compare(plain, spec, prompts, max_tokens, run_pair, pairs)
                for _ in range(rounds)]
     median = sorted(results, key=lambda r: r["speedup"])[(len(results) - 1) // 2]
     return {**median, "outputs_identical": all(r["outputs_identical"] for r in results),
             "differences": [r["differences"] for r in results],
-            "speedups": [round(r["speedup"], 3) for r in results]}
+            "speedups": [round(r["speedup"], 3) for r in results],
+            "decode_speedups": [r["decode_speedup"] and round(r["decode_speedup"], 3)
+                                for r in results]}
 
 
 def main(argv: list[str] | None = None) -> int:

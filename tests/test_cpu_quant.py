@@ -197,7 +197,8 @@ def test_the_cpu_table_runs_int4_weights_through_the_kernel():
 @needs_kernel
 def test_a_compact_weight_is_int4_in_the_kernel_and_float_where_it_cannot_be():
     # What a speculative draft's matrices become (engine/spec/hidden_draft.py): int4 through
-    # the kernel, a quarter of the bytes, the product within int4's rounding of the float one.
+    # the kernel, under a third of the bytes (codes, and float16 scales and mins per 32), the
+    # product within int4's rounding of the float one.
     ops = kernels.ops_for("cpu", torch.bfloat16)
     w = _weight(64, 96, seed=7).to(torch.bfloat16)
     compact = ops.prepare_compact_linear(w)

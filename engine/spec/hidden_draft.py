@@ -109,9 +109,10 @@ class StateProposer(Proposer):
         # where the kernels have it): a draft token's cost is mostly reading this head and the
         # draft's matrices, every step. In float32 the head took 1.3-1.7 ms of a 10.5 ms
         # bfloat16 step on the 2-core EPYC; in int4 rather than bfloat16, open chat's
-        # speculation ran 1.06-1.12x faster there with the same acceptance
-        # (benchmarks/before_after.py over speculative.py, README). Padded to whole tiles of 16
-        # rows, the padding's scores cut off again (scores()).
+        # speculation ran 1.01-1.05x faster there with the same acceptance, and 0.99x at 16
+        # concurrent requests (benchmarks/draft_weights.py, README). The Medusa heads share this
+        # preparation. Padded to whole tiles of 16 rows, the padding's scores cut off again
+        # (scores()).
         rows = self.vocab_ids.numel()
         head = F.pad(target.embed[self.vocab_ids], (0, 0, 0, -rows % 16))
         self.head = self.ops.prepare_compact_linear(head.to(target.dtype).contiguous())

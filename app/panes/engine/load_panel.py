@@ -536,5 +536,7 @@ def _shipped_draft_label(name: str, spec: str) -> str:
     hand said 2 draft tokens where the setting drafted 3)."""
     cfg = parse_spec(spec)
     trees = f", trees of up to {cfg.num_branches} branches" if cfg.num_branches > 1 else ""
-    return (f"{name}, after prompt lookup, up to {cfg.num_draft_tokens} draft tokens{trees}"
-            if cfg.lookup else f"{name}, up to {cfg.num_draft_tokens} draft tokens{trees}")
+    own = f"up to {cfg.num_draft_tokens} draft tokens{trees}"
+    if not cfg.lookup:
+        return f"{name}, {own}"
+    return f"{name}, {own}, after prompt lookup (up to {cfg.max_draft_tokens})"
