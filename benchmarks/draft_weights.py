@@ -27,7 +27,6 @@ HERE = Path(__file__).resolve().parent
 # the project's packages.
 sys.path = [p for p in sys.path if Path(p).resolve() != HERE]
 
-import torch.nn.functional as F  # noqa: E402
 
 from engine import LLM  # noqa: E402
 from engine.bench import machine  # noqa: E402
@@ -43,17 +42,15 @@ def _speculative():
 
 
 def as_float_draft(llm: LLM, draft_file: str) -> None:
-    """Re-prepare `llm`'s hidden-state draft's head and matrices as the target's own linears
-    (prepare_linear), as they were before they became compact."""
+    """Re-prepare `llm`'s draft's head and matrices (StateProposer's own preparation) as the
+    target's own linears (prepare_linear), as they were before they became compact."""
     from safetensors.torch import load_file
 
     draft = llm.spec.draft
-    rows = draft.vocab_ids.numel()
-    head = F.pad(draft.embed[draft.vocab_ids], (0, 0, 0, -rows % 16))
-    draft.head = draft.ops.prepare_linear(head.to(draft.dtype).contiguous())
-    for name, tensor in load_file(draft_file).items():
-        if tensor.dim() == 2:
-            draft.weights[name] = draft.ops.prepare_linear(tensor.to(draft.dtype).contiguous())
+    tensors = load_file(draft_file)
+    tensors.pop("draft.vocab_ids")
+    draft.head = draft.ops.prepare_linear(draft.head_rows())
+    draft.weights = draft.prepare(tensors, draft.ops.prepare_linear)
 
 
 def _accepted_length(before: dict, after: dict) -> float | None:

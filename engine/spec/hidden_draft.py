@@ -113,19 +113,25 @@ class StateProposer(Proposer):
         # concurrent requests (benchmarks/draft_weights.py, README). The Medusa heads share this
         # preparation. Padded to whole tiles of 16 rows, the padding's scores cut off again
         # (scores()).
-        rows = self.vocab_ids.numel()
-        head = F.pad(target.embed[self.vocab_ids], (0, 0, 0, -rows % 16))
-        self.head = self.ops.prepare_compact_linear(head.to(target.dtype).contiguous())
+        self.head = self.ops.prepare_compact_linear(self.head_rows())
 
-    def prepare(self, weights: dict[str, torch.Tensor]) -> dict:
-        """The draft's matrices prepared for the target's matmul, compact as the head is, and
-        its biases in the target's dtype (once, not per draft step); other vectors (a norm's
-        weight) in float32."""
+    def head_rows(self) -> torch.Tensor:
+        """The draft vocabulary's rows of the tied head in the target's dtype, padded with zero
+        rows to whole tiles of 16 (before the matmul's preparation)."""
+        rows = self.vocab_ids.numel()
+        head = F.pad(self.embed[self.vocab_ids], (0, 0, 0, -rows % 16))
+        return head.to(self.dtype).contiguous()
+
+    def prepare(self, weights: dict[str, torch.Tensor], matrix=None) -> dict:
+        """The draft's matrices prepared for the target's matmul (by `matrix`; default the
+        compact form, as the head's), and its biases in the target's dtype (once, not per draft
+        step); other vectors (a norm's weight) in float32."""
         device = self.embed.device
+        matrix = matrix or self.ops.prepare_compact_linear
 
         def one(name: str, v: torch.Tensor):
             if v.dim() == 2:
-                return self.ops.prepare_compact_linear(v.to(device, self.dtype).contiguous())
+                return matrix(v.to(device, self.dtype).contiguous())
             return v.to(device, self.dtype if name.endswith(".bias") else torch.float32)
 
         return {k: one(k, v) for k, v in weights.items()}
