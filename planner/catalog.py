@@ -52,9 +52,18 @@ class Gpu:
     # (`overhead_ms`) and its cost per sequence in a step (`per_seq_ms`), fitted to its own
     # steps; a Deployment naming that engine is timed with them.
     engines: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The scale-out network between nodes, per GPU (its own NIC), GB/s per direction: what
+    # context parallelism's ranks on other nodes exchange keys and values over. 0: the catalog
+    # knows of no multi-node form of this GPU, so no plan spans nodes by context parallelism.
+    network_gbs: float = 0.0
+    # One ring step between nodes: NCCL's hwLat for the network, ring algorithm, Simple
+    # protocol (src/graph/tuning.cc), the protocol NCCL picks for the large messages CP sends.
+    network_latency_us: float = 9.6
 
     def __post_init__(self) -> None:
         _check_engines(self.engines)
+        if self.network_gbs < 0 or self.network_latency_us < 0:
+            raise ValueError("network_gbs and network_latency_us must be non-negative")
         for name in ("memory_gb", "bandwidth_gbs", "link_gbs"):
             _positive(getattr(self, name), name)
         if self.power_w != 0:  # 0: not known (a CPU measured here)

@@ -70,6 +70,8 @@ def layout_arguments(p: argparse.ArgumentParser, gpu_default: str | None = None)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dcp", type=int, default=1,
                    help="decode context parallel size: TP ranks striping each KV cache")
+    p.add_argument("--cp", type=int, default=1,
+                   help="prefill context parallel size: TP x PP copies splitting each prompt")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--weights", choices=PRECISIONS, default="bf16")
     p.add_argument("--kv", choices=KV_PRECISIONS, default="bf16")
@@ -78,7 +80,7 @@ def layout_arguments(p: argparse.ArgumentParser, gpu_default: str | None = None)
 
 def deployment_from(args: argparse.Namespace, catalog: Catalog) -> Deployment:
     return Deployment(_model(catalog, args.model), catalog.gpu(args.gpu), args.weights, args.kv,
-                      args.tp, args.pp, args.max_seqs, dcp=args.dcp)
+                      args.tp, args.pp, args.max_seqs, dcp=args.dcp, cp=args.cp)
 
 
 def run_machine(args: argparse.Namespace) -> int:
@@ -157,18 +159,20 @@ def run_search(args: argparse.Namespace) -> int:
         best = result.candidates[0]
 
         def with_commands(p) -> dict:  # each plan runs on its own, not only the best
-            return {**p.as_dict(), "vllm_command": vllm_command(p),
-                    "sglang_command": _sglang_or_none(p)}
+            return {**p.as_dict(), "vllm_command": _or_none(vllm_command, p),
+                    "sglang_command": _or_none(sglang_command, p)}
 
         out = {"model": model.name, "candidates": [with_commands(p) for p in
                                                    result.candidates[:args.top]],
                 "pareto": [with_commands(p) for p in result.pareto],
-                "notes": result.notes, "evaluated": result.evaluated,
+                "notes": result.notes, "why_layout": result.why_layout or None,
+                "evaluated": result.evaluated,
                 "basis": basis(best.calibration, best.simulated),
                 "fitting": result.fitting, "screened": result.screened,
                 "simulated": result.simulated, "folded": result.folded,
                 "seconds": round(result.seconds, 3),
-                "vllm_command": vllm_command(best), "sglang_command": _sglang_or_none(best)}
+                "vllm_command": _or_none(vllm_command, best),
+                "sglang_command": _or_none(sglang_command, best)}
         if args.disaggregated:
             out["comparison"] = _comparison(model, w, catalog, space, args)
         if args.spot_market:
@@ -194,10 +198,11 @@ def _spot(best, w: Workload, provider: str) -> dict:
             "on_demand": on_demand.as_dict()}
 
 
-def _sglang_or_none(plan) -> str | None:
-    """SGLang's command, or None where SGLang cannot run the plan (vLLM can: it was offered)."""
+def _or_none(render, plan) -> str | None:
+    """A server's command for the plan, or None where that server cannot run it (the search
+    offers only plans some server runs: vLLM, or SGLang for prefill context parallelism)."""
     try:
-        return sglang_command(plan)
+        return render(plan)
     except NotServable:
         return None
 
@@ -258,10 +263,13 @@ def _print_evaluation(r: dict) -> None:
 def _print_search(r: dict) -> None:
     print(f"{r['evaluated']} candidates in {r['seconds']:.2f} s; best plans for {r['model']}:")
     for i, p in enumerate(r["candidates"], 1):
-        print(f"{i:3}. {p['replicas']}x {p['tp'] * p['pp']}x {p['gpu']} {p['weights']}/{p['kv']} "
-              f"TP{p['tp']} PP{p['pp']} seqs {p['max_seqs']}: ${p['cost_per_hour']:.2f}/h, "
-              f"TTFT p99 {p['ttft_p99_ms']:.0f} ms, TPOT p99 {p['tpot_p99_ms']:.1f} ms")
-    print(f"deploy: {r['vllm_command']}")
+        print(f"{i:3}. {p['replicas']}x {p['gpus'] // p['replicas']}x {p['gpu']} "
+              f"{p['weights']}/{p['kv']} {p['layout']} seqs {p['max_seqs']}: "
+              f"${p['cost_per_hour']:.2f}/h, TTFT p99 {p['ttft_p99_ms']:.0f} ms, "
+              f"TPOT p99 {p['tpot_p99_ms']:.1f} ms")
+    if r.get("why_layout"):
+        print(f"why: {r['why_layout']}")
+    print(f"deploy: {r['vllm_command'] or r['sglang_command']}")
     print(f"rests on: {r['basis']['throughput_tok_s']['rests_on']}")
     _print_band(r["basis"])
     spot = r.get("spot")

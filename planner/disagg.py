@@ -277,7 +277,7 @@ def search_disagg(model: Model, w: Workload, catalog: Catalog, space: SearchSpac
     pool until the simulated p99s meet the SLOs."""
     if w.rate is None:
         raise ValueError("search_disagg needs a workload with a request rate")
-    space = replace(space or SearchSpace(), pp=(1,))
+    space = replace(space or SearchSpace(), pp=(1,), cp=(1,))
     calibration, opts = calibration or Calibration(), cost_opts or CostOptions()
     candidates, dropped = servable_only(enumerate_deployments(model, catalog, space))
     groups: dict[tuple, tuple[list, list]] = {}

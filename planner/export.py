@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import shlex
+from collections.abc import Callable
 from types import SimpleNamespace
 
 from planner import kubernetes
@@ -21,6 +23,25 @@ SGLANG_SPEC = {"eagle": "EAGLE", "eagle3": "EAGLE3", "deepseek_mtp": "EAGLE", "n
 
 class NotServable(ValueError):
     """A plan no server can run as it stands (a checkpoint or draft model is missing)."""
+
+
+# A word naming a shell variable, with an optional port: what a multi-node command leaves to
+# each node's shell (its rank, the first node's address).
+_SHELL_VARIABLE = re.compile(r"\$[A-Z_][A-Z0-9_]*(:\d+)?")
+
+
+def shell_join(words: list[str]) -> str:
+    """shlex.join, except that a word naming a shell variable stays expandable (double-quoted
+    where shlex would single-quote it)."""
+    return " ".join(f'"{w}"' if _SHELL_VARIABLE.fullmatch(w) else shlex.quote(w) for w in words)
+
+
+def command_or_reason(render: Callable[[object], str], plan: object) -> str:
+    """render(plan), or where that server cannot run the plan a shell comment saying why."""
+    try:
+        return render(plan)
+    except NotServable as exc:
+        return f"# Not offered: {exc}."
 
 
 def _weights(plan: Plan) -> Weights:
@@ -73,6 +94,14 @@ def vllm_command(plan: Plan, prefix_caching: bool = True) -> str:
         args += ["--kv-cache-dtype", "fp8"]
     if d.dcp > 1:
         args += ["--decode-context-parallel-size", str(d.dcp)]
+    if d.cp > 1:
+        # vLLM 0.32 checks each attention backend's supports_pcp: only the MLA implementation
+        # sets it (vllm/v1/attention/backend.py, vllm/v1/worker/cp_utils.py).
+        if not d.model.is_mla:
+            raise NotServable(f"vLLM 0.32 runs prefill context parallelism on MLA attention "
+                              f"only; {d.model.name} with cp {d.cp} runs on SGLang "
+                              f"(--attn-cp-size)")
+        args += ["--prefill-context-parallel-size", str(d.cp)]
     if max_model_len(plan):
         args += ["--max-model-len", str(max_model_len(plan))]
     args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
@@ -99,7 +128,7 @@ def servescope_serve_args(plan: Plan, prefix_caching: bool = True,
     d = plan.deployment
     if d.gpus > 1 or d.dcp > 1:
         raise NotServable(f"servescope serve runs on one device; this plan shards the model "
-                          f"over {d.gpus} (tp {d.tp}, pp {d.pp}): run it with vLLM")
+                          f"over {d.gpus} ({d.layout}): run it with vLLM or SGLang")
     if d.weights not in SERVESCOPE_WEIGHTS:
         raise NotServable(f"servescope serve has no {d.weights} weights: plan with bf16, int8 "
                           "or int4")
@@ -152,9 +181,13 @@ def sglang_command(plan: Plan, prefix_caching: bool = True) -> str:
         raise NotServable(f"SGLang's decode context parallelism covers MLA models only; "
                           f"{d.model.name} with dcp {d.dcp} runs on vLLM")
     weights = _weights(plan)
+    # With attention context parallelism SGLang's --tp-size is the world of a pipeline stage
+    # and --attn-cp-size splits it (arg_groups/parallel_hook.py: tp_size % attn_cp_size == 0).
     args = ["python", "-m", "sglang.launch_server", "--model-path", weights.model_id,
-            "--tp-size", str(d.tp), "--pp-size", str(d.pp),
+            "--tp-size", str(d.tp * d.cp), "--pp-size", str(d.pp),
             "--max-running-requests", str(d.max_seqs)]
+    if d.cp > 1:  # prefill CP for MHA/GQA and MLA models alike; zigzag balances causal work
+        args += ["--attn-cp-size", str(d.cp), "--enable-prefill-cp", "--cp-strategy", "zigzag"]
     if weights.quantization:
         args += ["--quantization", weights.quantization]
     if d.kv in SGLANG_KV:
@@ -177,7 +210,14 @@ def sglang_command(plan: Plan, prefix_caching: bool = True) -> str:
             # steps are given (without it, its resolution fails comparing None with 1).
             args += ["--speculative-eagle-topk", "1"]
         args += ["--speculative-num-draft-tokens", str(spec.draft_len + 1)]
-    return shlex.join(args)
+    nodes = kubernetes.nodes_for(d.gpus)
+    if nodes > 1:
+        # Every node runs the same command with its own rank, all pointed at the first node
+        # (SGLang's multi-node launch): left to each node's shell, as a job script's or an LWS
+        # pod's environment would give them.
+        args += ["--nnodes", str(nodes), "--node-rank", "$NODE_RANK",
+                 "--dist-init-addr", "$LEADER_ADDR:20000"]
+    return shell_join(args)
 
 
 def kubernetes_manifests(plan: Plan, name: str = "llm-server", image: str = VLLM_IMAGE,

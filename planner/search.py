@@ -23,7 +23,7 @@ from planner.memory import MemoryPlan
 from planner.replica import memory_for, replica_for
 from planner.screen import capacity, estimate
 from planner.simulate import simulate
-from planner.timing import Deployment, SpecDecode, StepCost, dcp_problem
+from planner.timing import Deployment, SpecDecode, StepCost, cp_problem, dcp_problem
 from planner.workload import Workload
 
 Progress = Callable[[float, str], None]
@@ -38,6 +38,9 @@ class Cancelled(Exception):
 # than dropped (a single DeepSeek-V3 replica at 128K estimated TPOT 100.2 ms, simulated p99 93 ms,
 # against a 100 ms SLO).
 SCREEN_SLACK = 1.1
+# Below this many prompt tokens a prefill takes well under a second even on one GPU, so
+# splitting it over nodes buys no TTFT worth a second node's cost; the search skips CP there.
+CP_MIN_PROMPT = 16384
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class SearchSpace:
     # Decode context parallel sizes; only those vLLM accepts for the model and TP are tried
     # (planner.timing.dcp_problem): for GQA models within one node that is rarely any.
     dcp: tuple[int, ...] = (1, 2, 4, 8)
+    # Prefill context parallel ranks, tried for long prompts only (CP_MIN_PROMPT); over nodes
+    # only on GPUs the catalog gives a network between them.
+    cp: tuple[int, ...] = (1, 2, 4)
     max_batched_tokens: int = 2048
     prefix_hit: float = 0.0
 
@@ -83,7 +89,7 @@ class Plan:
         d = self.deployment
         return {"gpu": d.gpu.name, "tp": d.tp, "pp": d.pp, "replicas": self.replicas,
                 "gpus": d.gpus * self.replicas, "weights": d.weights, "kv": d.kv,
-                "max_seqs": d.max_seqs, "dcp": d.dcp,
+                "max_seqs": d.max_seqs, "dcp": d.dcp, "cp": d.cp, "layout": d.layout,
                 "spec_decode": None if d.spec is None else {
                     "method": d.spec.method, "draft_len": d.spec.draft_len,
                     "acceptance": d.spec.acceptance, "draft": d.spec.draft or None},
@@ -114,21 +120,28 @@ class SearchResult:
     infeasible: str = ""
     notes: list[str] = field(default_factory=list)
     folded: int = 0
+    # Why the best plan spreads over nodes where it does (cp_reason); "" otherwise.
+    why_layout: str = ""
 
 
-def enumerate_deployments(model: Model, catalog: Catalog, space: SearchSpace) -> list[Deployment]:
-    """Every combination in the space that is a valid layout (heads split evenly over TP)."""
+def enumerate_deployments(model: Model, catalog: Catalog, space: SearchSpace,
+                          long_prompts: bool = False) -> list[Deployment]:
+    """Every combination in the space that is a valid layout (heads split evenly over TP);
+    prefill context parallelism only for `long_prompts` (CP_MIN_PROMPT tokens or more)."""
     gpus = [catalog.gpu(n) for n in space.gpus] if space.gpus else list(catalog.gpus.values())
+    cps = space.cp if long_prompts else (1,)
     out = []
-    for gpu, w, kv, tp, pp, seqs, spec, dcp in itertools.product(
+    for gpu, w, kv, tp, pp, seqs, spec, dcp, cp in itertools.product(
             gpus, space.weights, space.kv, space.tp, space.pp, space.max_seqs, space.spec,
-            space.dcp):
+            space.dcp, cps):
         if model.heads % tp or pp > model.layers or dcp_problem(model, tp, dcp):
             continue
-        if gpu.interconnect == "none" and tp * pp * dcp > 1:  # one machine's CPU: no peers
+        if cp_problem(gpu, tp * pp, cp, dcp):
+            continue
+        if gpu.interconnect == "none" and tp * pp * dcp * cp > 1:  # one machine's CPU: no peers
             continue
         out.append(Deployment(model, gpu, w, kv, tp, pp, seqs, space.max_batched_tokens, spec,
-                              space.prefix_hit, dcp))
+                              space.prefix_hit, dcp, cp=cp))
     return out
 
 
@@ -156,7 +169,7 @@ class _Screened:
 
 def shape(d: Deployment) -> tuple:
     """A deployment without its batch limit: plans differing only in max_seqs share it."""
-    return d.gpu.name, d.weights, d.kv, d.tp, d.pp, d.spec, d.dcp
+    return d.gpu.name, d.weights, d.kv, d.tp, d.pp, d.spec, d.dcp, d.cp
 
 
 class _Screen:
@@ -179,7 +192,7 @@ class _Screen:
         return self.memory[key]
 
     def _group(self, d: Deployment, memory: MemoryPlan) -> tuple[tuple, StepCost, int, float]:
-        key = (d.gpu.name, d.weights, d.kv, d.tp, d.pp, d.spec, d.dcp)
+        key = shape(d)
         if key not in self.costs:
             cost = StepCost(replace(d, max_seqs=memory.max_sequences),
                             self.calibration.efficiency(d.gpu.name, d.weights))
@@ -279,7 +292,7 @@ def search(model: Model, w: Workload, catalog: Catalog, space: SearchSpace | Non
     started = time.perf_counter()
     space, calibration = space or SearchSpace(), calibration or Calibration()
     opts = cost_opts or CostOptions()
-    enumerated = enumerate_deployments(model, catalog, space)
+    enumerated = enumerate_deployments(model, catalog, space, w.input_len >= CP_MIN_PROMPT)
     deployments, unservable = servable_only(enumerated)
     screen = _Screen(w, calibration, opts)
     fitting, passed = 0, []
@@ -315,8 +328,25 @@ def search(model: Model, w: Workload, catalog: Catalog, space: SearchSpace | Non
     notes += [f"{n} candidate(s) not offered: {reason}" for reason, n in unservable.items()]
     if not deployments and unservable:
         why = why or "no candidate can run as configured: " + "; ".join(unservable)
+    why_layout = cp_reason(ranked[0], w, calibration) if ranked else ""
     return SearchResult(ranked, front, len(enumerated), fitting, len(passed), len(chosen),
-                        time.perf_counter() - started, why, notes, folded)
+                        time.perf_counter() - started, why, notes, folded, why_layout)
+
+
+def cp_reason(plan: Plan, w: Workload, calibration: Calibration) -> str:
+    """Why a plan splits each prompt over nodes: one TP group's prefill of the workload's
+    prompt alone against the split one, beside the TTFT SLO ("" for a plan without CP)."""
+    d = plan.deployment
+    if d.cp == 1:
+        return ""
+    eff = calibration.efficiency(d.gpu.name, d.weights)
+    alone = StepCost(replace(d, cp=1), eff).prefill_seconds(w.input_len)
+    split = StepCost(d, eff).prefill_seconds(w.input_len)
+    group = replace(d, cp=1).layout
+    where = f"{d.nodes} nodes" if d.nodes > 1 else "one node"
+    return (f"context parallelism: one {group} group prefills a {w.input_len}-token prompt in "
+            f"{alone:.1f} s, {d.cp} of them ({d.gpus} GPUs, {where}) in {split:.1f} s, "
+            f"against a TTFT p99 target of {w.slo.ttft_p99_ms / 1e3:g} s")
 
 
 def to_simulate(passed: list[_Screened], cheapest: int) -> list[_Screened]:

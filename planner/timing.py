@@ -109,6 +109,25 @@ def dcp_problem(model: Model, tp: int, dcp: int) -> str:
     return ""
 
 
+def cp_problem(gpu: Gpu, group_gpus: int, cp: int, dcp: int) -> str:
+    """Why the planner cannot plan prefill context parallelism of `cp` ranks, each a TP x PP
+    group of `group_gpus`, or "". Ranks share a node while they fit in one (MAX_TP GPUs);
+    beyond it they need the GPU's scale-out network. Combined with DCP the engines' rules
+    differ (vLLM lets DCP span the PCP axis, SGLang keeps them apart), so the planner plans one
+    or the other."""
+    if cp < 1:
+        return f"cp must be at least 1, got {cp}"
+    if cp == 1:
+        return ""
+    if group_gpus * cp > MAX_TP and gpu.network_gbs <= 0:
+        return (f"prefill context parallelism over {group_gpus * cp} GPUs spans nodes, and the "
+                f"catalog has no network between {gpu.name} nodes (network_gbs); use fewer "
+                f"ranks or set cp to 1")
+    if dcp > 1:
+        return f"plan prefill context parallelism (cp {cp}) or decode's (dcp {dcp}), not both"
+    return ""
+
+
 @dataclass(frozen=True)
 class Deployment:
     """One replica's layout: model on GPUs at a precision, parallelism and batch limits."""
@@ -124,6 +143,10 @@ class Deployment:
     spec: SpecDecode | None = None
     prefix_hit: float = 0.0
     dcp: int = 1  # decode context parallel: ranks of the TP group striping each KV cache
+    # Prefill context parallel: copies of the TP x PP group that split every prompt's tokens
+    # between them, on one node while they fit (each keeps the whole KV cache; decode is not
+    # split).
+    cp: int = 1
     # The engine that serves it, where the device has that engine's own step costs measured
     # (Gpu.engines: this machine after `servescope plan machine`); "" or an engine the device
     # has none for: the device's figures.
@@ -151,13 +174,32 @@ class Deployment:
         if not 0.0 <= self.prefix_hit < 1.0:
             raise ValueError("prefix_hit must be in [0, 1)")
         BYTES_PER_PARAM[self.weights]  # noqa: B018 - raises KeyError on an unknown precision
-        why = dcp_problem(self.model, self.tp, self.dcp)
+        why = (dcp_problem(self.model, self.tp, self.dcp)
+               or cp_problem(self.gpu, self.group_gpus, self.cp, self.dcp))
         if why:
             raise ValueError(why)
 
     @property
     def gpus(self) -> int:
+        """All the replica's GPUs."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def group_gpus(self) -> int:
+        """One context-parallel rank's GPUs: what holds one copy of the weights."""
         return self.tp * self.pp
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of MAX_TP GPUs the replica spans."""
+        return -(-self.gpus // MAX_TP)
+
+    @property
+    def layout(self) -> str:
+        """'TP8', 'TP4·PP2', 'TP8·CP2', 'TP8·DCP2': the parallelism as tables name it."""
+        parts = [f"TP{self.tp}"] + [f"{name}{n}" for name, n in
+                                    (("PP", self.pp), ("CP", self.cp), ("DCP", self.dcp)) if n > 1]
+        return "·".join(parts)
 
 
 # NCCL's own cost model (src/graph/tuning.cc, baseLat for the ring algorithm, LL/LL128
@@ -180,6 +222,16 @@ def allreduce_seconds(gpu: Gpu, tp: int, message_bytes: float, link_eff: float) 
     return latency + ring_steps(tp) / tp * message_bytes / (gpu.link_gbs * 1e9 * link_eff)
 
 
+def allgather_seconds(gbs: float, latency_us: float, ranks: int, message_bytes: float,
+                      link_eff: float) -> float:
+    """Ring all-gather of a `message_bytes` total over links of `gbs` GB/s and `latency_us` a
+    step: half a ring all-reduce (each rank receives (N-1)/N of the message)."""
+    if ranks == 1:
+        return 0.0
+    latency = (COLLECTIVE_BASE_US + (ranks - 1) * latency_us) * 1e-6
+    return latency + (ranks - 1) / ranks * message_bytes / (gbs * 1e9 * link_eff)
+
+
 def send_seconds(gpu: Gpu, message_bytes: float, link_eff: float) -> float:
     """A pipeline hand-off: one point-to-point send, base latency plus one step (GenZ's PP)."""
     latency = (COLLECTIVE_BASE_US + gpu.link_latency_us) * 1e-6
@@ -193,7 +245,8 @@ class StepCost:
                  "expert_bytes", "kv_read", "flops_rate", "attn_rate", "bw", "comm_per_token",
                  "comm_fixed", "stage_layers", "spec_tokens", "draft_fraction", "pp",
                  "handoff_fixed", "handoff_per_token", "overhead", "draft_seconds", "moe",
-                 "dcp_fixed", "dcp_per_token", "per_seq", "blend")
+                 "dcp_fixed", "dcp_per_token", "per_seq", "blend", "cp", "cp_fixed",
+                 "cp_per_token")
 
     def __init__(self, d: Deployment, eff: Efficiency | None = None) -> None:
         m, g, self.d = d.model, d.gpu, d
@@ -204,8 +257,9 @@ class StepCost:
         self.lm_head_flops = 2.0 * m.vocab * m.hidden
         self.attn_flops = 4.0 * m.layers * m.heads * m.head_dim
         routed = m.moe_layers * m.experts * m.expert_params if m.is_moe else 0.0
-        self.dense_bytes = (m.params_b * 1e9 - routed) * bpp / d.gpus
-        self.expert_bytes = m.moe_layers * m.expert_params * bpp / d.gpus
+        # Per GPU of one context-parallel rank: each rank holds the whole model.
+        self.dense_bytes = (m.params_b * 1e9 - routed) * bpp / d.group_gpus
+        self.expert_bytes = m.moe_layers * m.expert_params * bpp / d.group_gpus
         self.kv_read = kv_bytes_per_token_per_gpu(m, d.kv, d.tp, d.pp, d.dcp)
         engine = d.engine_costs
         # An engine measured on this device brings its own 16-bit matmul rate (the precisions
@@ -213,10 +267,10 @@ class StepCost:
         tflops = (engine["tflops_bf16"] if engine and d.weights in ("bf16", "fp16", "int4")
                   else g.compute_tflops(d.weights))
         attn_tflops = engine["tflops_bf16"] if engine else g.compute_tflops("bf16")
-        self.flops_rate = tflops * 1e12 * self.eff.flops * d.gpus
+        self.flops_rate = tflops * 1e12 * self.eff.flops * d.group_gpus
         # Attention (QK^T and PV over the cache) runs in 16-bit FMHA kernels whatever the weight
         # precision: FP8/INT8 weights speed up the linear layers only.
-        self.attn_rate = attn_tflops * 1e12 * self.eff.flops * d.gpus
+        self.attn_rate = attn_tflops * 1e12 * self.eff.flops * d.group_gpus
         self.bw = g.bandwidth_gbs * 1e9 * self.eff.memory
         self.stage_layers = m.layers / d.pp
         # Two all-reduces per layer (after attention and after the MLP) of bf16 activations,
@@ -236,6 +290,20 @@ class StepCost:
             self.dcp_per_token = self.stage_layers * (
                 allreduce_seconds(g, d.dcp, width, self.eff.link)
                 - allreduce_seconds(g, d.dcp, 0.0, self.eff.link))
+        # Prefill context parallelism (SGLang's --attn-cp-size with --enable-prefill-cp, vLLM's
+        # -pcp): each CP rank takes 1/cp of a prompt's tokens through every layer, then the
+        # ranks all-gather the chunk's keys and values over the network, so that every rank's
+        # queries see the whole prefix and every rank keeps the whole cache for decode. Counted
+        # after the compute, not hidden under it: an all-gather is not a ring-attention overlap.
+        self.cp, self.cp_fixed, self.cp_per_token = d.cp, 0.0, 0.0
+        if d.cp > 1:  # kv_read: a token's keys and values on this GPU, all the stage's layers
+            # A ring over nodes runs at the network's pace; within one node, at the GPU link's.
+            gbs, lat = ((g.network_gbs, g.network_latency_us) if d.nodes > 1
+                        else (g.link_gbs, g.link_latency_us))
+            empty = allgather_seconds(gbs, lat, d.cp, 0.0, self.eff.link)
+            self.cp_fixed = self.stage_layers * empty
+            self.cp_per_token = allgather_seconds(gbs, lat, d.cp, self.kv_read,
+                                                  self.eff.link) - empty
         self.spec_tokens = d.spec.draft_len + 1 if d.spec else 1
         self.draft_fraction = d.spec.draft_len * d.spec.draft_cost if d.spec else 0.0
         # Constants of time(), which the search calls hundreds of thousands of times.
@@ -276,9 +344,13 @@ class StepCost:
         `prefill_attn` (query, key) pairs, plus `decode_seqs` decodes over `decode_ctx` cached
         tokens in all; `sampled` sequences produce logits."""
         pp = self.pp
-        tokens = prefill_tokens + decode_seqs * self.spec_tokens
-        if tokens <= 0:
+        if prefill_tokens + decode_seqs <= 0:
             return 0.0
+        cp_comm = 0.0
+        if self.cp > 1 and prefill_tokens:  # each CP rank computes its share of the prompts
+            cp_comm = self.cp_fixed + self.cp_per_token * prefill_tokens
+            prefill_tokens, prefill_attn = prefill_tokens / self.cp, prefill_attn / self.cp
+        tokens = prefill_tokens + decode_seqs * self.spec_tokens
         micro = min(pp, max(decode_seqs + (1 if prefill_tokens else 0), 1))
         gemm_flops = tokens * self.flops_per_token + sampled * self.spec_tokens * self.lm_head_flops
         attn_flops = self.attn_flops * (prefill_attn + decode_ctx * self.spec_tokens)
@@ -296,7 +368,7 @@ class StepCost:
         comm = self.comm_fixed + self.comm_per_token * tokens / micro
         if self.dcp_fixed:  # every token's attention reads a striped cache, prompts' too
             comm += self.dcp_fixed + self.dcp_per_token * tokens / micro
-        stage = linear + attention + comm
+        stage = linear + attention + comm + cp_comm
         handoff = self.handoff_fixed + self.handoff_per_token * tokens / micro
         draft = self.draft_seconds if decode_seqs else 0.0
         return self.overhead + self.per_seq * sampled + pp * stage + handoff + draft

@@ -234,3 +234,29 @@ def test_cancel_the_workstation_benchmark(qtbot, tmp_path: Path, demo_gguf: Path
         pane.cancel()
     assert "cancelled" in pane.status.text() and pane.workstation_button.isEnabled()
     assert not (Path(os.environ["SERVESCOPE_DATA_DIR"]) / "bench_results.jsonl").exists()
+
+
+def test_a_long_prompt_plan_with_context_parallelism_says_why_and_exports_sglang(
+        qtbot, tmp_path: Path) -> None:
+    """124K-token documents with an 8 s TTFT target: only context parallelism meets it. The
+    pane ranks a CP plan, its deploy text says why vLLM is not offered and gives SGLang's
+    multi-node command with each node's rank left to its shell, the saved script runs SGLang,
+    and the report says why the plan spans nodes."""
+    pane = _pane(qtbot, tmp_path)
+    form = FormState(model="Llama-3.1-70B", rate=0.05, input_len=126976, input_dist="fixed",
+                     output_len=1024, output_dist="fixed", ttft_p99_ms=8000.0,
+                     tpot_p99_ms=100.0, gpus=("H100 SXM",), weights=("fp8",), kv=("fp8",),
+                     speculative=False, autoscale=False, num_requests=200)
+    _search(qtbot, pane, form)
+    best = pane.outcome.best
+    assert best.deployment.cp > 1 and f"CP{best.deployment.cp}" in plan_label(best)
+    deploy = pane.deploy.toPlainText()
+    assert "# Not offered: vLLM 0.32 runs prefill context parallelism on MLA attention only" \
+        in deploy
+    assert "--attn-cp-size" in deploy and '--node-rank "$NODE_RANK"' in deploy
+    script = pane.save_deploy(tmp_path / "deploy.sh")[0].read_text(encoding="utf-8")
+    sglang = script[script.index("# SGLang"):]
+    assert "\npython -m sglang.launch_server" in sglang  # run, not commented out
+    html_path, _pdf = pane.export_report(tmp_path / "plan.html")
+    text = html_path.read_text(encoding="utf-8")
+    assert "Why this layout" in text and "context parallelism: one TP" in text

@@ -99,3 +99,100 @@ def test_a_workload_longer_than_the_models_context_is_refused(catalog):
     w = Workload(131072, 1024, rate=0.1, slo=Slo(60000, 100), num_requests=50)
     with pytest.raises(ValueError, match="131072-token context"):
         search(catalog.model("Llama-3.1-70B"), w, catalog, SearchSpace(gpus=("H100 SXM",)))
+
+
+# Prefill context parallelism: copies of a TP group on other nodes, each taking a share of
+# every prompt (SGLang's --attn-cp-size with --enable-prefill-cp, vLLM's -pcp for MLA).
+
+LONG_PROMPT = 126976  # a 124K-token document, leaving room for 1024 generated tokens at 128K
+
+
+def test_cp_splits_a_long_prompt_and_leaves_decode_alone(catalog):
+    """Two CP ranks each compute half of a 124K prompt: its prefill on TP8·CP2 takes more than
+    half of TP8's (the keys and values go round the network, and each step keeps its fixed
+    cost) and well under it; a decode step is the same, as each rank keeps the whole cache; the
+    replica has twice the GPUs, each holding what a TP8 GPU holds."""
+    llama, h100 = catalog.model("Llama-3.1-70B"), catalog.gpu("H100 SXM")
+    one = Deployment(llama, h100, "fp8", "fp8", tp=8)
+    two = replace(one, cp=2)
+    a, b = StepCost(one), StepCost(two)
+    pa, pb = a.prefill_seconds(LONG_PROMPT), b.prefill_seconds(LONG_PROMPT)
+    assert pa / 2 + LONG_PROMPT * b.cp_per_token < pb < 0.6 * pa
+    assert b.decode_seconds(16, LONG_PROMPT) == a.decode_seconds(16, LONG_PROMPT)
+    assert (two.gpus, two.group_gpus, two.layout) == (16, 8, "TP8·CP2")
+    assert b.dense_bytes == a.dense_bytes
+    # A slower network between the nodes costs more, and only the prompt's share of it.
+    slow = replace(two, gpu=replace(h100, network_gbs=5.0))
+    assert StepCost(slow).prefill_seconds(LONG_PROMPT) > pb
+    assert StepCost(slow).decode_seconds(16, LONG_PROMPT) == a.decode_seconds(16, LONG_PROMPT)
+
+
+def test_cp_needs_a_network_between_nodes_and_is_planned_apart_from_dcp(catalog):
+    """Ranks that fit in one node exchange over its GPU link; beyond it, over the network the
+    catalog gives the GPU, and a card with none cannot span nodes."""
+    llama, ds = catalog.model("Llama-3.1-70B"), catalog.model("DeepSeek-V3")
+    with pytest.raises(ValueError, match="16 GPUs spans nodes, and the catalog has no network "
+                                         "between L40S nodes"):
+        Deployment(llama, catalog.gpu("L40S"), "fp8", "fp8", tp=8, cp=2)
+    inside = Deployment(llama, catalog.gpu("L40S"), "fp8", "fp8", tp=4, cp=2)
+    assert inside.nodes == 1 and StepCost(inside).cp_per_token > 0
+    h100 = catalog.gpu("H100 SXM")
+    in_node = StepCost(Deployment(llama, h100, "fp8", "fp8", tp=4, cp=2))
+    over_nodes = StepCost(Deployment(llama, h100, "fp8", "fp8", tp=4, cp=4))
+    # NVLink (450 GB/s) against a 50 GB/s NIC, for (N-1)/N of the same bytes a token.
+    assert over_nodes.cp_per_token > 5 * in_node.cp_per_token
+    with pytest.raises(ValueError, match="not both"):
+        Deployment(ds, catalog.gpu("H200"), "fp8", "fp8", tp=8, dcp=2, cp=2)
+    with pytest.raises(ValueError, match="cp must be at least 1"):
+        Deployment(llama, catalog.gpu("H100 SXM"), tp=8, cp=0)
+
+
+def test_a_ttft_only_cp_can_meet_gets_a_cp_plan_and_sglangs_command(catalog):
+    """124K-token documents with TTFT p99 <= 8 s: one node prefills such a prompt in about
+    10 s, so the search without CP finds nothing and says how close it came; with CP it plans
+    TP8·CP2 or wider across nodes, exported for SGLang (every node runs the command with its
+    own rank), while vLLM 0.32, which runs PCP on MLA attention only, is refused by name."""
+    w = Workload(LONG_PROMPT, 1024, rate=0.05, slo=Slo(ttft_p99_ms=8000, tpot_p99_ms=100),
+                 num_requests=200)
+    space = SearchSpace(gpus=("H100 SXM",), weights=("fp8",), kv=("fp8",), tp=(8,), pp=(1,),
+                        spec=(None,), max_seqs=(16,))
+    llama = catalog.model("Llama-3.1-70B")
+    without = search(llama, w, catalog, replace(space, cp=(1,)))
+    assert not without.candidates
+    assert "lowest TTFT any option reaches is 10" in without.infeasible
+    best = search(llama, w, catalog, space).candidates[0]
+    d = best.deployment
+    assert d.cp > 1 and best.ttft_p99_ms <= 8000 and best.tpot_p99_ms <= 100
+    assert best.as_dict()["layout"] == f"TP8·CP{d.cp}" and best.as_dict()["cp"] == d.cp
+    argv = shlex.split(sglang_command(best))
+    assert argv[argv.index("--tp-size") + 1] == str(8 * d.cp)
+    assert argv[argv.index("--attn-cp-size") + 1] == str(d.cp)
+    assert argv[argv.index("--cp-strategy") + 1] == "zigzag" and "--enable-prefill-cp" in argv
+    assert argv[argv.index("--nnodes") + 1] == str(d.cp)
+    assert argv[argv.index("--node-rank") + 1] == "$NODE_RANK"
+    with pytest.raises(NotServable, match="MLA attention only; Llama-3.1-70B with cp"):
+        vllm_command(best)
+
+
+def test_vllm_runs_cp_for_an_mla_model(catalog):
+    d = Deployment(catalog.model("DeepSeek-V3"), catalog.gpu("H200"), "fp8", "fp8", tp=8, cp=2)
+
+    class _Plan:
+        deployment = d
+
+    argv = shlex.split(vllm_command(_Plan()))
+    assert argv[argv.index("--prefill-context-parallel-size") + 1] == "2"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "8"
+
+
+def test_short_prompts_are_never_planned_with_cp(catalog):
+    """Below CP_MIN_PROMPT tokens the search does not try CP: the same candidates as with
+    CP switched off."""
+    w = Workload(2048, 256, rate=2, slo=Slo(ttft_p99_ms=2000, tpot_p99_ms=50), num_requests=100)
+    space = SearchSpace(gpus=("H100 SXM",), weights=("fp8",), kv=("fp8",), spec=(None,),
+                        max_seqs=(64,))
+    llama = catalog.model("Llama-3.1-70B")
+    with_cp, without = search(llama, w, catalog, space), search(llama, w, catalog,
+                                                                 replace(space, cp=(1,)))
+    assert with_cp.evaluated == without.evaluated
+    assert all(p.deployment.cp == 1 for p in with_cp.candidates)

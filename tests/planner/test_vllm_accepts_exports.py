@@ -20,7 +20,7 @@ from planner.checkpoints import DRAFTS, NATIVE, QUANTIZED
 from planner.disagg import search_disagg
 from planner.export import NotServable, disagg_vllm_commands, sglang_command, vllm_command
 from planner.search import SearchSpace, enumerate_deployments, search, servable_only
-from planner.timing import SpecDecode
+from planner.timing import Deployment, SpecDecode
 from planner.workload import Slo, Workload
 
 HERE = Path(__file__).parent
@@ -115,6 +115,7 @@ class Exportable:
     plans: list
     disagg: list
     dropped: dict[str, int]
+    cp: list  # prefill context parallel layouts, over nodes: vLLM serves the MLA ones only
 
 
 @functools.cache
@@ -142,7 +143,17 @@ def exportable() -> Exportable:
     for name in ("Llama-3.1-8B", "Llama-3.1-70B"):
         disagg += search_disagg(catalog.model(name), long, catalog,
                                 SearchSpace(gpus=("H100 SXM",), max_seqs=(64, 256))).plans[:6]
-    return Exportable(layouts, plans, disagg, dropped)
+    h100 = catalog.gpu("H100 SXM")
+    cp = [SimpleNamespace(deployment=Deployment(catalog.model(name), h100, "fp8", "fp8", tp=tp,
+                                                pp=pp, cp=n))
+          for name in ("Llama-3.1-70B", "DeepSeek-V3") for tp, pp, n in ((8, 1, 2), (4, 2, 4))]
+    return Exportable(layouts, plans, disagg, dropped, cp)
+
+
+def on_node(command: str, rank: int = 0) -> str:
+    """A multi-node command as the shell on node `rank` runs it (its rank and the first
+    node's address filled in)."""
+    return command.replace("$NODE_RANK", str(rank)).replace("$LEADER_ADDR", "10.0.0.1")
 
 
 def every_command() -> tuple[list[str], dict[str, int]]:
@@ -150,6 +161,7 @@ def every_command() -> tuple[list[str], dict[str, int]]:
     pools included (with the NIXL KV-transfer config)."""
     e = exportable()
     commands = {vllm_command(p) for p in e.layouts + e.plans}
+    commands |= {vllm_command(p) for p in e.cp if p.deployment.model.is_mla}
     for plan in e.disagg:
         commands |= set(disagg_vllm_commands(plan).values())
     return sorted(commands), e.dropped
@@ -161,9 +173,9 @@ def every_sglang_command() -> tuple[list[str], dict[str, int]]:
     e = exportable()
     commands: set[str] = set()
     refused: dict[str, int] = {}
-    for plan in e.layouts + e.plans:
+    for plan in e.layouts + e.plans + e.cp:
         try:
-            commands.add(sglang_command(plan))
+            commands.add(on_node(sglang_command(plan)))
         except NotServable as exc:
             reason = str(exc).split(";")[0]
             refused[reason] = refused.get(reason, 0) + 1
@@ -205,6 +217,12 @@ def test_every_exported_vllm_command_passes_vllms_parser_and_config(vllm_python,
     answer = check_in(vllm_python, "vllm_accepts.py", commands, tmp_path)
     rejected = report(f"vLLM {answer['vllm']}", commands, answer, dropped)
     assert len(commands) > 500
+    # Only the prefill-context-parallel commands stop short of the last check here (vLLM's
+    # V2 model runner, which runs PCP, needs Triton), and all of them do.
+    cuda_only = {c for c, r in zip(commands, answer["results"], strict=True)
+                 if r["stage"] == "cuda_only"}
+    pcp = {c for c in commands if "--prefill-context-parallel-size" in c}
+    assert pcp and cuda_only == pcp
     assert not rejected, "\n".join(f"{stage}: {cmd}\n  {err}" for cmd, stage, err in rejected[:8])
 
 

@@ -7,6 +7,10 @@ with every model id swapped for a local folder holding that model's config.json 
 model hub here, and no weights are needed), through AsyncEngineArgs.from_cli_args and
 create_engine_config: vLLM's config classes (ModelConfig with the checkpoint's quantization,
 ParallelConfig, CacheConfig, SpeculativeConfig). Prints one JSON object: a result per command.
+A command whose config only a CUDA machine resolves is reported as stage "cuda_only", apart
+from rejections: prefill context parallelism runs in vLLM's V2 model runner, which vLLM picks
+where Triton is installed (vllm/config/vllm.py, use_v2_model_runner); on this CPU it falls back
+to the V1 runner, which refuses PCP.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import contextlib
 import io
 import json
 import sys
+
+CUDA_ONLY = "Model Runner V1 does not support: prefill context parallel"
 
 
 def check(argv: list[str], folders: dict[str, str], parser_factory, validate, engine_args):
@@ -42,7 +48,8 @@ def check(argv: list[str], folders: dict[str, str], parser_factory, validate, en
     try:
         engine_args.from_cli_args(args).create_engine_config()
     except Exception as exc:
-        return "config", f"{type(exc).__name__}: {exc}"[:800]
+        message = f"{type(exc).__name__}: {exc}"[:800]
+        return ("cuda_only" if CUDA_ONLY in message else "config"), message
     return None, ""
 
 

@@ -109,13 +109,13 @@ def memory_chart(plans: list[Plan], limit: int = 5) -> ChartSpec:
     rows, values, parts = [], [], []
     for plan in plans:
         d = plan.deployment
-        key = (d.gpu.name, d.weights, d.kv, d.tp, d.pp)
+        key = (d.gpu.name, d.weights, d.kv, d.layout)
         if key in seen:
             continue
         seen.add(key)
         split = memory_parts(plan)
         parts = [name for name, _ in split]
-        rows.append(f"TP{d.tp}·PP{d.pp} {d.gpu.name} {d.weights}/{d.kv}")
+        rows.append(f"{d.layout} {d.gpu.name} {d.weights}/{d.kv}")
         values.append([v for _, v in split])
         if len(rows) == limit:
             break

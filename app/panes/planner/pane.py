@@ -55,6 +55,7 @@ from planner.catalog import Model, load_catalog
 from planner.evaluate import Evaluation
 from planner.export import (
     NotServable,
+    command_or_reason,
     kubernetes_yaml,
     servescope_serve_args,
     sglang_command,
@@ -337,9 +338,9 @@ class PlannerPane(PageMixin, QWidget):
 
     def _show_chosen(self, plan: Plan) -> None:
         self.deploy.setPlainText("\n\n".join([
-            "# vLLM, one replica", command_lines(vllm_command(plan)), "# SGLang, one replica",
-            command_lines(sglang_command(plan)), "# Kubernetes",
-            manifest_lines(kubernetes_yaml(plan))]))
+            "# vLLM, one replica", command_lines(command_or_reason(vllm_command, plan)),
+            "# SGLang, one replica", command_lines(command_or_reason(sglang_command, plan)),
+            "# Kubernetes", manifest_lines(command_or_reason(kubernetes_yaml, plan))]))
         self.copy_deploy_button.setEnabled(True)
         self.save_deploy_button.setEnabled(True)
         problem = run_here_problem(plan)
@@ -373,7 +374,8 @@ class PlannerPane(PageMixin, QWidget):
         script, manifests = Path(path), Path(path).with_suffix(".yaml")
         try:
             script.write_text(deploy_script(plan), encoding="utf-8")
-            manifests.write_text(manifest_lines(kubernetes_yaml(plan)), encoding="utf-8")
+            manifests.write_text(manifest_lines(command_or_reason(kubernetes_yaml, plan)),
+                                 encoding="utf-8")
         except OSError as exc:
             self.notify.emit("error", f"The commands could not be saved to {path}: "
                                       f"{exc.strerror or exc}")
@@ -718,7 +720,13 @@ def gpu_probe_task(_cancel) -> object:
 
 
 def deploy_script(plan: Plan) -> str:
-    """A shell script starting one replica with vLLM, SGLang's equivalent commented out."""
-    sglang = "\n".join(f"# {line}" for line in command_lines(sglang_command(plan)).splitlines())
-    return (f"#!/bin/sh\n# {plan_label(plan)}, one replica (servescope).\n\n"
-            f"# vLLM\n{command_lines(vllm_command(plan))}\n\n# Or SGLang:\n{sglang}\n")
+    """A shell script starting one replica with vLLM, SGLang's equivalent commented out; with
+    SGLang where vLLM cannot run the plan (the script says why)."""
+    vllm = command_or_reason(vllm_command, plan)
+    sglang = command_lines(command_or_reason(sglang_command, plan))
+    head = f"#!/bin/sh\n# {plan_label(plan)}, one replica (servescope).\n\n"
+    if vllm.startswith("#"):
+        return f"{head}# vLLM\n{vllm}\n\n# SGLang\n{sglang}\n"
+    commented = "\n".join(line if line.startswith("#") else f"# {line}"
+                          for line in sglang.splitlines())
+    return f"{head}# vLLM\n{command_lines(vllm)}\n\n# Or SGLang:\n{commented}\n"

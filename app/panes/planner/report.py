@@ -13,7 +13,13 @@ from string import Template
 from app.panes.planner.state import Outcome, plan_costs, plan_label
 from app.plan_run import ValidationRow, validation_table
 from planner.cost import CostOptions
-from planner.export import kubernetes_yaml, sglang_command, vllm_command
+from planner.export import (
+    command_or_reason,
+    kubernetes_yaml,
+    sglang_command,
+    shell_join,
+    vllm_command,
+)
 from planner.memory import MEMORY_UTILIZATION, RUNTIME_RESERVE_GB
 from planner.search import Plan
 
@@ -45,9 +51,10 @@ def _summary(o: Outcome, best: Plan) -> str:
     f = o.form
     rows = [
         ["Model", f"{o.model.name} ({o.model.params_b:.1f} B parameters)"],
-        ["Layout per replica", f"{best.deployment.gpus}x {best.deployment.gpu.name}, TP "
-                               f"{best.deployment.tp}, PP {best.deployment.pp}, "
+        ["Layout per replica", f"{best.deployment.gpus}x {best.deployment.gpu.name}, "
+                               f"{best.deployment.layout}, "
                                f"{best.deployment.weights} weights, {best.deployment.kv} KV"],
+        *([["Why this layout", o.result.why_layout]] if o.result.why_layout else []),
         ["Replicas at peak", str(best.replicas)],
         ["Cost", f"{plan_costs(best, f).text()}, "
                  f"${best.cost_per_1m_tokens:.3f} per 1M output tokens"],
@@ -160,8 +167,11 @@ def _flag_groups(words: list[str]) -> list[list[str]]:
 
 def command_lines(command: str, indent: str = "    ") -> str:
     """A one-line shell command as one flag (with its value) per line, joined by backslash
-    continuations: still one runnable command, and no page or pane wraps inside a flag."""
-    return (" \\\n" + indent).join(shlex.join(g) for g in _flag_groups(shlex.split(command)))
+    continuations: still one runnable command, and no page or pane wraps inside a flag. A
+    comment (an export a server cannot run, command_or_reason) passes through as it is."""
+    if command.startswith("#"):
+        return command
+    return (" \\\n" + indent).join(shell_join(g) for g in _flag_groups(shlex.split(command)))
 
 
 _FLOW_LIST = re.compile(r"^(\s*)([\w-]+): (\[.*\])$")
@@ -203,10 +213,10 @@ def code_block(text: str) -> str:
 
 
 def _deploy(best: Plan) -> str:
-    blocks = [("vLLM, one replica", command_lines(vllm_command(best))),
-              ("SGLang, one replica", command_lines(sglang_command(best))),
+    blocks = [("vLLM, one replica", command_lines(command_or_reason(vllm_command, best))),
+              ("SGLang, one replica", command_lines(command_or_reason(sglang_command, best))),
               ("Kubernetes Deployment and HorizontalPodAutoscaler",
-               manifest_lines(kubernetes_yaml(best)))]
+               manifest_lines(command_or_reason(kubernetes_yaml, best)))]
     return "".join(f"<h3>{html.escape(t)}</h3>{code_block(b)}" for t, b in blocks)
 
 

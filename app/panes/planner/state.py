@@ -141,9 +141,8 @@ class Failure:
 def plan_label(plan: Plan) -> str:
     """'2x TP2 H100 SXM fp8/fp8 (+spec)', the name a plan goes by in tables and charts."""
     d = plan.deployment
-    layout = f"TP{d.tp}" + (f"·PP{d.pp}" if d.pp > 1 else "")
     spec = " +spec" if d.spec is not None else ""
-    return f"{plan.replicas}x {layout} {d.gpu.name} {d.weights}/{d.kv}{spec}"
+    return f"{plan.replicas}x {d.layout} {d.gpu.name} {d.weights}/{d.kv}{spec}"
 
 
 TABLE_COLUMNS = ("Plan", "GPUs", "$/hour day avg", "$/1M tok", "TTFT p99 ms", "TPOT p99 ms",
