@@ -15,7 +15,7 @@ appear, with how their names were checked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.catalog import Model
 from planner.timing import Deployment, SpecDecode
@@ -166,14 +166,13 @@ def speculation_for(model: Model, spec: SpecDecode) -> SpecDecode | str:
         return spec
     if spec.method in ("eagle", "eagle3", "mtp"):
         if model.name in MTP:
-            return SpecDecode(spec.draft_len, spec.acceptance, spec.draft_cost, MTP[model.name])
+            return replace(spec, method=MTP[model.name])
         draft = DRAFTS.get(model.name)
         if draft is not None and not draft.checked:
             return (f"{spec.method} speculative decoding of {model.name} needs {draft.hf_id}, "
                     f"whose name is unverified (planner/checkpoints.py)")
         if draft is not None:
-            return SpecDecode(spec.draft_len, spec.acceptance, spec.draft_cost, draft.method,
-                              draft.hf_id)
+            return replace(spec, method=draft.method, draft=draft.hf_id)
     return (f"{spec.method} speculative decoding of {model.name} needs a draft model; none is "
             f"known (planner/checkpoints.py lists them; n-gram needs none)")
 
@@ -194,6 +193,4 @@ def servable(d: Deployment) -> Deployment | str:
 
 
 def _with_spec(d: Deployment, spec: SpecDecode) -> Deployment:
-    from dataclasses import replace
-
     return replace(d, spec=spec)

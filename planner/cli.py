@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from planner.evaluate import InfeasibleError, evaluate, evaluation_dict
 from planner.export import NotServable, sglang_command, vllm_command
 from planner.hf_import import model_from_hf_config
 from planner.search import SearchSpace, search
-from planner.timing import Deployment
+from planner.timing import Deployment, SpecDecode
 from planner.validation import basis
 from planner.workload import Slo, Workload
 
@@ -50,6 +51,12 @@ def add_plan_parser(subparsers: Any, more: Any = None) -> argparse.ArgumentParse
     se.add_argument("--disaggregated", action="store_true",
                     help="also search separate prefill and decode pools and rank the best "
                          "against the best aggregated plan")
+    se.add_argument("--spec-acceptance-from", metavar="SOURCE",
+                    help="plan speculative decoding with the acceptance by draft position a "
+                         "monitored server measured (`servescope record --server SOURCE=URL` "
+                         "stored it), instead of the assumed 70%% a token")
+    se.add_argument("--db", help="SQLAlchemy URL of the monitor's database (default: SQLite in "
+                                 "the user's data folder)")
     se.set_defaults(func=run_search)
     ma = sub.add_parser("machine", help="measure this machine (bandwidth, matmul, engine step) "
                                         "and add it to the catalog as 'this machine'")
@@ -151,6 +158,9 @@ def run_search(args: argparse.Namespace) -> int:
                      num_requests=args.num_requests,
                      slo=Slo(args.ttft_p99_ms, args.tpot_p99_ms))
         space = SearchSpace(gpus=tuple(catalog.gpu(g).name for g in args.gpus))
+        if args.spec_acceptance_from:
+            space = replace(space, spec=(None, measured_spec(args.spec_acceptance_from,
+                                                             args.db)))
         result = search(model, w, catalog, space, args.budget_per_hour,
                         cost_opts=CostOptions(spot_share=args.spot_share),
                         progress=lambda f, msg: print(f"[plan] {msg}", file=sys.stderr))
@@ -179,6 +189,32 @@ def run_search(args: argparse.Namespace) -> int:
             out["spot"] = _spot(best, w, args.spot_market)
         return out
     return _run(args, work, _print_search)
+
+
+def measured_spec(source: str, db_url: str | None) -> SpecDecode:
+    """Speculation with the acceptance by draft position `source` stored in the monitor's
+    database; ValueError (one sentence) where it stored none."""
+    import sqlalchemy as sa
+
+    from storage.db import StorageError, describe_error, open_database
+    from storage.queries import acceptance_by_position, sources_with_acceptance
+
+    try:
+        db = open_database(db_url)
+    except StorageError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        rates = acceptance_by_position(db, source)
+        known = [] if rates else sources_with_acceptance(db)
+    except sa.exc.SQLAlchemyError as exc:
+        raise ValueError(describe_error(exc, db.engine.url)) from None
+    finally:
+        db.close()
+    if not rates:
+        raise ValueError(f"{source!r} stored no speculative acceptance by draft position "
+                         f"(sources that did: {', '.join(known) or 'none'}); record it while "
+                         f"it speculates with `servescope record --server {source}=URL`")
+    return SpecDecode.from_measured(rates, measured_on=source)
 
 
 def _spot(best, w: Workload, provider: str) -> dict:

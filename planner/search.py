@@ -92,7 +92,9 @@ class Plan:
                 "max_seqs": d.max_seqs, "dcp": d.dcp, "cp": d.cp, "layout": d.layout,
                 "spec_decode": None if d.spec is None else {
                     "method": d.spec.method, "draft_len": d.spec.draft_len,
-                    "acceptance": d.spec.acceptance, "draft": d.spec.draft or None},
+                    "acceptance": d.spec.acceptance, "draft": d.spec.draft or None,
+                    "tokens_per_step": round(d.spec.tokens_per_step, 3),
+                    "measured_on": d.spec.measured_on or None},
                 "ttft_p99_ms": round(self.ttft_p99_ms, 3),
                 "tpot_p99_ms": round(self.tpot_p99_ms, 3),
                 "e2e_p99_ms": round(self.e2e_p99_ms, 3),

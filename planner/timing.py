@@ -60,13 +60,20 @@ class Efficiency:
 @dataclass(frozen=True)
 class SpecDecode:
     """Speculative decoding: a draft proposes `draft_len` tokens, each accepted with `acceptance`;
-    `draft_cost` is one draft step's time as a fraction of reading the target's weights."""
+    `draft_cost` is one draft step's time as a fraction of reading the target's weights.
+
+    `accepted_at`, where set, is measured acceptance by draft position (vLLM's definition: how
+    often position i was accepted, per draft; the monitor stores it from a server's counters),
+    and then the expected tokens a step are 1 plus their sum; `acceptance` is the per-token
+    rate that gives the same (from_measured); `measured_on` says where it was measured."""
 
     draft_len: int = 4
     acceptance: float = 0.7
     draft_cost: float = 0.05
     method: str = "eagle"
     draft: str = ""  # the draft model's id where the method needs one (planner.checkpoints)
+    accepted_at: tuple[float, ...] = ()
+    measured_on: str = ""
 
     def __post_init__(self) -> None:
         if self.draft_len < 1:
@@ -75,12 +82,40 @@ class SpecDecode:
             raise ValueError("acceptance must be in [0, 1)")
         if self.draft_cost < 0:
             raise ValueError("draft_cost must be non-negative")
+        if self.accepted_at:
+            if len(self.accepted_at) != self.draft_len:
+                raise ValueError("accepted_at needs one rate per draft position")
+            if not all(0.0 <= a <= 1.0 for a in self.accepted_at):
+                raise ValueError("each measured acceptance must be in [0, 1]")
 
     @property
     def tokens_per_step(self) -> float:
-        """Expected tokens per verify step (Leviathan et al.): (1 - a^(g+1)) / (1 - a)."""
+        """Expected tokens per verify step: 1 plus the measured acceptance at each position, or
+        with one rate a token (Leviathan et al.) (1 - a^(g+1)) / (1 - a)."""
+        if self.accepted_at:
+            return 1.0 + sum(self.accepted_at)
         a, g = self.acceptance, self.draft_len
         return (1.0 - a ** (g + 1)) / (1.0 - a)
+
+    @classmethod
+    def from_measured(cls, accepted_at: list[float] | tuple[float, ...], measured_on: str,
+                      **fields) -> SpecDecode:
+        """Speculation as measured: a draft as long as the positions measured, the per-token
+        rate that gives the same expected tokens a step (found by bisection: the Leviathan
+        form rises with it), and those rates kept for the step model."""
+        rates = tuple(float(a) for a in accepted_at)
+        if not rates:
+            raise ValueError("no measured acceptance: the source drafted nothing")
+        target, g = 1.0 + sum(rates), len(rates)
+        lo, hi = 0.0, 0.999
+        for _ in range(60):
+            mid = (lo + hi) / 2.0
+            if (1.0 - mid ** (g + 1)) / (1.0 - mid) < target:
+                lo = mid
+            else:
+                hi = mid
+        return cls(draft_len=g, acceptance=round(lo, 4), accepted_at=rates,
+                   measured_on=measured_on, **fields)
 
 
 def dcp_problem(model: Model, tp: int, dcp: int) -> str:

@@ -64,6 +64,54 @@ def first_values(db: Database, key: str, count: int) -> list[float]:
         return [float(v) for v in conn.execute(stmt).scalars()]
 
 
+ACCEPTANCE_AT = "spec_acceptance_rate_at[position="
+
+
+def acceptance_by_position(db: Database, source: str, start_s: float = 0.0,
+                           end_s: float = float("inf")) -> list[float]:
+    """A source's speculative acceptance at each draft position (vLLM's definition: accepted
+    at position i per draft), the mean of its stored readings in [start_s, end_s], position
+    0 first; [] where it stored none (it did not speculate, or was not monitored)."""
+    prefix = f"{source}/{ACCEPTANCE_AT}"
+    positions = {}
+    for key in list_series(db, source):
+        if key.startswith(prefix) and key.endswith("]") and key[len(prefix):-1].isdigit():
+            positions[int(key[len(prefix):-1])] = key
+    rates = []
+    for i in range(len(positions)):
+        if i not in positions:
+            break  # positions are stored from 0 up; a gap leaves the rest unplaced
+        mean = _mean_value(db, positions[i], start_s, end_s)
+        if mean is None:
+            break
+        rates.append(mean)
+    return rates
+
+
+def _mean_value(db: Database, key: str, start_s: float, end_s: float) -> float | None:
+    """A series' mean in [start_s, end_s]: its raw samples, or where retention has rolled them
+    up, its minute then hour buckets (total over count)."""
+    for model in (SampleRow, Rollup1m, Rollup1h):
+        t = model.__table__
+        value = (sa.func.avg(t.c.value) if model is SampleRow
+                 else sa.func.sum(t.c.total) / sa.func.sum(t.c.count))
+        stmt = (sa.select(value).join(Series.__table__, Series.id == t.c.series_id)
+                .where(Series.key == key, t.c.ts_ms >= int(start_s * 1000)))
+        if end_s != float("inf"):
+            stmt = stmt.where(t.c.ts_ms <= int(end_s * 1000))
+        with db.engine.connect() as conn:
+            mean = conn.execute(stmt).scalar()
+        if mean is not None:
+            return float(mean)
+    return None
+
+
+def sources_with_acceptance(db: Database) -> list[str]:
+    """The stored sources that measured speculative acceptance by draft position."""
+    return [s["name"] for s in list_sources(db)
+            if any(ACCEPTANCE_AT in key for key in list_series(db, s["name"]))]
+
+
 def list_sources(db: Database) -> list[dict]:
     """Every stored source: name, kind (detected or configured), version, URL, dollars/hour."""
     t = Source.__table__

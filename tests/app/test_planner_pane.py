@@ -7,6 +7,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from PySide6.QtCore import Qt
 
 from app.panes.planner.pane import PlannerPane
@@ -260,3 +261,43 @@ def test_a_long_prompt_plan_with_context_parallelism_says_why_and_exports_sglang
     html_path, _pdf = pane.export_report(tmp_path / "plan.html")
     text = html_path.read_text(encoding="utf-8")
     assert "Why this layout" in text and "context parallelism: one TP" in text
+
+
+def test_draft_acceptance_measured_by_a_monitored_server_is_offered_and_planned(
+        qtbot, tmp_path: Path) -> None:
+    """A server the monitor recorded speculating (its acceptance at each draft position) is
+    offered in the form's draft-acceptance choice; choosing it plans speculation with those
+    rates, the report says so, and the form keeps the choice."""
+    from storage.db import open_database
+    from storage.records import Sample
+    from storage.writer import Writer
+
+    url = f"sqlite:///{tmp_path / 'monitor.db'}"
+    db = open_database(url)
+    writer = Writer(db).start()
+    now = 1_800_000_000.0
+    writer.submit([Sample(f"prod/spec_acceptance_rate_at[position={i}]", now + t, rate + t / 100)
+                   for i, rate in enumerate((0.6, 0.4, 0.2)) for t in (0.0, 2.0)])
+    assert writer.close()
+    db.close()
+    pane = PlannerPane(form_folder=tmp_path, db_url=url)
+    qtbot.addWidget(pane)
+    assert pane.refresh_acceptance() == 1
+    labels = [pane.form.acceptance.itemText(i) for i in range(pane.form.acceptance.count())]
+    assert labels[1] == "measured on prod: 2.23 tokens a step (3 draft tokens)"
+    pane.form.acceptance.setCurrentIndex(1)  # as a user picks it
+    form = replace(pane.form.state(), model="Llama-3.1-8B", rate=2.0, gpus=("H100 SXM",),
+                   weights=("fp8",), kv=("fp8",), speculative=True, num_requests=200)
+    assert form.spec_measured_on == "prod"
+    assert form.spec_accepted_at == pytest.approx((0.61, 0.41, 0.21))
+    _search(qtbot, pane, form)
+    specs = [p.deployment.spec for p in pane.outcome.result.candidates if p.deployment.spec]
+    assert specs and all(s.measured_on == "prod" for s in specs)
+    assert specs[0].tokens_per_step == pytest.approx(2.23)
+    html_path, _pdf = pane.export_report(tmp_path / "plan.html")
+    assert "as measured on prod (acceptance by draft position 61%, 41%, 21%)" in \
+        html_path.read_text(encoding="utf-8")
+    pane.save()
+    again = PlannerPane(form_folder=tmp_path, db_url=url)
+    qtbot.addWidget(again)
+    assert again.form.state().spec_measured_on == "prod"

@@ -26,6 +26,15 @@ from planner.catalog import Catalog, Model
 from planner.hf_import import model_from_hf_config
 from planner.workload import ARRIVALS, LENGTHS
 
+ASSUMED_ACCEPTANCE = "assumed: 4 draft tokens, 70% accepted each"
+
+
+def acceptance_label(name: str, rates) -> str:
+    """'measured on vllm-a: 2.31 tokens a step (3 draft tokens)'."""
+    return (f"measured on {name}: {1.0 + sum(rates):.2f} tokens a step "
+            f"({len(rates)} draft tokens)")
+
+
 WEIGHT_CHOICES = ("bf16", "fp8", "int8", "int4")
 KV_CHOICES = ("bf16", "fp8", "int8")
 
@@ -88,6 +97,12 @@ class WorkloadForm(QWidget):
         self.kv = {p: QCheckBox(p) for p in KV_CHOICES}
         self.speculative = QCheckBox("speculative decoding (EAGLE)")
         self.speculative.setToolTip("4 draft tokens, 70% accepted each (planner.timing.SpecDecode)")
+        # Where the draft's acceptance comes from: assumed, or measured by a server the monitor
+        # recorded (set_acceptance_sources fills it in).
+        self.acceptance = QComboBox()
+        self.acceptance.setToolTip("Draft acceptance by position as a monitored server measured "
+                                   "it (servescope record, or the Monitor tab), or assumed")
+        self.acceptance.addItem(ASSUMED_ACCEPTANCE, None)
         self.spot_share = _spin(0.0, 1.0, 0.1, 2)
         self.autoscale = QCheckBox("autoscale replicas over the day")
         self._build()
@@ -115,6 +130,7 @@ class WorkloadForm(QWidget):
         options.addRow("Weights", self._row(list(self.weights.values())))
         options.addRow("KV cache", self._row(list(self.kv.values())))
         options.addRow("", self.speculative)
+        options.addRow("Draft acceptance", self.acceptance)
         options.addRow("Spot share", self.spot_share)
         options.addRow("", self.autoscale)
         layout = QVBoxLayout(self)
@@ -146,7 +162,8 @@ class WorkloadForm(QWidget):
         for box in (self.rate, self.input_len, self.output_len, self.prefix_share, self.ttft,
                     self.tpot, self.budget, self.spot_share):
             box.valueChanged.connect(self.changed)
-        for combo in (self.profile, self.arrival, self.input_dist, self.output_dist):
+        for combo in (self.profile, self.arrival, self.input_dist, self.output_dist,
+                      self.acceptance):
             combo.currentIndexChanged.connect(self.changed)
         for check in [*self.weights.values(), *self.kv.values(), self.speculative,
                       self.autoscale]:
@@ -169,7 +186,36 @@ class WorkloadForm(QWidget):
             weights=tuple(p for p, c in self.weights.items() if c.isChecked()),
             kv=tuple(p for p, c in self.kv.items() if c.isChecked()),
             speculative=self.speculative.isChecked(), spot_share=self.spot_share.value(),
-            autoscale=self.autoscale.isChecked())
+            autoscale=self.autoscale.isChecked(), **self._acceptance())
+
+    def _acceptance(self) -> dict:
+        measured = self.acceptance.currentData()
+        if not measured:
+            return {}
+        name, rates = measured
+        return {"spec_measured_on": name, "spec_accepted_at": tuple(rates)}
+
+    def set_acceptance_sources(self, sources: list[tuple[str, list[float]]]) -> None:
+        """Offer each monitored server's measured acceptance by draft position (keeping the
+        current choice where it is still offered)."""
+        current = self.acceptance.currentData()
+        self.acceptance.blockSignals(True)
+        try:
+            self.acceptance.clear()
+            self.acceptance.addItem(ASSUMED_ACCEPTANCE, None)
+            for name, rates in sources:
+                self.acceptance.addItem(acceptance_label(name, rates), (name, list(rates)))
+            self._select_acceptance(current[0] if current else "")
+        finally:
+            self.acceptance.blockSignals(False)
+
+    def _select_acceptance(self, name: str) -> None:
+        for i in range(self.acceptance.count()):
+            data = self.acceptance.itemData(i)
+            if (data[0] if data else "") == name:
+                self.acceptance.setCurrentIndex(i)
+                return
+        self.acceptance.setCurrentIndex(0)
 
     def set_state(self, form: FormState) -> None:
         """Show ``form``'s values, emitting a single `changed` at the end."""
@@ -202,6 +248,13 @@ class WorkloadForm(QWidget):
         for p, check in self.kv.items():
             check.setChecked(p in form.kv)
         self.speculative.setChecked(form.speculative)
+        if form.spec_measured_on and self.acceptance.findText(
+                acceptance_label(form.spec_measured_on, form.spec_accepted_at)) < 0:
+            # A saved form's measurement, offered again as it was (the source may be gone).
+            self.acceptance.addItem(acceptance_label(form.spec_measured_on,
+                                                     form.spec_accepted_at),
+                                    (form.spec_measured_on, list(form.spec_accepted_at)))
+        self._select_acceptance(form.spec_measured_on)
         self.spot_share.setValue(form.spot_share)
         self.autoscale.setChecked(form.autoscale)
 

@@ -227,6 +227,8 @@ class PlannerPane(PageMixin, QWidget):
     def _connect(self) -> None:
         self.form.notify.connect(self.notify)
         self.form.changed.connect(self._debounce.start)
+        # Turning speculation on reads what the monitor has measured since the pane started.
+        self.form.speculative.toggled.connect(lambda on: on and self.refresh_acceptance())
         self._debounce.timeout.connect(self.recompute)
         self.runner.progressed.connect(self._on_progress)
         self.runner.succeeded.connect(self._on_search_done)
@@ -280,8 +282,20 @@ class PlannerPane(PageMixin, QWidget):
         if self._catalog_error:
             self.notify.emit("error", self._catalog_error)
         self.restore_scenarios()
+        self.refresh_acceptance()
         self.recompute()
         self.device_runner.start(gpu_probe_task)
+
+    def refresh_acceptance(self) -> int:
+        """Offer the draft acceptance each monitored server measured (read from the database;
+        a broken one leaves the assumed figure, with one notice). Returns how many."""
+        try:
+            sources = self.store.acceptance_sources()
+        except Exception as exc:  # noqa: BLE001 - any database failure; the pane goes on
+            self._database_failed(exc)
+            return 0
+        self.form.set_acceptance_sources(sources)
+        return len(sources)
 
     def save(self) -> None:
         """Persist the form beside the user's catalogs."""

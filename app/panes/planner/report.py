@@ -66,6 +66,18 @@ def _summary(o: Outcome, best: Plan) -> str:
     return _table(["", ""], rows)
 
 
+def _speculation(f) -> str:
+    """Where the draft's acceptance comes from, as the plans used it."""
+    if not f.speculative:
+        return "Speculative decoding: not planned."
+    spec = f.spec_decode()
+    where = (f"as measured on {spec.measured_on} (acceptance by draft position "
+             + ", ".join(f"{a:.0%}" for a in spec.accepted_at) + ")"
+             if spec.accepted_at else f"assumed: {spec.acceptance:.0%} a draft token")
+    return (f"Speculative decoding: {spec.draft_len} draft tokens, {spec.tokens_per_step:.2f} "
+            f"tokens a step, {where}.")
+
+
 def _assumptions(o: Outcome) -> str:
     f = o.form
     spot = CostOptions().interruption_overhead
@@ -77,6 +89,7 @@ def _assumptions(o: Outcome) -> str:
         f"Targets: p99 TTFT {f.ttft_p99_ms:g} ms, p99 TPOT {f.tpot_p99_ms:g} ms; budget "
         + (f"${f.budget_per_hour:.2f}/hour." if f.budget else "none."),
         f"Spot share {f.spot_share:.0%} with {spot:.0%} of spot capacity lost to interruptions.",
+        _speculation(f),
         f"Memory: {MEMORY_UTILIZATION:.0%} of each GPU usable, {RUNTIME_RESERVE_GB} GB runtime "
         "reserve per GPU (plus NCCL buffers when GPUs talk).",
         f"Latencies from a discrete-event simulation of {f.num_requests} requests per plan "

@@ -54,6 +54,10 @@ class FormState:
     spot_share: float = 0.0
     autoscale: bool = True
     num_requests: int = 400
+    # Acceptance by draft position a monitored server measured (the source's name and its
+    # rates); empty: the assumed 70% a token.
+    spec_measured_on: str = ""
+    spec_accepted_at: tuple[float, ...] = ()
 
     def workload(self, rate_scale: float = 1.0) -> Workload:
         """The planner's Workload; raises ValueError with the planner's sentence when invalid."""
@@ -65,12 +69,18 @@ class FormState:
                         num_requests=self.num_requests,
                         daily_profile=DAILY_PROFILES.get(self.profile, ()))
 
+    def spec_decode(self) -> SpecDecode:
+        """The speculation planned: as measured on a monitored server where one is chosen."""
+        if self.spec_accepted_at:
+            return SpecDecode.from_measured(self.spec_accepted_at, self.spec_measured_on)
+        return SpecDecode()
+
     def space(self) -> SearchSpace:
         """The search space the options select; empty selections are a user error."""
         if not self.gpus or not self.weights or not self.kv:
             raise ValueError("choose at least one GPU type, one weight precision and one KV "
                              "precision")
-        spec = (None, SpecDecode()) if self.speculative else (None,)
+        spec = (None, self.spec_decode()) if self.speculative else (None,)
         return SearchSpace(gpus=self.gpus, weights=self.weights, kv=self.kv, spec=spec,
                            prefix_hit=self.prefix_share)
 

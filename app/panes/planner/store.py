@@ -53,6 +53,15 @@ class PlannerStore:
 
         return list_runs(self.database(), "loadtest")
 
+    def acceptance_sources(self) -> list[tuple[str, list[float]]]:
+        """Each monitored server that measured speculative acceptance by draft position, with
+        its rates (the mean of what was stored)."""
+        from storage.queries import acceptance_by_position, sources_with_acceptance
+
+        db = self.database()
+        found = [(name, acceptance_by_position(db, name)) for name in sources_with_acceptance(db)]
+        return [(name, rates) for name, rates in found if rates]
+
     def load_plan_runs(self) -> list[Any]:
         """The runs "Run a plan here" stored, each beside its prediction (app.plan_run)."""
         from app.plan_run import validation_rows
