@@ -281,8 +281,8 @@ def _print_band(basis_: dict) -> None:
 
 
 def _print_evaluation(r: dict) -> None:
-    print(f"{r['model']} on {r['tp'] * r['pp']}x {r['gpu']} x{r['replicas']} replicas "
-          f"({r['weights']} weights, {r['kv']} KV)")
+    print(f"{r['model']} on {r['gpus_per_replica']}x {r['gpu']} ({r['layout']}) "
+          f"x{r['replicas']} replicas ({r['weights']} weights, {r['kv']} KV)")
     print(f"  throughput  {r['throughput_tok_s']:.0f} output tok/s")
     for key in ("ttft_ms", "tpot_ms"):
         s = r[key]

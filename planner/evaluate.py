@@ -90,6 +90,7 @@ def evaluation_dict(ev: Evaluation) -> dict:
     d = ev.deployment
     return {
         "model": d.model.name, "gpu": d.gpu.name, "tp": d.tp, "pp": d.pp, "dcp": d.dcp, "cp": d.cp,
+        "layout": d.layout, "gpus_per_replica": d.gpus,
         "replicas": ev.replicas, "weights": d.weights, "kv": d.kv, "max_seqs": d.max_seqs,
         "fits": ev.memory.fits,
         "memory_gb": round(ev.memory.total_gb, 3),
