@@ -8,10 +8,14 @@ against the same search with that parallelism switched off, in the same run.
 2. Llama-3.1-70B (GQA, 8 KV heads) at 128K with a relaxed TTFT SLO (60 s): the best plan on
    H100/H200. vLLM allows DCP for it only above TP 8 (one node), so both searches agree, which
    the output shows.
-3. Prefill context parallelism (CP: copies of a TP group on other nodes each taking a share of
-   every prompt, SGLang's --attn-cp-size): Llama-3.1-70B answering over 124K-token documents
-   with TTFT p99 <= 8 s on H100/H200. One node's prefill of such a prompt takes about 10 s,
-   so no plan without CP can meet it; CP sizes (1, 2, 4) against CP 1 only.
+3. Prefill context parallelism (CP: copies of a TP group, on other nodes, each taking a share
+   of every prompt; vLLM's -pcp, SGLang's --attn-cp-size): DeepSeek-V3 answering over
+   124K-token documents (no prefix hits) with TTFT p99 <= 10 s on H200. One node's prefill of
+   such a prompt takes about 12 s, so no plan without CP can meet it; CP sizes (1, 2, 4)
+   against CP 1 only.
+4. The same for Llama-3.1-70B (TTFT p99 <= 8 s, one node's prefill about 10 s) on H100/H200:
+   neither vLLM 0.32 nor SGLang 0.5.23 runs CP for its attention, so the search offers no CP
+   plan and says so (its notes).
 Prints one JSON object.
 
     .venv/bin/python benchmarks/planner_long_context.py
@@ -49,7 +53,8 @@ def run(model, w: Workload, space: SearchSpace, catalog, switched: str) -> dict:
         out[name] = {"evaluated": r.evaluated, "fitting": r.fitting,
                      "seconds": round(time.perf_counter() - started, 2),
                      "best": {k: best.as_dict()[k] for k in KEYS} if best else None,
-                     "infeasible": r.infeasible or None}
+                     "infeasible": r.infeasible or None, "notes": r.notes,
+                     "why_layout": r.why_layout or None}
     a, b = out["with"]["best"], out["baseline"]["best"]
     out["baseline_cost_over_best_cost"] = (round(b["cost_per_hour"] / a["cost_per_hour"], 3)
                                            if a and b else None)
@@ -73,6 +78,11 @@ def main() -> int:
             Workload(126976, 1024, rate=0.05, slo=Slo(60000, 100), num_requests=200),
             SearchSpace(gpus=("H100 SXM", "H200"), spec=(None,), max_seqs=(16, 64), cp=(1,)),
             catalog, "dcp"),
+        "DeepSeek-V3 124K documents, TTFT p99 10 s, H200": run(
+            catalog.model("DeepSeek-V3"),
+            Workload(126976, 1024, rate=0.05, slo=Slo(10000, 100), num_requests=200),
+            SearchSpace(gpus=("H200",), weights=("fp8",), kv=("fp8", "bf16"), tp=(4, 8),
+                        pp=(1, 2), spec=(None,), max_seqs=(16, 64)), catalog, "cp"),
         "Llama-3.1-70B 124K documents, TTFT p99 8 s, H100/H200": run(
             catalog.model("Llama-3.1-70B"),
             Workload(126976, 1024, rate=0.05, slo=Slo(8000, 100), num_requests=200),

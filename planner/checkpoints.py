@@ -177,11 +177,25 @@ def speculation_for(model: Model, spec: SpecDecode) -> SpecDecode | str:
             f"known (planner/checkpoints.py lists them; n-gram needs none)")
 
 
+def cp_servable(model: Model) -> str:
+    """Why no exported engine runs prefill context parallelism for `model`, or "". vLLM 0.32
+    runs it on MLA attention only (its other backends leave supports_pcp off); SGLang 0.5.23
+    runs it for the models whose attention it splits by the attention-TP width (DeepSeek's
+    MLA, Qwen3), not for Llama, Mistral or Qwen2, whose heads it splits by the whole TP world."""
+    if model.is_mla:
+        return ""
+    return (f"prefill context parallelism for {model.name} runs in neither vLLM 0.32 (MLA "
+            f"attention only) nor SGLang 0.5.23 (DeepSeek and Qwen3 models only)")
+
+
 def servable(d: Deployment) -> Deployment | str:
-    """The deployment as vLLM can run it (its draft resolved), or why it cannot run."""
+    """The deployment as vLLM (or, for context parallelism, SGLang) can run it (its draft
+    resolved), or why it cannot run."""
     weights = weights_for(d.model, d.weights)
     if isinstance(weights, str):
         return weights
+    if d.cp > 1 and cp_servable(d.model):
+        return cp_servable(d.model)
     if d.spec is None:
         return d
     if d.pp > 1:

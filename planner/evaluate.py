@@ -54,7 +54,7 @@ def evaluate(d: Deployment, w: Workload, replicas: int = 1,
     memory = memory_for(d, w)
     if not memory.fits:
         raise InfeasibleError(f"{d.model.name} on {d.gpus}x {d.gpu.name} ({d.weights} weights, "
-                              f"TP{d.tp} PP{d.pp}) does not fit: {memory.reason}")
+                              f"{d.layout}) does not fit: {memory.reason}")
     result = simulate(replica_for(d, memory, calibration), w, replicas)
     hourly = cost_per_hour(d.gpu, d.gpus, replicas, cost_opts or CostOptions())
     inp, out = token_prices(d, w, replicas, memory, calibration, hourly,

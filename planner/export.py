@@ -11,7 +11,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 from planner import kubernetes
-from planner.checkpoints import Weights, speculation_for, weights_for
+from planner.checkpoints import Weights, cp_servable, speculation_for, weights_for
 from planner.disagg import DisaggPlan
 from planner.kubernetes import VLLM_IMAGE
 from planner.search import Plan
@@ -99,8 +99,7 @@ def vllm_command(plan: Plan, prefix_caching: bool = True) -> str:
         # sets it (vllm/v1/attention/backend.py, vllm/v1/worker/cp_utils.py).
         if not d.model.is_mla:
             raise NotServable(f"vLLM 0.32 runs prefill context parallelism on MLA attention "
-                              f"only; {d.model.name} with cp {d.cp} runs on SGLang "
-                              f"(--attn-cp-size)")
+                              f"only, not {d.model.name}'s")
         args += ["--prefill-context-parallel-size", str(d.cp)]
     if max_model_len(plan):
         args += ["--max-model-len", str(max_model_len(plan))]
@@ -186,7 +185,10 @@ def sglang_command(plan: Plan, prefix_caching: bool = True) -> str:
     args = ["python", "-m", "sglang.launch_server", "--model-path", weights.model_id,
             "--tp-size", str(d.tp * d.cp), "--pp-size", str(d.pp),
             "--max-running-requests", str(d.max_seqs)]
-    if d.cp > 1:  # prefill CP for MHA/GQA and MLA models alike; zigzag balances causal work
+    if d.cp > 1:  # zigzag balances the causal work between the ranks
+        why = cp_servable(d.model)
+        if why:
+            raise NotServable(why)
         args += ["--attn-cp-size", str(d.cp), "--enable-prefill-cp", "--cp-strategy", "zigzag"]
     if weights.quantization:
         args += ["--quantization", weights.quantization]

@@ -38,9 +38,11 @@ class Cancelled(Exception):
 # than dropped (a single DeepSeek-V3 replica at 128K estimated TPOT 100.2 ms, simulated p99 93 ms,
 # against a 100 ms SLO).
 SCREEN_SLACK = 1.1
-# Below this many prompt tokens a prefill takes well under a second even on one GPU, so
-# splitting it over nodes buys no TTFT worth a second node's cost; the search skips CP there.
-CP_MIN_PROMPT = 16384
+# Prompts shorter than this are not split by context parallelism in the search: each CP rank
+# adds a whole TP group's cost to buy TTFT, worth it where a prompt's prefill is seconds long
+# (a 128K prompt on a TP8 node: 6-12 s), and the search's candidates stay fewer. A shorter
+# prompt against a tighter TTFT target can still be planned with CP by `plan evaluate --cp`.
+CP_MIN_PROMPT = 8192
 
 
 @dataclass(frozen=True)
@@ -414,6 +416,6 @@ def _memory_relaxation(model: Model, w: Workload, catalog: Catalog, space: Searc
     for d in enumerate_deployments(model, catalog, wider):
         if screen.memory_of(d).fits:
             return msg + (f"; nearest feasible relaxation: {d.weights} weights on "
-                          f"{d.gpus}x {d.gpu.name} (TP{d.tp} PP{d.pp})")
+                          f"{d.gpus}x {d.gpu.name} ({d.layout})")
     return msg + "; no catalog GPU holds it even at int4 with 32 GPUs per replica"
 

@@ -154,6 +154,8 @@ def cp_problem(gpu: Gpu, group_gpus: int, cp: int, dcp: int) -> str:
         return f"cp must be at least 1, got {cp}"
     if cp == 1:
         return ""
+    if gpu.interconnect == "none":
+        return f"{gpu.name} has no peers to split a prompt with; set cp to 1"
     if group_gpus * cp > MAX_TP and gpu.network_gbs <= 0:
         return (f"prefill context parallelism over {group_gpus * cp} GPUs spans nodes, and the "
                 f"catalog has no network between {gpu.name} nodes (network_gbs); use fewer "
@@ -403,7 +405,7 @@ class StepCost:
         comm = self.comm_fixed + self.comm_per_token * tokens / micro
         if self.dcp_fixed:  # every token's attention reads a striped cache, prompts' too
             comm += self.dcp_fixed + self.dcp_per_token * tokens / micro
-        stage = linear + attention + comm + cp_comm
+        stage = linear + attention + comm + cp_comm / micro
         handoff = self.handoff_fixed + self.handoff_per_token * tokens / micro
         draft = self.draft_seconds if decode_seqs else 0.0
         return self.overhead + self.per_seq * sampled + pp * stage + handoff + draft

@@ -65,32 +65,49 @@ def first_values(db: Database, key: str, count: int) -> list[float]:
 
 
 ACCEPTANCE_AT = "spec_acceptance_rate_at[position="
+ACCEPTED_AT = "spec_accepted_tokens_at_total[position="
+DRAFTS = "spec_drafts_total"
 
 
 def acceptance_by_position(db: Database, source: str, start_s: float = 0.0,
                            end_s: float = float("inf")) -> list[float]:
     """A source's speculative acceptance at each draft position (vLLM's definition: accepted
-    at position i per draft), the mean of its stored readings in [start_s, end_s], position
-    0 first; [] where it stored none (it did not speculate, or was not monitored)."""
-    prefix = f"{source}/{ACCEPTANCE_AT}"
-    positions = {}
-    for key in list_series(db, source):
-        if key.startswith(prefix) and key.endswith("]") and key[len(prefix):-1].isdigit():
-            positions[int(key[len(prefix):-1])] = key
+    at position i per draft), position 0 first, over what it stored in [start_s, end_s]; []
+    where it stored none (it did not speculate, or was not monitored).
+
+    From its counters where it stored them (a server's: every draft counted once, whenever it
+    came, the first reading's count since the server started included); else the plain mean
+    of its stored acceptance readings (the embedded engine stores only those, one per window
+    that drafted)."""
+    keys = list_series(db, source)
+    drafts = _counter_total(db, f"{source}/{DRAFTS}", start_s, end_s) \
+        if f"{source}/{DRAFTS}" in keys else 0.0
+    if drafts > 0:
+        totals = _positions(keys, f"{source}/{ACCEPTED_AT}")
+        return [float(_counter_total(db, key, start_s, end_s) / drafts) for key in totals]
     rates = []
-    for i in range(len(positions)):
-        if i not in positions:
-            break  # positions are stored from 0 up; a gap leaves the rest unplaced
-        mean = _mean_value(db, positions[i], start_s, end_s)
+    for key in _positions(keys, f"{source}/{ACCEPTANCE_AT}"):
+        mean = _mean_value(db, key, start_s, end_s)
         if mean is None:
             break
         rates.append(mean)
     return rates
 
 
+def _positions(keys: list[str], prefix: str) -> list[str]:
+    """The keys `prefix` + "N]" for N = 0, 1, ... up to the first missing position."""
+    found = {int(k[len(prefix):-1]): k for k in keys
+             if k.startswith(prefix) and k.endswith("]") and k[len(prefix):-1].isdigit()}
+    out = []
+    while len(out) in found:
+        out.append(found[len(out)])
+    return out
+
+
 def _mean_value(db: Database, key: str, start_s: float, end_s: float) -> float | None:
-    """A series' mean in [start_s, end_s]: its raw samples, or where retention has rolled them
-    up, its minute then hour buckets (total over count)."""
+    """A series' mean in [start_s, end_s]: of its raw samples where any are stored there, else
+    (retention has rolled them up) of its minute buckets, else its hour buckets (total over
+    count)."""
     for model in (SampleRow, Rollup1m, Rollup1h):
         t = model.__table__
         value = (sa.func.avg(t.c.value) if model is SampleRow
@@ -106,10 +123,24 @@ def _mean_value(db: Database, key: str, start_s: float, end_s: float) -> float |
     return None
 
 
+def _counter_total(db: Database, key: str, start_s: float, end_s: float) -> float:
+    """What a counter counted by the end of [start_s, end_s]: its first raw reading there (its
+    count since the server started) plus every rise after it; a fall is a restart, whose new
+    count is added whole."""
+    _, values = series_window(db, key, start_s, min(end_s, 4e9), "raw")
+    if not len(values):
+        return 0.0
+    total = float(values[0])
+    for before, after in zip(values[:-1], values[1:], strict=True):
+        total += float(after - before if after >= before else after)
+    return total
+
+
 def sources_with_acceptance(db: Database) -> list[str]:
     """The stored sources that measured speculative acceptance by draft position."""
     return [s["name"] for s in list_sources(db)
-            if any(ACCEPTANCE_AT in key for key in list_series(db, s["name"]))]
+            if any(ACCEPTANCE_AT in key or ACCEPTED_AT in key
+                   for key in list_series(db, s["name"]))]
 
 
 def list_sources(db: Database) -> list[dict]:

@@ -237,30 +237,32 @@ def test_cancel_the_workstation_benchmark(qtbot, tmp_path: Path, demo_gguf: Path
     assert not (Path(os.environ["SERVESCOPE_DATA_DIR"]) / "bench_results.jsonl").exists()
 
 
-def test_a_long_prompt_plan_with_context_parallelism_says_why_and_exports_sglang(
+def test_a_long_prompt_plan_with_context_parallelism_says_why_and_spans_nodes(
         qtbot, tmp_path: Path) -> None:
-    """124K-token documents with an 8 s TTFT target: only context parallelism meets it. The
-    pane ranks a CP plan, its deploy text says why vLLM is not offered and gives SGLang's
-    multi-node command with each node's rank left to its shell, the saved script runs SGLang,
-    and the report says why the plan spans nodes."""
+    """124K-token documents for DeepSeek-V3 with a 10 s TTFT target: only context parallelism
+    meets it. The pane ranks a CP plan, its deploy text gives vLLM's and SGLang's multi-node
+    commands, the saved script says how each server spans the nodes, and the report says why
+    the plan spans them."""
     pane = _pane(qtbot, tmp_path)
-    form = FormState(model="Llama-3.1-70B", rate=0.05, input_len=126976, input_dist="fixed",
-                     output_len=1024, output_dist="fixed", ttft_p99_ms=8000.0,
-                     tpot_p99_ms=100.0, gpus=("H100 SXM",), weights=("fp8",), kv=("fp8",),
-                     speculative=False, autoscale=False, num_requests=200)
+    form = FormState(model="DeepSeek-V3", rate=0.05, input_len=126976, input_dist="fixed",
+                     output_len=1024, output_dist="fixed", ttft_p99_ms=10000.0,
+                     tpot_p99_ms=100.0, gpus=("H200",), weights=("fp8",), kv=("fp8",),
+                     speculative=False, autoscale=False, num_requests=100)
     _search(qtbot, pane, form)
     best = pane.outcome.best
     assert best.deployment.cp > 1 and f"CP{best.deployment.cp}" in plan_label(best)
     deploy = pane.deploy.toPlainText()
-    assert "# Not offered: vLLM 0.32 runs prefill context parallelism on MLA attention only" \
-        in deploy
-    assert "--attn-cp-size" in deploy and '--node-rank "$NODE_RANK"' in deploy
+    assert "--prefill-context-parallel-size" in deploy and "--attn-cp-size" in deploy
+    assert '--node-rank "$NODE_RANK"' in deploy
     script = pane.save_deploy(tmp_path / "deploy.sh")[0].read_text(encoding="utf-8")
-    sglang = script[script.index("# SGLang"):]
-    assert "\npython -m sglang.launch_server" in sglang  # run, not commented out
+    nodes = best.deployment.nodes
+    assert f"# vLLM over {nodes} nodes: start a Ray cluster on them first" in script
+    assert "\nvllm serve deepseek-ai/DeepSeek-V3" in script  # run; SGLang's commented out
+    assert f"# SGLang over {nodes} nodes: run its command on each, with NODE_RANK=0" in script
+    assert "\n# python -m sglang.launch_server" in script
     html_path, _pdf = pane.export_report(tmp_path / "plan.html")
     text = html_path.read_text(encoding="utf-8")
-    assert "Why this layout" in text and "context parallelism: one TP" in text
+    assert "Why this layout" in text and "context parallelism: one TP8 group" in text
 
 
 def test_draft_acceptance_measured_by_a_monitored_server_is_offered_and_planned(

@@ -147,31 +147,58 @@ def test_cp_needs_a_network_between_nodes_and_is_planned_apart_from_dcp(catalog)
         Deployment(llama, catalog.gpu("H100 SXM"), tp=8, cp=0)
 
 
-def test_a_ttft_only_cp_can_meet_gets_a_cp_plan_and_sglangs_command(catalog):
-    """124K-token documents with TTFT p99 <= 8 s: one node prefills such a prompt in about
-    10 s, so the search without CP finds nothing and says how close it came; with CP it plans
-    TP8·CP2 or wider across nodes, exported for SGLang (every node runs the command with its
-    own rank), while vLLM 0.32, which runs PCP on MLA attention only, is refused by name."""
-    w = Workload(LONG_PROMPT, 1024, rate=0.05, slo=Slo(ttft_p99_ms=8000, tpot_p99_ms=100),
-                 num_requests=200)
-    space = SearchSpace(gpus=("H100 SXM",), weights=("fp8",), kv=("fp8",), tp=(8,), pp=(1,),
+def test_a_ttft_only_cp_can_meet_gets_a_cp_plan_both_servers_run(catalog):
+    """DeepSeek-V3 answering over 124K-token documents with TTFT p99 <= 10 s: one H200 node
+    prefills such a prompt in about 12 s, so the search without CP finds nothing and says how
+    close it came; with CP it plans TP8·CP2 or wider across nodes, says why, and both servers
+    get its command (each node's rank left to its shell)."""
+    w = Workload(LONG_PROMPT, 1024, rate=0.05, slo=Slo(ttft_p99_ms=10000, tpot_p99_ms=100),
+                 num_requests=100)
+    space = SearchSpace(gpus=("H200",), weights=("fp8",), kv=("fp8",), tp=(8,), pp=(1,),
                         spec=(None,), max_seqs=(16,))
-    llama = catalog.model("Llama-3.1-70B")
-    without = search(llama, w, catalog, replace(space, cp=(1,)))
+    ds = catalog.model("DeepSeek-V3")
+    without = search(ds, w, catalog, replace(space, cp=(1,)))
     assert not without.candidates
-    assert "lowest TTFT any option reaches is 10" in without.infeasible
-    best = search(llama, w, catalog, space).candidates[0]
+    assert "lowest TTFT any option reaches is 11" in without.infeasible
+    result = search(ds, w, catalog, space)
+    best = result.candidates[0]
     d = best.deployment
-    assert d.cp > 1 and best.ttft_p99_ms <= 8000 and best.tpot_p99_ms <= 100
+    assert d.cp > 1 and best.ttft_p99_ms <= 10000 and best.tpot_p99_ms <= 100
     assert best.as_dict()["layout"] == f"TP8·CP{d.cp}" and best.as_dict()["cp"] == d.cp
+    assert result.why_layout.startswith("context parallelism: one TP8 group prefills a "
+                                        "126976-token prompt in 11.")
     argv = shlex.split(sglang_command(best))
     assert argv[argv.index("--tp-size") + 1] == str(8 * d.cp)
     assert argv[argv.index("--attn-cp-size") + 1] == str(d.cp)
     assert argv[argv.index("--cp-strategy") + 1] == "zigzag" and "--enable-prefill-cp" in argv
     assert argv[argv.index("--nnodes") + 1] == str(d.cp)
     assert argv[argv.index("--node-rank") + 1] == "$NODE_RANK"
-    with pytest.raises(NotServable, match="MLA attention only; Llama-3.1-70B with cp"):
-        vllm_command(best)
+    argv = shlex.split(vllm_command(best))
+    assert argv[argv.index("--prefill-context-parallel-size") + 1] == str(d.cp)
+
+
+def test_cp_is_not_offered_where_no_server_runs_it(catalog):
+    """Llama-3.1-70B's GQA attention: vLLM 0.32 runs PCP on MLA only, and SGLang 0.5.23 splits
+    Llama's heads over its whole TP world, so neither runs the layout the model would time.
+    The search offers no CP plan, says which candidates it left out and why, and the exports
+    refuse one built by hand."""
+    w = Workload(LONG_PROMPT, 1024, rate=0.05, slo=Slo(ttft_p99_ms=8000, tpot_p99_ms=100),
+                 num_requests=100)
+    space = SearchSpace(gpus=("H100 SXM",), weights=("fp8",), kv=("fp8",), tp=(8,), pp=(1,),
+                        spec=(None,), max_seqs=(16,))
+    llama = catalog.model("Llama-3.1-70B")
+    result = search(llama, w, catalog, space)
+    assert not result.candidates and "lowest TTFT any option reaches is 10" in result.infeasible
+    assert any("prefill context parallelism for Llama-3.1-70B runs in neither vLLM 0.32" in note
+               for note in result.notes)
+
+    class _Plan:
+        deployment = Deployment(llama, catalog.gpu("H100 SXM"), "fp8", "fp8", tp=8, cp=2)
+
+    with pytest.raises(NotServable, match="MLA attention only, not Llama-3.1-70B's"):
+        vllm_command(_Plan())
+    with pytest.raises(NotServable, match="nor SGLang 0.5.23"):
+        sglang_command(_Plan())
 
 
 def test_vllm_runs_cp_for_an_mla_model(catalog):

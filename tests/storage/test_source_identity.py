@@ -31,3 +31,21 @@ def test_a_none_field_leaves_what_is_stored(sqlite_db):
     assert w.close()
     row = queries.list_sources(sqlite_db)[0]
     assert (row["version"], row["url"]) == ("0.32.0", "http://h:1")
+
+
+def test_acceptance_by_position_counts_every_draft_across_a_restart(sqlite_db):
+    """From a server's counters: its first reading (drafts before recording began) plus every
+    rise, a fall being a restart whose new count adds whole; vLLM's definition, accepted at
+    position i over drafts."""
+    w = Writer(sqlite_db).start()
+    drafts = (5.0, 9.0, 2.0, 4.0)  # restarted after the second reading
+    at0, at1 = (3.0, 6.0, 1.0, 3.0), (1.0, 2.0, 0.0, 1.0)
+    w.submit([Sample("srv/spec_drafts_total", T0 + i, v) for i, v in enumerate(drafts)]
+             + [Sample("srv/spec_accepted_tokens_at_total[position=0]", T0 + i, v)
+                for i, v in enumerate(at0)]
+             + [Sample("srv/spec_accepted_tokens_at_total[position=1]", T0 + i, v)
+                for i, v in enumerate(at1)])
+    assert w.close()
+    assert queries.acceptance_by_position(sqlite_db, "srv") == [9 / 13, 3 / 13]
+    assert queries.sources_with_acceptance(sqlite_db) == ["srv"]
+    assert queries.acceptance_by_position(sqlite_db, "nobody") == []

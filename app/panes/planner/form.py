@@ -168,6 +168,7 @@ class WorkloadForm(QWidget):
         for check in [*self.weights.values(), *self.kv.values(), self.speculative,
                       self.autoscale]:
             check.toggled.connect(self.changed)
+        self.speculative.toggled.connect(self.acceptance.setEnabled)
         self.gpus.itemChanged.connect(self.changed)
 
     # ---- public API
@@ -205,6 +206,10 @@ class WorkloadForm(QWidget):
             self.acceptance.addItem(ASSUMED_ACCEPTANCE, None)
             for name, rates in sources:
                 self.acceptance.addItem(acceptance_label(name, rates), (name, list(rates)))
+            if current and current[0] not in {name for name, _ in sources}:
+                # The chosen measurement stays as it was, though its source is no longer
+                # stored (retention, another database): the plans keep using it.
+                self.acceptance.addItem(acceptance_label(*current), current)
             self._select_acceptance(current[0] if current else "")
         finally:
             self.acceptance.blockSignals(False)
@@ -248,6 +253,7 @@ class WorkloadForm(QWidget):
         for p, check in self.kv.items():
             check.setChecked(p in form.kv)
         self.speculative.setChecked(form.speculative)
+        self.acceptance.setEnabled(form.speculative)
         if form.spec_measured_on and self.acceptance.findText(
                 acceptance_label(form.spec_measured_on, form.spec_accepted_at)) < 0:
             # A saved form's measurement, offered again as it was (the source may be gone).

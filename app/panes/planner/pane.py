@@ -735,12 +735,22 @@ def gpu_probe_task(_cancel) -> object:
 
 def deploy_script(plan: Plan) -> str:
     """A shell script starting one replica with vLLM, SGLang's equivalent commented out; with
-    SGLang where vLLM cannot run the plan (the script says why)."""
+    SGLang where vLLM cannot run the plan (the script says why). A replica over several nodes
+    says how each server spans them."""
     vllm = command_or_reason(vllm_command, plan)
     sglang = command_lines(command_or_reason(sglang_command, plan))
-    head = f"#!/bin/sh\n# {plan_label(plan)}, one replica (servescope).\n\n"
+    nodes = plan.deployment.nodes
+    head = f"#!/bin/sh\n# {plan_label(plan)}, one replica (servescope).\n"
+    sglang_nodes = (f"# SGLang over {nodes} nodes: run its command on each, with NODE_RANK=0 on "
+                    f"the first and 1..{nodes - 1} on the others, LEADER_ADDR the first "
+                    "node's address.\n") if nodes > 1 else ""
     if vllm.startswith("#"):
-        return f"{head}# vLLM\n{vllm}\n\n# SGLang\n{sglang}\n"
+        return f"{head}\n# vLLM\n{vllm}\n\n# SGLang\n{sglang_nodes}{sglang}\n"
+    if nodes > 1:
+        head += (f"# vLLM over {nodes} nodes: start a Ray cluster on them first (ray start "
+                 "--head on this node, ray start --address on the others), then run this "
+                 "here.\n")
     commented = "\n".join(line if line.startswith("#") else f"# {line}"
                           for line in sglang.splitlines())
-    return f"{head}# vLLM\n{command_lines(vllm)}\n\n# Or SGLang:\n{commented}\n"
+    return (f"{head}\n# vLLM\n{command_lines(vllm)}\n\n# Or SGLang:\n{sglang_nodes}"
+            f"{commented}\n")
