@@ -300,6 +300,12 @@ def test_draft_acceptance_measured_by_a_monitored_server_is_offered_and_planned(
     assert "as measured on prod (acceptance by draft position 61%, 41%, 21%)" in \
         html_path.read_text(encoding="utf-8")
     pane.save()
-    again = PlannerPane(form_folder=tmp_path, db_url=url)
+    # Started again on a database without that source (retention, another machine): the
+    # saved measurement stays chosen, as it was.
+    again = PlannerPane(form_folder=tmp_path, db_url=f"sqlite:///{tmp_path / 'other.db'}")
     qtbot.addWidget(again)
+    assert again.refresh_acceptance() == 0
     assert again.form.state().spec_measured_on == "prod"
+    assert again.form.state().spec_accepted_at == pytest.approx((0.61, 0.41, 0.21))
+    again.form.speculative.setChecked(False)
+    assert not again.form.acceptance.isEnabled()
