@@ -101,6 +101,8 @@ class PlannerPane(PageMixin, QWidget):
         self.bench_runner = TaskRunner(self)
         self.device_runner = TaskRunner(self)
         self.run_here_runner = TaskRunner(self)
+        # Reads the monitor's database, which can hold days of samples: off the GUI thread.
+        self.acceptance_runner = TaskRunner(self)
         self.no_gpu_reason = ""  # set once the device probe finds no CUDA GPU
         self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._build()
@@ -242,6 +244,7 @@ class PlannerPane(PageMixin, QWidget):
         self.bench_runner.cancelled.connect(
             lambda: self._bench_ended("Benchmark cancelled; the calibration is unchanged."))
         self.device_runner.succeeded.connect(self._on_devices)
+        self.acceptance_runner.succeeded.connect(self._on_acceptance)
         self.run_here_runner.progressed.connect(self._on_progress)
         self.run_here_runner.succeeded.connect(self._on_run_here_done)
         self.run_here_runner.failed.connect(
@@ -286,16 +289,16 @@ class PlannerPane(PageMixin, QWidget):
         self.recompute()
         self.device_runner.start(gpu_probe_task)
 
-    def refresh_acceptance(self) -> int:
-        """Offer the draft acceptance each monitored server measured (read from the database;
-        a broken one leaves the assumed figure, with one notice). Returns how many."""
-        try:
-            sources = self.store.acceptance_sources()
-        except Exception as exc:  # noqa: BLE001 - any database failure; the pane goes on
-            self._database_failed(exc)
-            return 0
+    def refresh_acceptance(self) -> None:
+        """Offer, once read in the background, the draft acceptance each monitored server
+        measured; a broken database leaves the assumed figure, with one notice."""
+        self.acceptance_runner.start(acceptance_task(self.store))
+
+    def _on_acceptance(self, sources: list | Failure) -> None:
+        if isinstance(sources, Failure):
+            self._database_failed(Exception(sources.message))
+            return
         self.form.set_acceptance_sources(sources)
-        return len(sources)
 
     def save(self) -> None:
         """Persist the form beside the user's catalogs."""
@@ -313,6 +316,7 @@ class PlannerPane(PageMixin, QWidget):
         self.bench_runner.stop()
         self.device_runner.stop()
         self.run_here_runner.stop()
+        self.acceptance_runner.stop()
         self.store.close()
 
     # ---- public API
@@ -530,7 +534,8 @@ class PlannerPane(PageMixin, QWidget):
         # One notification per session: a broken database should not nag on every click.
         if not self._db_reported:
             self._db_reported = True
-            self.notify.emit("error", f"Planner scenarios and load tests are unavailable: {exc}")
+            self.notify.emit("error", f"The planner's saved scenarios, load tests and measured "
+                                      f"draft acceptance are unavailable: {exc}")
 
     def _on_devices(self, gpus: list) -> None:
         if gpus:
@@ -723,6 +728,17 @@ def run_here_problem(plan: Plan | None) -> str:
     except NotServable as exc:
         return f"This plan cannot run here: {exc}"
     return ""
+
+
+def acceptance_task(store: PlannerStore):
+    """The measured acceptance by draft position of every recorded source (a worker task)."""
+    def task(_cancel) -> object:
+        yield Progress(None, "reading the monitor's measured draft acceptance")
+        try:
+            return store.acceptance_sources()
+        except Exception as exc:  # noqa: BLE001 - any database failure; the pane goes on
+            return Failure(str(exc))
+    return task
 
 
 def gpu_probe_task(_cancel) -> object:
