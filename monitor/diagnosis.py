@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from storage.queries import counter_increase
+
 
 @dataclass(frozen=True)
 class Threshold:
@@ -74,12 +76,6 @@ def _thirds(ts: np.ndarray, values: np.ndarray, start: float, end: float):
     return values[ts <= start + third], values[ts >= end - third]
 
 
-def _increase(values: np.ndarray) -> float:
-    steps = np.diff(values)
-    # A counter that went down restarted: what it counts since is its new value.
-    return float(np.where(steps >= 0, steps, values[1:]).sum())
-
-
 def _growth(ts, values, start, end) -> float | None:
     first, last = _thirds(ts, values, start, end)
     if not first.size or not last.size:
@@ -101,7 +97,7 @@ STATS = {
     "max": lambda ts, v, s, e, c: float(v.max()),
     "median": lambda ts, v, s, e, c: float(np.median(v)),
     "recent": lambda ts, v, s, e, c: _recent(ts, v, s, e),
-    "increase": lambda ts, v, s, e, c: _increase(v) if v.size >= 2 else None,
+    "increase": lambda ts, v, s, e, c: counter_increase(v) if v.size >= 2 else None,
     "growth": lambda ts, v, s, e, c: _growth(ts, v, s, e),
     "share_bits": lambda ts, v, s, e, c: float(np.mean((v.astype(np.int64) & c.mask) != 0)),
 }

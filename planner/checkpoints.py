@@ -194,8 +194,9 @@ def servable(d: Deployment) -> Deployment | str:
     weights = weights_for(d.model, d.weights)
     if isinstance(weights, str):
         return weights
-    if d.cp > 1 and cp_servable(d.model):
-        return cp_servable(d.model)
+    why = cp_servable(d.model) if d.cp > 1 else ""
+    if why:
+        return why
     if d.spec is None:
         return d
     if d.pp > 1:

@@ -142,7 +142,7 @@ def enumerate_deployments(model: Model, catalog: Catalog, space: SearchSpace,
             continue
         if cp_problem(gpu, tp * pp, cp, dcp):
             continue
-        if gpu.interconnect == "none" and tp * pp * dcp * cp > 1:  # one machine's CPU: no peers
+        if gpu.interconnect == "none" and tp * pp * dcp > 1:  # one machine's CPU: no peers
             continue
         out.append(Deployment(model, gpu, w, kv, tp, pp, seqs, space.max_batched_tokens, spec,
                               space.prefix_hit, dcp, cp=cp))

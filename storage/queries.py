@@ -123,17 +123,18 @@ def _mean_value(db: Database, key: str, start_s: float, end_s: float) -> float |
     return None
 
 
+def counter_increase(values: np.ndarray) -> float:
+    """How much a counter's readings rose, in order: a fall is a restart, whose new count is
+    what it counted since."""
+    steps = np.diff(values)
+    return float(np.where(steps >= 0, steps, values[1:]).sum())
+
+
 def _counter_total(db: Database, key: str, start_s: float, end_s: float) -> float:
     """What a counter counted by the end of [start_s, end_s]: its first raw reading there (its
-    count since the server started) plus every rise after it; a fall is a restart, whose new
-    count is added whole."""
+    count since the server started) plus every rise after it (counter_increase)."""
     _, values = series_window(db, key, start_s, min(end_s, 4e9), "raw")
-    if not len(values):
-        return 0.0
-    total = float(values[0])
-    for before, after in zip(values[:-1], values[1:], strict=True):
-        total += float(after - before if after >= before else after)
-    return total
+    return float(values[0]) + counter_increase(values) if len(values) else 0.0
 
 
 def sources_with_acceptance(db: Database) -> list[str]:
