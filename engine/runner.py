@@ -236,7 +236,7 @@ class ModelRunner:
                 mask = (_chunk_mask(n, ctx, self.device) if item.draft_parents is None
                         else _tree_chunk_mask(n, ctx, item.draft_parents, self.device))
                 prefills.append(PrefillChunk(row, row + n, slots[i, :ctx], mask,
-                                             item.mass_rows))
+                                             item.mass_rows, item.draft_parents is None))
             row += n
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), prefills=prefills)
         if decode_rows:

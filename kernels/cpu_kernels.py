@@ -1,6 +1,7 @@
 """The engine's CPU kernels in C (cpu_kernels.c): decode attention read straight from the paged
-cache, RMSNorm with its residual add, rotary embedding and SwiGLU; built with the machine's C
-compiler on first use and called through ctypes.
+cache, bfloat16 prefill attention (flash attention on VDPBF16PS), RMSNorm with its residual add,
+rotary embedding and SwiGLU; built with the machine's C compiler on first use and called through
+ctypes.
 
 At decode sizes PyTorch's eager ops cost microseconds of dispatch each for little arithmetic: the
 torch decode attention (reference._decode_attention) gathers every sequence's keys and values into
@@ -33,7 +34,7 @@ import torch
 from platformdirs import user_cache_dir
 
 from kernels import reference
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, PrefillChunk
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,8 @@ def _library() -> ctypes.CDLL | None:
     _INT, _F32 = ctypes.c_int, ctypes.c_float
     signatures = {
         "decode_attention": [_PTR] * 6 + [_I64] * 5 + [_F32, _INT, _INT],
+        # bfloat16 prefill chunks: -1 without AVX512-BF16.
+        "prefill_attention": [_PTR] * 6 + [_I64] * 5 + [_F32, _INT],
         "rms_norm": [_PTR] * 5 + [_I64, _I64, _F32, _INT, _INT],
         "rotary": [_PTR] * 6 + [_I64] * 6 + [_INT, _INT],
         "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT, _INT],
@@ -181,12 +184,50 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def prefill_attention(q: torch.Tensor, k_cache, v_cache, chunk: PrefillChunk,
+                      scale: float) -> torch.Tensor:
+    """Attention of one prefill chunk's queries ([n, H, D]) over its keys: the kernel for
+    bfloat16 (with AVX512-BF16, a head dim that is a multiple of 32), else the torch path."""
+    if not (_prefill_runs(q, k_cache, v_cache) and prefill_available()):
+        return reference._prefill_attention(q, k_cache, v_cache, chunk, scale)
+    out = _prefill_kernel(q, k_cache, v_cache, chunk, scale)
+    return reference._prefill_attention(q, k_cache, v_cache, chunk, scale) if out is None else out
+
+
+def _prefill_runs(q: torch.Tensor, k_cache, v_cache) -> bool:
+    return (q.dtype == torch.bfloat16 and isinstance(k_cache, torch.Tensor)
+            and isinstance(v_cache, torch.Tensor) and k_cache.dtype == torch.bfloat16
+            and v_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu"
+            and q.shape[-1] % 32 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
+def _prefill_kernel(q, k_cache, v_cache, chunk: PrefillChunk, scale: float):
+    """The kernel's output, or None where it declines (a shape it does not take, a context
+    too long for its repacked copy, no AVX512-BF16, a failed allocation)."""
+    q = q.contiguous()
+    slots = chunk.slots
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        slots = slots.to(torch.int64).contiguous()
+    mask = None if chunk.mask is None or chunk.causal else chunk.mask.contiguous()
+    out = torch.empty_like(q)
+    status = _library().prefill_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), slots.data_ptr(),
+        None if mask is None else mask.data_ptr(), q.shape[0], slots.shape[0], q.shape[1],
+        k_cache.shape[1], q.shape[2], scale, torch.get_num_threads())
+    return out if status == 0 else None
+
+
 def paged_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """reference.paged_attention with its decode rows through the kernel where it runs them."""
+    """reference.paged_attention with its decode rows and prefill chunks through the kernels
+    where they run them."""
     if not _runs(q, k_cache, v_cache, meta):
-        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
-    return reference.attend_rows(q, k_cache, v_cache, meta, scale, decode_attention)
+        if not meta.prefills or not _prefill_runs(q, k_cache, v_cache):
+            return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        return reference.attend_rows(q, k_cache, v_cache, meta, scale,
+                                     reference._decode_attention, prefill_attention)
+    return reference.attend_rows(q, k_cache, v_cache, meta, scale, decode_attention,
+                                 prefill_attention)
 
 
 def _kernel_dtype(*tensors: torch.Tensor) -> bool:
@@ -301,6 +342,36 @@ def _agrees(got, want, dtype: torch.dtype) -> bool:
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     return all(torch.allclose(g.float(), w.float(), atol=tolerance, rtol=tolerance)
                for g, w in zip(got, want, strict=True))
+
+
+@functools.cache
+def prefill_available() -> bool:
+    """Whether the prefill attention kernel runs here (AVX512-BF16) and agrees with the torch
+    path: GQA chunks over a cached prefix (causal from the chunk's position) and a draft
+    tree's mask, head dims 64 and 128, bfloat16."""
+    if _library() is None:
+        return False
+    gen = torch.Generator().manual_seed(1)
+    for dim, kv_heads, group, n, ctx in ((64, 3, 3, 37, 300), (128, 2, 1, 20, 20)):
+        k = torch.randn(400, kv_heads, dim, generator=gen).to(torch.bfloat16)
+        v = torch.randn(400, kv_heads, dim, generator=gen).to(torch.bfloat16)
+        q = torch.randn(n, kv_heads * group, dim, generator=gen).to(torch.bfloat16)
+        slots = torch.randperm(400, generator=gen)[:ctx]
+        causal = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+        tree = causal.clone()
+        tree[n - 3 :, ctx - 3 :] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        for mask, is_causal in ((causal, True), (tree, False)):
+            chunk = PrefillChunk(0, n, slots, mask, causal=is_causal)
+            got = _prefill_kernel(q, k, v, chunk, dim ** -0.5)
+            if got is None:
+                return False
+            want = reference._prefill_attention(q.float(), k.float(), v.float(), chunk,
+                                                dim ** -0.5)
+            if not torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2):
+                log.warning("The CPU prefill attention kernel disagrees with the reference "
+                            "(head dim %d): the torch path runs instead.", dim)
+                return False
+    return True
 
 
 @functools.cache

@@ -18,6 +18,10 @@ class PrefillChunk:
     # With AttentionMetadata.want_mass: sum the attention of only the chunk's last `mass_rows`
     # queries (SnapKV's observation window); None sums every query of the chunk.
     mass_rows: int | None = None
+    # True where the mask is known to be the plain causal one (query i sees the keys up to
+    # position context_len - q_len + i), which a kernel may then apply without reading it;
+    # the runner says so for every chunk but a draft tree's.
+    causal: bool = False
 
 
 @dataclass

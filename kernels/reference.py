@@ -98,9 +98,11 @@ def paged_attention(
 
 
 def attend_rows(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                decode) -> torch.Tensor:
+                decode, prefill=None) -> torch.Tensor:
     """paged_attention with the step's decode rows attended by `decode` (the same arguments as
-    _decode_attention, the rows in decode_token_index order) and its prefill chunks here."""
+    _decode_attention, the rows in decode_token_index order) and its prefill chunks by `prefill`
+    (_prefill_attention's arguments; by default that function)."""
+    prefill = prefill or _prefill_attention
     if meta.decode_token_index is not None and not meta.prefills \
             and meta.decode_token_index.shape[0] == q.shape[0]:
         # A decode-only step: its rows are the decode rows, in order (no gather, no scatter).
@@ -111,7 +113,7 @@ def attend_rows(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scal
                                               meta, scale)
     for chunk in meta.prefills:
         qs = q[chunk.start : chunk.end]
-        out[chunk.start : chunk.end] = _prefill_attention(qs, k_cache, v_cache, chunk, scale)
+        out[chunk.start : chunk.end] = prefill(qs, k_cache, v_cache, chunk, scale)
     return out
 
 
