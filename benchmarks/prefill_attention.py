@@ -9,6 +9,8 @@ prefills, alternating in one process.
    prompts of 64 words at once (the served 16-concurrent case's first step): each round runs
    every case with the kernel, then with torch's attention (the kernel switched off as it is
    where it does not run), on fresh random prompts each time, so the prefix cache never hits.
+   With the kernel a prefill step's layers are one C call (kernels/cpu_layers.py); without it
+   they take the model's layer loop, as before the kernel, so the TTFT ratio is both changes'.
 
 Prints one JSON object: the machine, both sides' figures and the ratios.
 

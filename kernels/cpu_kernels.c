@@ -1169,9 +1169,9 @@ int int8_amx_linear(const void *x, const int8_t *codes, const uint16_t *scales, 
 }
 #endif
 
-/* ---- a decode step's decoder layers in one call ----
- * The Llama decoder layer of engine/model.py, layer after layer, for a step whose rows are all
- * decode rows (one query each), bfloat16 activations, weights in the tile kernels' layouts
+/* ---- a step's decoder layers in one call ----
+ * The Llama decoder layer of engine/model.py, layer after layer, for a step of decode rows (one
+ * query each) and prefill chunks, bfloat16 activations, weights in the tile kernels' layouts
  * (bfloat16, int4, per-channel int8): the same kernels the model calls one by one from Python,
  * in the same order on the same values, so the result is the same to the bit. From Python each
  * layer was ten calls (norms, four linears, rotary, the cache write, attention, SwiGLU) at 20-40
@@ -1183,8 +1183,12 @@ int int8_amx_linear(const void *x, const int8_t *codes, const uint16_t *scales, 
  * kind (LINEAR_BF16: tiles, bias or 0; LINEAR_INT4: codes, scales, mins, group size;
  * LINEAR_INT8: codes, scales). h [n, hidden] is the embeddings in and the last layer's output
  * out; residual [n, hidden] the residual stream out (the model's final norm adds the two). cos,
- * sin [n, dim]; slot_mapping [n]; slots [n, width] and lengths [n] as decode_attention takes
- * them. amx: bfloat16 products with whole A tiles on AMX's tile units (bf16_amx_linear);
+ * sin [n, dim]; slot_mapping [n]. The step's decode rows: decode_rows of them, slots
+ * [decode_rows, width] and lengths [decode_rows] as decode_attention takes them, at rows
+ * decode_index [decode_rows] of the step (ignored where every row is a decode row, in order);
+ * its prefill chunks: chunks of them, chunk_info [chunks, 5] the first row, the rows, the keys,
+ * the keys' slots (an int64 pointer) and the mask ([rows, keys] bytes; 0: causal) of each, as
+ * prefill_attention takes them. amx: bfloat16 products with whole A tiles on AMX's tile units (bf16_amx_linear);
  * int4_path: how int4 weights are multiplied (INT4_TILES, INT4_WHOLE, INT4_AMX: kernels/
  * cpu_quant.py's int4_path for this many rows); int8_amx: int8 weights by int8_amx_linear
  * rather than int8_linear (its on_amx).
@@ -1231,22 +1235,62 @@ static int layer_linear(const int64_t *d, const void *x, void *y, int64_t rows, 
     return -1;
 }
 
+int prefill_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                      uint16_t *out, const int64_t *slots, const uint8_t *mask, int64_t n,
+                      int64_t ctx, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                      int threads);
+
+/* A layer's attention for a step of decode rows and prefill chunks (decode_layers says how
+ * they are given). Decode rows that are not the whole step are gathered into dq and their
+ * outputs scattered back from dout. */
+static int step_attention(const uint16_t *q_out, const uint16_t *k_cache, const uint16_t *v_cache,
+                          uint16_t *attn, int64_t n, int64_t decode_rows,
+                          const int64_t *decode_index, const int64_t *slots,
+                          const int64_t *lengths, int64_t width, int64_t chunks,
+                          const int64_t *chunk_info, uint16_t *dq, uint16_t *dout, int64_t heads,
+                          int64_t kv_heads, int64_t dim, float scale, int threads) {
+    const int64_t q_size = heads * dim;
+    int failed = 0;
+    if (decode_rows == n && chunks == 0)
+        return decode_attention(q_out, k_cache, v_cache, attn, slots, lengths, n, heads, kv_heads,
+                                dim, width, scale, 1, threads);
+    if (decode_rows > 0) {
+        for (int64_t r = 0; r < decode_rows; r++)
+            memcpy(dq + r * q_size, q_out + decode_index[r] * q_size, (size_t)q_size * 2);
+        failed |= decode_attention(dq, k_cache, v_cache, dout, slots, lengths, decode_rows, heads,
+                                   kv_heads, dim, width, scale, 1, threads);
+        for (int64_t r = 0; r < decode_rows && !failed; r++)
+            memcpy(attn + decode_index[r] * q_size, dout + r * q_size, (size_t)q_size * 2);
+    }
+    for (int64_t c = 0; c < chunks && !failed; c++) {
+        const int64_t *info = chunk_info + 5 * c; /* start, rows, keys, slots, mask or 0 */
+        failed |= prefill_attention(q_out + info[0] * q_size, k_cache, v_cache,
+                                    attn + info[0] * q_size, (const int64_t *)info[3],
+                                    (const uint8_t *)info[4], info[1], info[2], heads, kv_heads,
+                                    dim, scale, threads);
+    }
+    return failed ? -1 : 0;
+}
+
 int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
                   const void *cos, const void *sin, const int64_t *slot_mapping,
                   const int64_t *slots, const int64_t *lengths, int64_t n, int64_t hidden,
                   int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, int64_t width,
-                  float eps, float scale, int amx, int int4_path, int int8_amx, int threads) {
+                  int64_t decode_rows, const int64_t *decode_index, int64_t chunks,
+                  const int64_t *chunk_info, float eps, float scale, int amx, int int4_path,
+                  int int8_amx, int threads) {
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_width = q_size + 2 * kv_size;
+    const int64_t gathered = decode_rows == n && chunks == 0 ? 0 : decode_rows;
     const int64_t counts[] = {n * hidden, n * qkv_width, n * q_size, n * kv_size, n * q_size,
-                              n * 2 * inter, n * inter};
+                              n * 2 * inter, n * inter, gathered * q_size, gathered * q_size};
     int64_t total = 0;
-    for (int i = 0; i < 7; i++) total += (counts[i] + 31) / 32 * 32; /* 64-byte aligned parts */
+    for (int i = 0; i < 9; i++) total += (counts[i] + 31) / 32 * 32; /* 64-byte aligned parts */
     uint16_t *scratch = aligned_alloc(64, (size_t)total * 2);
     if (scratch == NULL) return -1;
-    uint16_t *part[7];
-    for (int i = 0, at = 0; i < 7; at += (int)((counts[i] + 31) / 32 * 32), i++) part[i] = scratch + at;
+    uint16_t *part[9];
+    for (int64_t i = 0, at = 0; i < 9; at += (counts[i] + 31) / 32 * 32, i++) part[i] = scratch + at;
     uint16_t *x = part[0], *qkv = part[1], *q_out = part[2], *k_out = part[3], *attn = part[4],
-             *gate_up = part[5], *act = part[6];
+             *gate_up = part[5], *act = part[6], *dq = part[7], *dout = part[8];
     uint16_t *decoded = NULL;
     int64_t decoded_size = 0;
     int failed = 0;
@@ -1270,8 +1314,9 @@ int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
             memcpy(v_cache + slot_mapping[t] * kv_size, qkv + t * qkv_width + q_size + kv_size,
                    (size_t)kv_size * 2);
         }
-        failed |= decode_attention(q_out, k_cache, v_cache, attn, slots, lengths, n, heads,
-                                   kv_heads, dim, width, scale, 1, threads);
+        failed |= step_attention(q_out, k_cache, v_cache, attn, n, decode_rows, decode_index,
+                                 slots, lengths, width, chunks, chunk_info, dq, dout, heads,
+                                 kv_heads, dim, scale, threads);
         failed |= LINEAR(1, attn, h, q_size, hidden);
         failed |= rms_norm(h, residual, post_norm, x, residual, n, hidden, eps, 1, threads);
         failed |= LINEAR(2, x, gate_up, hidden, 2 * inter);

@@ -140,7 +140,8 @@ def _library() -> ctypes.CDLL | None:
         "bf16_amx_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
         "amx_enable": [],
         # A decode step's layers (kernels/cpu_layers.py): -1 without AVX512-BF16.
-        "decode_layers": [_PTR, _I64] + [_PTR] * 7 + [_I64] * 7 + [_F32, _F32] + [_INT] * 4,
+        "decode_layers": ([_PTR, _I64] + [_PTR] * 7 + [_I64] * 8 + [_PTR, _I64, _PTR]
+                          + [_F32, _F32] + [_INT] * 4),
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

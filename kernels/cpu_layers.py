@@ -1,14 +1,16 @@
-"""A decode step's decoder layers in one C call (cpu_kernels.c's decode_layers): bfloat16
+"""A step's decoder layers in one C call (cpu_kernels.c's decode_layers): bfloat16
 activations, weights in the tile kernels' layouts (bfloat16: kernels/cpu_linear.py; int4 and
-per-channel int8: kernels/cpu_quant.py).
+per-channel int8: kernels/cpu_quant.py); decode rows and bfloat16 prefill chunks (the prefill
+attention kernel's), so a prompt's prefill and a step mixing prefills with decodes take one call
+too (the model's loop cost a 110-token prefill of the demo model about 7 ms in calls).
 
 Why: at decode sizes most of a layer's ops are tiny, and each cost 20-40 us of Python, ctypes and
 dispatch in the model's loop (a demo-model step at batch 1 spent ~4 ms of ~22 in RMSNorm,
 rotary, SwiGLU and the cache write, against a few us of arithmetic each). The C function runs
 the same kernels in the same order, so the step's values are the same to the bit; the model
-asks `DecodeStack.run` first and takes the long way wherever it answers None: a step with
-prefill rows or draft trees, eviction statistics to gather, a cache that is quantized, or a
-kernel that refused.
+asks `DecodeStack.run` first and takes the long way wherever it answers None: eviction
+statistics to gather, a cache that is quantized, prefill chunks where the prefill attention
+kernel does not run, or a kernel that refused.
 """
 
 from __future__ import annotations
@@ -43,17 +45,29 @@ class DecodeStack:
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             meta: AttentionMetadata, kv_caches: list) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the last layer's output, the residual stream) for a decode-only step, or None where
-        this step must take the model's own loop."""
+        """(the last layer's output, the residual stream) for a step of decode rows and prefill
+        chunks, or None where this step must take the model's own loop."""
         n = h.shape[0]
-        if (meta.want_mass or meta.prefills or meta.decode_token_index is None
-                or meta.decode_token_index.shape[0] != n or meta.decode_slots is None):
+        decode_rows = 0 if meta.decode_token_index is None else meta.decode_token_index.shape[0]
+        if (meta.want_mass or decode_rows + sum(c.end - c.start for c in meta.prefills) != n
+                or (decode_rows and meta.decode_slots is None)
+                or (meta.prefills and not cpu_kernels.prefill_available())):
             return None
         table = self._pointer_table(kv_caches)
         if table is None:
             return None
-        slots = _int64(meta.decode_slots)
-        lengths = cpu_kernels._lengths(meta)
+        if decode_rows:
+            slots, lengths = _int64(meta.decode_slots), cpu_kernels._lengths(meta)
+            index = _int64(meta.decode_token_index)
+        else:
+            slots = lengths = index = torch.zeros(1, dtype=torch.int64)
+        # Each chunk's keys and mask as prefill_attention takes them (kept alive by `held`).
+        held = [(_int64(c.slots), None if c.mask is None or c.causal
+                 else c.mask.to(torch.bool).contiguous()) for c in meta.prefills]
+        chunks = torch.tensor([[c.start, c.end - c.start, keys.shape[0], keys.data_ptr(),
+                                0 if mask is None else mask.data_ptr()]
+                               for c, (keys, mask) in zip(meta.prefills, held, strict=True)]
+                              or [[0] * 5], dtype=torch.int64)
         slot_mapping = _int64(meta.slot_mapping)
         # A copy: the kernel writes each layer's output over it, and where it refuses, the
         # loop must start again from the embeddings.
@@ -67,7 +81,8 @@ class DecodeStack:
             table.data_ptr(), len(self._weights), h.data_ptr(), residual.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), slots.data_ptr(),
             lengths.data_ptr(), n, d["hidden"], d["heads"], d["kv_heads"], d["head_dim"],
-            d["intermediate"], slots.shape[1], d["eps"], d["scale"], int(self.amx),
+            d["intermediate"], slots.shape[-1], decode_rows, index.data_ptr(),
+            len(meta.prefills), chunks.data_ptr(), d["eps"], d["scale"], int(self.amx),
             int4_path, int(int8_amx), torch.get_num_threads())
         return (h, residual) if status == 0 else None
 

@@ -74,9 +74,48 @@ def test_decode_steps_run_in_one_call_and_match_the_loop_to_the_bit(demo_gguf, m
     assert llm.model.decode_stack is not None
     calls = _Calls(monkeypatch)
     fused = _generate(llm, prompts)
-    assert calls.fused >= 23 and calls.declined == 0  # every decode step; prefills never ask
+    assert calls.fused >= 24 and calls.declined == 0  # every step, the prefill's too
     assert _without_stack(llm, lambda: _generate(llm, prompts)) == fused
     assert calls.fused >= 23  # the loop's run did not call it
+
+
+def _staggered(llm, long_prompt: str) -> list:
+    """One request decoding, then a long one arriving: with 32 tokens a step, its prefill runs
+    in chunks beside the first one's decode rows. Both replies' tokens and log-probabilities."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    llm.add_request(PROMPTS[0], params)
+    for _ in range(3):
+        llm.step()
+    llm.add_request(long_prompt, params)
+    done = {}
+    while llm.has_unfinished():
+        outputs, _ = llm.step()
+        done.update({o.request_id: o for o in outputs if o.finished})
+    return [(o.token_ids, [(t.logprob, t.top) for t in o.logprobs])
+            for _, o in sorted(done.items())]
+
+
+def test_steps_mixing_prefill_chunks_and_decode_rows_take_one_call_to_the_bit(demo_gguf,
+                                                                            monkeypatch):
+    if not cpu_kernels.prefill_available():
+        pytest.skip("prefill chunks take the loop without the prefill attention kernel")
+    llm = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=2048,
+              max_num_batched_tokens=32)
+    shapes = []
+    real = cpu_layers.DecodeStack.run
+
+    def run(stack, h, cos, sin, meta, kv_caches):
+        out = real(stack, h, cos, sin, meta, kv_caches)
+        if out is not None:
+            decode_rows = 0 if meta.decode_token_index is None else len(meta.decode_token_index)
+            shapes.append((len(meta.prefills), decode_rows))
+        return out
+
+    monkeypatch.setattr(cpu_layers.DecodeStack, "run", run)
+    long_prompt = " ".join(PROMPTS) * 3
+    fused = _staggered(llm, long_prompt)
+    assert any(chunks and rows for chunks, rows in shapes)  # mixed steps ran in one call
+    assert _without_stack(llm, lambda: _staggered(llm, long_prompt)) == fused
 
 
 def test_float32_activations_take_the_loop(demo_gguf):
