@@ -1242,7 +1242,8 @@ int prefill_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t
 
 /* A layer's attention for a step of decode rows and prefill chunks (decode_layers says how
  * they are given). Decode rows that are not the whole step are gathered into dq and their
- * outputs scattered back from dout. */
+ * outputs scattered back from dout. The rows and chunks must cover the step's rows once each
+ * (kernels/cpu_layers.py checks): a row left out would pass uninitialised scratch on. */
 static int step_attention(const uint16_t *q_out, const uint16_t *k_cache, const uint16_t *v_cache,
                           uint16_t *attn, int64_t n, int64_t decode_rows,
                           const int64_t *decode_index, const int64_t *slots,

@@ -51,7 +51,7 @@ class DecodeStack:
         decode_rows = 0 if meta.decode_token_index is None else meta.decode_token_index.shape[0]
         if (meta.want_mass or decode_rows + sum(c.end - c.start for c in meta.prefills) != n
                 or (decode_rows and meta.decode_slots is None)
-                or (meta.prefills and not cpu_kernels.prefill_available())):
+                or (meta.prefills and not self._takes_prefills(meta))):
             return None
         table = self._pointer_table(kv_caches)
         if table is None:
@@ -85,6 +85,14 @@ class DecodeStack:
             len(meta.prefills), chunks.data_ptr(), d["eps"], d["scale"], int(self.amx),
             int4_path, int(int8_amx), torch.get_num_threads())
         return (h, residual) if status == 0 else None
+
+    def _takes_prefills(self, meta: AttentionMetadata) -> bool:
+        """Whether the prefill kernel runs here and takes every chunk of the step (else the
+        call would fail at the first layer's attention and the loop run the step again)."""
+        d = self.dims
+        return (cpu_kernels.prefill_takes(d["head_dim"]) and cpu_kernels.prefill_available()
+                and all(cpu_kernels.prefill_chunk_fits(c, d["kv_heads"], d["head_dim"])
+                        for c in meta.prefills))
 
     def _pointer_table(self, kv_caches: list) -> torch.Tensor | None:
         """The int64 table of every layer's weights and caches; rebuilt when the caches move,

@@ -14,7 +14,8 @@ class PrefillChunk:
     start: int
     end: int
     slots: torch.Tensor  # [context_len] cache slots of every key the chunk attends to
-    mask: torch.Tensor | None  # [q_len, context_len] bool; None for a fresh causal prefill
+    # [q_len, context_len] bool; None for a fresh causal prefill (context_len == q_len)
+    mask: torch.Tensor | None
     # With AttentionMetadata.want_mass: sum the attention of only the chunk's last `mass_rows`
     # queries (SnapKV's observation window); None sums every query of the chunk.
     mass_rows: int | None = None

@@ -95,7 +95,8 @@ def test_a_draft_trees_mask_is_obeyed():
     assert (got[n - 2].float() - as_causal[n - 2]).abs().max() > 0.5
 
 
-@pytest.mark.parametrize("dtype, dim", [(torch.float32, 64), (torch.bfloat16, 48)])
+@pytest.mark.parametrize("dtype, dim", [(torch.float32, 64), (torch.bfloat16, 48),
+                                        (torch.bfloat16, 288)])
 def test_what_the_kernel_does_not_take_runs_the_torch_path(dtype, dim):
     q, k, v, slots = _inputs(9, 9, 1, 3, dim)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -137,3 +138,19 @@ def test_the_demo_models_prompt_logits_agree_with_the_torch_path(demo_gguf, monk
                                     log_target=True, reduction="batchmean")
     assert same_top >= 0.95
     assert kl <= 0.01
+
+
+def test_a_mask_it_cannot_read_as_one_byte_per_key_runs_the_torch_path():
+    """A mask the kernel would misread (broadcast over the queries, or additive floats) is left
+    to torch, which reads it as SDPA does."""
+    n, ctx = 6, 20
+    q, k, v, slots = _inputs(n, ctx, 1, 3, 64, seed=3)
+    broadcast = torch.ones(1, ctx, dtype=torch.bool)
+    broadcast[0, 5] = False
+    additive = torch.zeros(n, ctx)
+    additive[:, 7] = float("-inf")
+    for mask in (broadcast, additive):
+        chunk = PrefillChunk(0, n, slots, mask, causal=False)
+        assert cpu_kernels._prefill_kernel(q, k, v, chunk, 0.125) is None
+        got = cpu_kernels.prefill_attention(q, k, v, chunk, 0.125)
+        assert torch.equal(got, reference._prefill_attention(q, k, v, chunk, 0.125))
