@@ -348,7 +348,11 @@ def cp_reason(plan: Plan, w: Workload, calibration: Calibration) -> str:
     split = StepCost(d, eff).prefill_seconds(w.input_len)
     group = replace(d, cp=1).layout
     where = f"{d.nodes} nodes" if d.nodes > 1 else "one node"
-    return (f"context parallelism: one {group} group prefills a {w.input_len}-token prompt in "
+    # prefill_seconds computes only what the prefix cache does not hold: say so.
+    uncached = w.input_len - int(w.input_len * d.prefix_hit)
+    what = (f"a {w.input_len}-token prompt" if uncached == w.input_len
+            else f"the {uncached} uncached tokens of a {w.input_len}-token prompt")
+    return (f"context parallelism: one {group} group prefills {what} in "
             f"{alone:.1f} s, {d.cp} of them ({d.gpus} GPUs, {where}) in {split:.1f} s, "
             f"against a TTFT p99 target of {w.slo.ttft_p99_ms / 1e3:g} s")
 

@@ -8,10 +8,11 @@ from dataclasses import replace
 
 import pytest
 
+from planner.calibrate import Calibration
 from planner.catalog import load_catalog
 from planner.export import NotServable, sglang_command, vllm_command
 from planner.memory import kv_bytes_per_token_per_gpu, plan_memory
-from planner.search import SearchSpace, search
+from planner.search import SearchSpace, cp_reason, search
 from planner.timing import Deployment, StepCost, dcp_problem
 from planner.workload import Slo, Workload
 
@@ -167,6 +168,10 @@ def test_a_ttft_only_cp_can_meet_gets_a_cp_plan_both_servers_run(catalog):
     assert best.as_dict()["layout"] == f"TP8·CP{d.cp}" and best.as_dict()["cp"] == d.cp
     assert result.why_layout.startswith("context parallelism: one TP8 group prefills a "
                                         "126976-token prompt in 11.")
+    # With half of each prompt in the prefix cache, the reason names what is prefilled.
+    cached = replace(best, deployment=replace(d, prefix_hit=0.5))
+    assert ("prefills the 63488 uncached tokens of a 126976-token prompt in "
+            in cp_reason(cached, w, Calibration()))
     argv = shlex.split(sglang_command(best))
     assert argv[argv.index("--tp-size") + 1] == str(8 * d.cp)
     assert argv[argv.index("--attn-cp-size") + 1] == str(d.cp)
