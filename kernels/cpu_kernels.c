@@ -1335,8 +1335,8 @@ int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
  * model (9 heads of 64) on the 2-core EPYC, 30 GFLOP/s, and 13.7 ms at 1,000 tokens (84
  * GFLOP/s): a fifth of a short prompt's prefill and two fifths of a long one's. Here the scores
  * and the value sums are the tile kernels' products: a block of 16 keys is a "weight tile" (16
- * lanes, one 64-byte vector per pair of head dims) that the queries' dim pairs multiply as
- * embedded broadcasts, and the values, two keys a pair, are the tiles the probabilities
+ * lanes, one 64-byte vector per pair of head dims) that the queries' dim pairs multiply,
+ * broadcast to all lanes, and the values, two keys a pair, are the tiles the probabilities
  * multiply. Softmax online over blocks of PF_KEYS keys (flash attention), in float32; the
  * probabilities are rounded to bfloat16 for the value products, as bfloat16 flash kernels do.
  *
@@ -1511,9 +1511,8 @@ static inline __attribute__((always_inline)) void pf_task(
         const float inv = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
         uint16_t *dst = job->out + ((i0 + r / group) * job->heads + h * group + r % group) * dim;
         for (int64_t c = 0; c < dim; c += 16)
-            _mm256_storeu_si256((__m256i *)(dst + c),
-                                (__m256i)_mm512_cvtneps_pbh(
-                                    _mm512_mul_ps(_mm512_loadu_ps(o + r * dim + c), _mm512_set1_ps(inv))));
+            store_tile_row(dst + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * dim + c),
+                                                  _mm512_set1_ps(inv)), 1);
     }
 }
 

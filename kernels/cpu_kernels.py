@@ -172,9 +172,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of decode queries ([B, H, D], in decode_token_index order) over their keys."""
     q = q.contiguous()
-    slots, lengths = meta.decode_slots, _lengths(meta)
-    if slots.dtype != torch.int64 or not slots.is_contiguous():
-        slots = slots.to(torch.int64).contiguous()
+    slots, lengths = int64_contiguous(meta.decode_slots), _lengths(meta)
     out = torch.empty_like(q)
     status = _library().decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), slots.data_ptr(),
@@ -185,13 +183,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def int64_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t as the kernels read an index tensor: contiguous int64 (a copy only where it is not)."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
 def prefill_attention(q: torch.Tensor, k_cache, v_cache, chunk: PrefillChunk,
                       scale: float) -> torch.Tensor:
     """Attention of one prefill chunk's queries ([n, H, D]) over its keys: the kernel for
     bfloat16 (with AVX512-BF16, a head dim that is a multiple of 32), else the torch path."""
-    if not (_prefill_runs(q, k_cache, v_cache) and prefill_available()):
-        return reference._prefill_attention(q, k_cache, v_cache, chunk, scale)
-    out = _prefill_kernel(q, k_cache, v_cache, chunk, scale)
+    out = (_prefill_kernel(q, k_cache, v_cache, chunk, scale)
+           if _prefill_runs(q, k_cache, v_cache) and prefill_available() else None)
     return reference._prefill_attention(q, k_cache, v_cache, chunk, scale) if out is None else out
 
 
@@ -217,10 +219,18 @@ def prefill_chunk_fits(chunk: PrefillChunk, kv_heads: int, head_dim: int) -> boo
     limit, and a mask (where it must read one) of bools, one per query and key."""
     ctx, n = chunk.slots.shape[0], chunk.end - chunk.start
     repacked = kv_heads * -(-ctx // 16) * 16 * head_dim * 4  # keys and values, 2 bytes each
+    if repacked > PREFILL_REPACK_BYTES:
+        return False
+    if chunk.mask is None:  # a fresh prompt: causal over exactly its own keys
+        return ctx == n
     mask = chunk.mask
-    return repacked <= PREFILL_REPACK_BYTES and (
-        mask is None and ctx == n or chunk.causal and mask is not None
-        or mask is not None and mask.dtype == torch.bool and tuple(mask.shape) == (n, ctx))
+    return chunk.causal or (mask.dtype == torch.bool and tuple(mask.shape) == (n, ctx))
+
+
+def prefill_mask(chunk: PrefillChunk) -> torch.Tensor | None:
+    """The mask the kernel must read for this chunk, contiguous; None where it applies the
+    causal mask from the chunk's position itself."""
+    return None if chunk.mask is None or chunk.causal else chunk.mask.contiguous()
 
 
 def _prefill_kernel(q, k_cache, v_cache, chunk: PrefillChunk, scale: float):
@@ -228,11 +238,7 @@ def _prefill_kernel(q, k_cache, v_cache, chunk: PrefillChunk, scale: float):
     too long for its repacked copy, no AVX512-BF16, a failed allocation)."""
     if not prefill_chunk_fits(chunk, k_cache.shape[1], q.shape[-1]):
         return None
-    q = q.contiguous()
-    slots = chunk.slots
-    if slots.dtype != torch.int64 or not slots.is_contiguous():
-        slots = slots.to(torch.int64).contiguous()
-    mask = None if chunk.mask is None or chunk.causal else chunk.mask.contiguous()
+    q, slots, mask = q.contiguous(), int64_contiguous(chunk.slots), prefill_mask(chunk)
     out = torch.empty_like(q)
     status = _library().prefill_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), slots.data_ptr(),
@@ -245,13 +251,8 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """reference.paged_attention with its decode rows and prefill chunks through the kernels
     where they run them."""
-    if not _runs(q, k_cache, v_cache, meta):
-        if not meta.prefills or not _prefill_runs(q, k_cache, v_cache):
-            return reference.paged_attention(q, k_cache, v_cache, meta, scale)
-        return reference.attend_rows(q, k_cache, v_cache, meta, scale,
-                                     reference._decode_attention, prefill_attention)
-    return reference.attend_rows(q, k_cache, v_cache, meta, scale, decode_attention,
-                                 prefill_attention)
+    decode = decode_attention if _runs(q, k_cache, v_cache, meta) else reference._decode_attention
+    return reference.attend_rows(q, k_cache, v_cache, meta, scale, decode, prefill_attention)
 
 
 def _kernel_dtype(*tensors: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_kernels, cpu_linear, cpu_quant
+from kernels.cpu_kernels import int64_contiguous as _int64
 from kernels.metadata import AttentionMetadata
 
 # A linear's kind in the C table (cpu_kernels.c's LINEAR_*), then four values.
@@ -62,8 +63,7 @@ class DecodeStack:
         else:
             slots = lengths = index = torch.zeros(1, dtype=torch.int64)
         # Each chunk's keys and mask as prefill_attention takes them (kept alive by `held`).
-        held = [(_int64(c.slots), None if c.mask is None or c.causal
-                 else c.mask.to(torch.bool).contiguous()) for c in meta.prefills]
+        held = [(_int64(c.slots), cpu_kernels.prefill_mask(c)) for c in meta.prefills]
         chunks = torch.tensor([[c.start, c.end - c.start, keys.shape[0], keys.data_ptr(),
                                 0 if mask is None else mask.data_ptr()]
                                for c, (keys, mask) in zip(meta.prefills, held, strict=True)]
@@ -109,10 +109,6 @@ class DecodeStack:
                 self._table = torch.tensor(rows, dtype=torch.int64).reshape(-1)
             self._caches_key = key
         return self._table
-
-
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def _plain_cache(cache) -> bool:
