@@ -1,13 +1,15 @@
 """The CPU's int4 / int8 kernels (kernels/cpu_quant.py) against PyTorch's quantized ops and
-against bfloat16 weights, in real engine steps of the demo model with int4 weights, alternating in
-one process.
+against the default float weights, in real engine steps of the demo model with int4 weights,
+alternating in one process.
 
 Three engines load the demo model: `--weights int4` through the C kernels (the default where the
-CPU has AVX512-BF16; the LM head is int8 under every quantized format), `--weights int4` through
-PyTorch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` (the path before the kernels),
-and the default float weights (bfloat16 here). For each batch size each
-engine holds that many requests decoding (64-word prompts, greedy, ignore_eos); every round runs
-a few steps of each in turn, so the machine's load falls on all alike. A prefill of 16 fresh
+CPU has AVX512-BF16, or AVX2 with FMA and F16C; the LM head is int8 under every quantized
+format), `--weights int4` through PyTorch's `_weight_int4pack_mm_for_cpu` and
+`_weight_int8pack_mm` (the path before the kernels), and the default float weights (`float`:
+bfloat16 where the CPU has bfloat16 instructions, else float32; `float_dtype` says which). For
+each batch size each engine holds that many requests decoding (64-word prompts, greedy,
+ignore_eos); every round runs a few steps of each in turn, so the machine's load falls on all
+alike. A prefill of 16 fresh
 prompts is timed the same way, and each layer shape's linear at a few row counts. Where the AMX
 kernel runs (kernels/cpu_linear.amx_runs), a fourth engine holds the same int4 kernels with
 their AMX row rule off (`c_int4_tile_loops`: the int4 loop up to cpu_quant.DEQUANTIZE_ROWS rows,
@@ -15,7 +17,7 @@ instead of int4_amx_linear from cpu_quant.AMX_MATMUL_ROWS), and a fifth runs the
 the AMX int4 / int8 kernels (`c_int4_decoded_whole`: each int4 weight decoded whole into bfloat16
 tiles for the bfloat16 AMX kernel where int4_amx_linear would run, from 16 rows as then, and the
 int8 LM head on the int8 loop at every row count). Prints one JSON object: the machine, the
-median step times, and the ratios against PyTorch's op, against bfloat16 weights and, with AMX,
+median step times, and the ratios against PyTorch's op, against the float weights and, with AMX,
 against the int4 loop and the paths before.
 
     python benchmarks/cpu_int4.py                   # batch 1 and 16, 10 rounds
@@ -49,7 +51,7 @@ from engine.engine_config import EngineConfig  # noqa: E402
 from kernels import cpu_linear, cpu_quant, onednn, quant  # noqa: E402
 from monitor.loadgen import make_prompt  # noqa: E402
 
-SIDES = ("c_int4", "pytorch_int4", "bfloat16")
+SIDES = ("c_int4", "pytorch_int4", "float")
 
 
 def engines() -> dict[str, LLM]:
@@ -57,7 +59,7 @@ def engines() -> dict[str, LLM]:
     out = {"c_int4": LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))}
     with mock.patch.object(cpu_quant, "prepare", return_value=None):  # no kernel: the fallback
         out["pytorch_int4"] = LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))
-    out["bfloat16"] = LLM(EngineConfig("smollm2-135m-instruct"))
+    out["float"] = LLM(EngineConfig("smollm2-135m-instruct"))
     if cpu_linear.amx_runs():
         out["c_int4_tile_loops"] = LLM(EngineConfig("smollm2-135m-instruct", weights="int4"))
         for layer in out["c_int4_tile_loops"].model.layers:
@@ -70,8 +72,9 @@ def engines() -> dict[str, LLM]:
     kinds = {side: type(llm.model.layers[0].qkv).__name__ for side, llm in out.items()}
     if kinds["c_int4"] != "Int4Linear" or not isinstance(out["c_int4"].model.lm_head,
                                                            cpu_quant.Int8Linear):
-        raise SystemExit("The int4 kernel does not run here (it needs AVX512-BF16 and a C "
-                         f"compiler; the engine holds {kinds['c_int4']}): nothing to compare.")
+        raise SystemExit("The int4 kernel does not run here (it needs AVX512-BF16 or AVX2 and "
+                         f"a C compiler; the engine holds {kinds['c_int4']}): nothing to "
+                         "compare.")
     return out
 
 
@@ -106,12 +109,12 @@ def prefill_steps(llms: dict[str, LLM], prompts: int, rounds: int) -> dict:
     return _summary(alternating_prefill_ms(llms, batches))
 
 
-def layer_linears(llm: LLM, rounds: int) -> dict:
+def layer_linears(llm: LLM, rounds: int, dtype: torch.dtype) -> dict:
     """Each layer shape's linear and the LM head at decode and prefill row counts: the kernel
     (by cpu_quant.int4_path / on_amx; with AMX also `c_tile_loop`, its AMX kernel off,
     `c_amx`, its AMX kernel at every row count, and for int4 `c_decoded_whole`, the weight
-    decoded whole), PyTorch's op on the same codes, and oneDNN bfloat16 on the same weight
-    decoded."""
+    decoded whole), PyTorch's op on the same codes, and oneDNN on the same weight decoded to the
+    default float `dtype`."""
     layer = llm.model.layers[0]
     kernels = {name: getattr(layer, name) for name in ("qkv", "o", "gate_up", "down")}
     kernels["lm_head (int8)"] = llm.model.lm_head
@@ -119,14 +122,14 @@ def layer_linears(llm: LLM, rounds: int) -> dict:
     for name, kernel in kernels.items():
         codes = _codes(kernel)
         theirs = quant.PackedInt4(codes) if codes.bits == 4 else quant.PackedInt8(codes)
-        dense = onednn.prepare_linear(codes.dequantize(torch.bfloat16))
+        dense = onednn.prepare_linear(codes.dequantize(dtype))
         shape = f"{name} {kernel.out_features}x{kernel.in_features}"
         out[shape] = {}
         for rows in (1, 2, 4, 8, 16, 64, 256):
-            x = torch.randn(rows, kernel.in_features).to(torch.bfloat16)
+            x = torch.randn(rows, kernel.in_features).to(dtype)
             times = {"c": _time(functools.partial(kernel.linear, x), rounds),
                      "pytorch": _time(functools.partial(theirs.linear, x), rounds),
-                     "bfloat16": _time(functools.partial(onednn.linear, x, dense), rounds)}
+                     "float": _time(functools.partial(onednn.linear, x, dense), rounds)}
             if cpu_linear.amx_runs():  # the AMX kernels' switch rows come from these columns
                 times["c_tile_loop"] = _time(functools.partial(_amx_from, kernel, 0, x), rounds)
                 times["c_amx"] = _time(functools.partial(_amx_from, kernel, 1, x), rounds)
@@ -169,7 +172,7 @@ def _time(fn, rounds: int) -> float:
 
 def _summary(step_ms: dict) -> dict:
     ratios = {"c_over_pytorch_int4": ("pytorch_int4", "c_int4"),
-              "c_over_bfloat16": ("bfloat16", "c_int4")}
+              "c_over_float": ("float", "c_int4")}
     if "c_int4_tile_loops" in step_ms:
         ratios["amx_over_tile_loops"] = ("c_int4_tile_loops", "c_int4")
         ratios["amx_over_decoded_whole"] = ("c_int4_decoded_whole", "c_int4")
@@ -185,19 +188,22 @@ def main() -> None:
     p.add_argument("--linears-only", action="store_true", help="only the per-layer timings")
     args = p.parse_args()
     llms = engines()
+    dtype = getattr(torch, llms["float"].dtype)
     if args.linears_only:
         print(json.dumps({"benchmark": "cpu_int4", "machine": machine(),
-                          "layer_linears_us": layer_linears(llms["c_int4"], args.rounds)},
+                          "float_dtype": str(dtype).removeprefix("torch."),
+                          "layer_linears_us": layer_linears(llms["c_int4"], args.rounds, dtype)},
                          indent=1))
         return
     result = {"benchmark": "cpu_int4", "machine": machine(),
-              "baselines": "PyTorch's int4 op on the same Q4_1 codes; the default bfloat16 "
-                           "weights (oneDNN); same process, alternating",
+              "float_dtype": str(dtype).removeprefix("torch."),
+              "baselines": "PyTorch's int4 op on the same Q4_1 codes; the default float weights "
+                           "(float_dtype); same process, alternating",
               "decode": {str(b): decode_steps(llms, b, args.rounds, args.steps)
                          for b in args.batch},
               "prefill": {str(args.prefill_prompts): prefill_steps(
                   llms, args.prefill_prompts, max(2, args.rounds // 3))},
-              "layer_linears_us": layer_linears(llms["c_int4"], args.rounds)}
+              "layer_linears_us": layer_linears(llms["c_int4"], args.rounds, dtype)}
     print(json.dumps(result, indent=1))
 
 

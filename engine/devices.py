@@ -34,15 +34,16 @@ def resolve_device(device: str) -> tuple[torch.device, str | None]:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """bfloat16 on CUDA (float16 where the GPU lacks it) and on CPUs with bfloat16 instructions
-    whose oneDNN bfloat16 linear passes its self-check, else float32, unless asked otherwise."""
+    """bfloat16 on CUDA (float16 where the GPU lacks it), and on CPUs where cpu_default_dtype
+    says so and the CPU table serves bfloat16 (oneDNN's bfloat16 linear or the C tile kernel
+    passed its self-check), else float32, unless asked otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        native = cpu_default_dtype() == "bfloat16" and torch.bfloat16 in ONEDNN_DTYPES
-        return torch.bfloat16 if native else torch.float32
+        served = cpu_default_dtype() == "bfloat16" and torch.bfloat16 in ONEDNN_DTYPES
+        return torch.bfloat16 if served else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"Unknown dtype '{dtype}': use float32, bfloat16 or float16.")
     return _DTYPES[dtype]

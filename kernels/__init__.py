@@ -75,10 +75,27 @@ COMPACT_GROUP = 32  # prepare_compact_linear's int4 group size
 
 
 def _prepare_cpu_linear(weight: torch.Tensor):
-    """The CPU's form of a float weight: bfloat16 through the C tile kernel where the CPU has
-    AVX512-BF16 and no AMX (kernels/cpu_linear.py), else (float32, an AMX CPU, or that kernel
-    absent) oneDNN's packed layout."""
-    return cpu_linear.prepare(weight) or onednn.prepare_linear(weight)
+    """The CPU's form of a float weight: bfloat16 through the C tile kernel where it runs
+    (AVX512-BF16 without AMX, or AVX2: kernels/cpu_linear.py), else (float32, an AMX CPU, or
+    that kernel absent) oneDNN's packed layout; a bfloat16 weight the tile kernel does not take
+    on a CPU where oneDNN has no bfloat16 path stays as it is, for F.linear."""
+    fast = cpu_linear.prepare(weight)
+    if fast is not None:
+        return fast
+    if weight.dtype not in _ONEDNN_NATIVE:
+        return PlainLinear(weight)
+    return onednn.prepare_linear(weight)
+
+
+class PlainLinear:
+    """A weight F.linear multiplies as it is (see _prepare_cpu_linear)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.nbytes = weight.numel() * weight.element_size()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, bias)
 
 
 def _prepare_cpu_quantized(q: quant.QuantizedWeight):
@@ -89,9 +106,16 @@ def _prepare_cpu_quantized(q: quant.QuantizedWeight):
 
 
 _BACKENDS: dict[str, SimpleNamespace] = {"reference": _table("reference")}
-# The dtypes whose oneDNN linear passed its self-check here; the table serves each of them (its
-# other ops follow the input's dtype).
-ONEDNN_DTYPES = tuple(dtype for dtype in onednn.DTYPES if onednn.available(dtype))
+# The dtypes whose oneDNN linear passed its self-check here.
+_ONEDNN_NATIVE = tuple(dtype for dtype in onednn.DTYPES if onednn.available(dtype))
+# The dtypes the CPU table (still named for oneDNN) serves; its other ops follow the input's
+# dtype. bfloat16 joins where the C tile kernel runs it though oneDNN does not: on AVX2 CPUs
+# without AVX-512 (Zen 2 / Zen 3 EPYCs) oneDNN refuses bfloat16, and bfloat16 weights through
+# the tile kernels with a decode step in one C call beat float32 through oneDNN (figures in
+# kernels/cpu_linear.py).
+ONEDNN_DTYPES = _ONEDNN_NATIVE + (
+    (torch.bfloat16,) if torch.bfloat16 not in _ONEDNN_NATIVE and _ONEDNN_NATIVE
+    and cpu_linear.preferred() else ())
 if ONEDNN_DTYPES:
     # The CPU table: oneDNN linears (bfloat16 ones through the C tile kernel where it runs), and
     # decode attention, RMSNorm, rotary and SwiGLU from the C kernels (built on first use; where

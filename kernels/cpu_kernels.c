@@ -512,6 +512,31 @@ int silu_and_mul(const void *x, void *out, int64_t rows, int64_t width, int bf16
     return 0;
 }
 
+/* Shared by the weights' tile kernels, AVX512-BF16's and AVX2's. */
+
+enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 };
+
+static inline float bf16_to_f32(uint16_t half) {
+    const uint32_t bits = (uint32_t)half << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* Where row `row` of tile t's 16 outputs starts in y [rows, out] (bfloat16 or float32). */
+static inline void *tile_output(void *y, int64_t row, int64_t out, int64_t t, int y_bf16) {
+    return y_bf16 ? (void *)((uint16_t *)y + row * out + t * 16)
+                  : (void *)((float *)y + row * out + t * 16);
+}
+
+/* This thread's contiguous range of `tiles`, as a static schedule splits them (called inside a
+ * parallel region). */
+static inline void thread_tiles(int64_t tiles, int64_t *begin, int64_t *end) {
+    const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+    *begin = tiles * i / n;
+    *end = tiles * (i + 1) / n;
+}
+
 /* ---- int4 weights times bfloat16 activations (AVX512-BF16) ----
  * y[rows, out] = x[rows, in] @ W^T, with W held as 4-bit codes in groups of `group` inputs:
  * w = code * scale + min (llama.cpp's Q4_1 and the engine's int4). PyTorch's CPU int4 matmul
@@ -533,19 +558,6 @@ int silu_and_mul(const void *x, void *out, int64_t rows, int64_t width, int bf16
  * padded to whole groups), read as one 32-bit word per input pair. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
-
-static inline float bf16_to_f32(uint16_t half) {
-    const uint32_t bits = (uint32_t)half << 16;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-/* Where row `row` of tile t's 16 outputs starts in y [rows, out] (bfloat16 or float32). */
-static inline void *tile_output(void *y, int64_t row, int64_t out, int64_t t, int y_bf16) {
-    return y_bf16 ? (void *)((uint16_t *)y + row * out + t * 16)
-                  : (void *)((float *)y + row * out + t * 16);
-}
 
 /* One row's 16 outputs of a tile, rounded to bfloat16 or kept in float32. */
 static inline void store_tile_row(void *y, __m512 v, int y_bf16) {
@@ -648,14 +660,6 @@ static inline __attribute__((always_inline)) void bf16_tile_group_rows(
  * block has chains enough, or there is none. A macro: the loops' switch cases pass it as a
  * constant for their row count, which must be what the loop advanced its tiles by. */
 #define TILES_AT_ONCE(rem) ((rem) == 1 ? 8 : (rem) == 2 ? 4 : (rem) == 3 || (rem) == 4 ? 2 : 1)
-
-/* This thread's contiguous range of `tiles`, as a static schedule splits them (called inside a
- * parallel region). */
-static inline void thread_tiles(int64_t tiles, int64_t *begin, int64_t *end) {
-    const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
-    *begin = tiles * i / n;
-    *end = tiles * (i + 1) / n;
-}
 
 #define INT4_ROW_BLOCK 8 /* rows per pass: two float32 accumulators each, in registers */
 
@@ -847,8 +851,6 @@ static inline __attribute__((always_inline)) void int8_tile_rows(
     for (int m = 0; m < mb; m++)
         store_tile_row(tile_output(y, m, out, 0, y_bf16), _mm512_mul_ps(acc[m], s), y_bf16);
 }
-
-enum { WEIGHT_BF16, WEIGHT_INT8, WEIGHT_INT4 };
 
 /* Rows r.. r + mb of tile t, for a weight kind (a constant wherever this is inlined). per_out:
  * the bfloat16 weight's bias (or NULL), the int8 weight's scales. */
@@ -1124,8 +1126,268 @@ int int8_amx_linear(const void *x, const int8_t *codes, const uint16_t *scales, 
                                 y_bf16, threads);
 }
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+/* ---- the weights' tile kernels on AVX2 with FMA (x86 CPUs without AVX512-BF16) ----
+ * The layouts and signatures of the AVX512-BF16 kernels above, so one packing serves both.
+ * On a 2-core Zen 2 EPYC (AVX2, no AVX-512) the int4 / int8 weights had PyTorch's packed ops and
+ * bfloat16 weights oneDNN's emulated bfloat16 matmul; benchmarks/cpu_avx2.py has the figures.
+ *
+ * Each bfloat16 activation becomes float32 once per call (exact), each weight is decoded to
+ * float32 in registers, and each product is one FMA into a float32 accumulator per row and 8
+ * outputs, inputs in order. So an output's value does not depend on the call's row count or on
+ * how many tiles a pass takes: a draft's verification rows get a lone decode row's bits. */
+#define AVX2_ROWS 4 /* rows per pass: two accumulators each (a tile's 16 outputs) */
+
+/* Rows [0, rows) of x (bfloat16, [rows, n]) as float32 into xf, split over the team (called
+ * inside a parallel region). */
+static inline void rows_to_f32(const uint16_t *x, float *xf, int64_t rows, int64_t n) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) {
+            const __m256i bits = _mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + r * n + k))), 16);
+            _mm256_storeu_ps(xf + r * n + k, _mm256_castsi256_ps(bits));
+        }
+        for (; k < n; k++) xf[r * n + k] = bf16_to_f32(x[r * n + k]);
+    }
+}
+
+/* 8 bfloat16 values as float32 (a bias, int8 scales). */
+static inline __m256 load_bf16x8(const uint16_t *at) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)at)), 16));
+}
+
+/* Row m's 8 outputs h of tile j (relative to y, the pass's first row and tile). */
+static inline void store_half(void *y, int64_t m, int64_t out, int64_t j, int h, __m256 v,
+                              int y_bf16) {
+    vf lanes;
+    memcpy(&lanes, &v, sizeof lanes);
+    store_vec(tile_output(y, m, out, j, y_bf16), 8 * h, y_bf16, lanes);
+}
+
+/* Pair p's weights of a tile's 8 outputs h as float32, for its inputs 2p and 2p + 1: bfloat16
+ * words (input 2p in the low half) or int8 code pairs (int8_linear's layout). */
+static inline void bf16_pair(const uint16_t *w, int64_t p, int h, __m256 *w0, __m256 *w1) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + p * 32 + h * 16));
+    *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+static inline void int8_pair(const int8_t *w, int64_t p, int h, __m256 *w0, __m256 *w1) {
+    const __m256i v = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(w + p * 32 + h * 16)));
+    *w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
+    *w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 8));
+}
+
+/* Rows [0, mb) of `nt` consecutive tiles (constants at each call site; mb * nt <= AVX2_ROWS),
+ * bfloat16 or int8 weights (kind). Several tiles at once serve 1-2 rows: a lone row's sum is a
+ * chain of FMAs, each waiting on the one before, and chains side by side hide that latency. */
+static inline __attribute__((always_inline)) void avx2_pair_rows(
+    int kind, const int mb, const int nt, const float *xf, int64_t in, const void *w,
+    const uint16_t *per_out, void *y, int64_t out, int y_bf16) {
+    const int64_t pairs = in / 2;
+    __m256 acc[AVX2_ROWS][2];
+    for (int j = 0; j < nt; j++)
+        for (int h = 0; h < 2; h++) {
+            const __m256 start = kind == WEIGHT_BF16 && per_out != NULL
+                                     ? load_bf16x8(per_out + j * 16 + h * 8)
+                                     : _mm256_setzero_ps();
+            for (int m = 0; m < mb; m++) acc[j * mb + m][h] = start;
+        }
+    for (int64_t p = 0; p < pairs; p++)
+        for (int j = 0; j < nt; j++) {
+            __m256 w0[2], w1[2];
+            for (int h = 0; h < 2; h++) {
+                if (kind == WEIGHT_BF16)
+                    bf16_pair((const uint16_t *)w + j * pairs * 32, p, h, &w0[h], &w1[h]);
+                else
+                    int8_pair((const int8_t *)w + j * pairs * 32, p, h, &w0[h], &w1[h]);
+            }
+            for (int m = 0; m < mb; m++) {
+                const __m256 x0 = _mm256_broadcast_ss(xf + m * in + 2 * p);
+                const __m256 x1 = _mm256_broadcast_ss(xf + m * in + 2 * p + 1);
+                for (int h = 0; h < 2; h++) {
+                    acc[j * mb + m][h] = _mm256_fmadd_ps(w0[h], x0, acc[j * mb + m][h]);
+                    acc[j * mb + m][h] = _mm256_fmadd_ps(w1[h], x1, acc[j * mb + m][h]);
+                }
+            }
+        }
+    for (int j = 0; j < nt; j++)
+        for (int h = 0; h < 2; h++) {
+            const __m256 scale = kind == WEIGHT_INT8 ? load_bf16x8(per_out + j * 16 + h * 8)
+                                                     : _mm256_set1_ps(1.0f);
+            for (int m = 0; m < mb; m++)
+                store_half(y, m, out, j, h, _mm256_mul_ps(acc[j * mb + m][h], scale), y_bf16);
+        }
+}
+
+/* Double pair d's 4 inputs of a tile's 8 outputs h as float32 codes: an output's 16-bit word
+ * holds inputs 4d, 4d + 2, 4d + 1, 4d + 3 in its nibbles from the lowest (pack's layout). */
+static inline void int4_codes(const uint8_t *codes, int64_t d, int h, __m256 c[4]) {
+    const __m256i v =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(codes + d * 32 + h * 16)));
+    const __m256i nibble = _mm256_set1_epi32(15);
+    c[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
+    c[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), nibble));
+    c[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), nibble));
+    c[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 12));
+}
+
+/* The int4 weight's rows [0, mb) of `nt` tiles (constants, as avx2_pair_rows): each weight
+ * decoded as code * scale + min (one FMA: int4_dequantize's value before its rounding). The
+ * tiles and halves are the innermost loops, so that the accumulators' FMA chains interleave (a
+ * half's 32 inputs of a group in a row ran the LM head at a third of the int8 kernel's speed at
+ * 1 row); a half's scale and min are read again for each 4 inputs, from L1. */
+static inline __attribute__((always_inline)) void avx2_int4_rows(
+    const int mb, const int nt, const float *xf, int64_t in, const uint8_t *codes,
+    const uint16_t *scales, const uint16_t *mins, int64_t group, void *y, int64_t out,
+    int y_bf16) {
+    const int64_t groups = in / group, pairs = in / 2;
+    __m256 acc[AVX2_ROWS][2];
+    for (int i = 0; i < nt * mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < in / 4; d++) {
+        const int64_t g = d * 4 / group;
+        for (int j = 0; j < nt; j++)
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = (j * groups + g) * 16 + h * 8;
+                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at)));
+                const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at)));
+                __m256 c[4];
+                int4_codes(codes + j * pairs * 16, d, h, c);
+                for (int i = 0; i < 4; i++) {
+                    const __m256 wv = _mm256_fmadd_ps(c[i], s, mn);
+                    for (int m = 0; m < mb; m++)
+                        acc[j * mb + m][h] = _mm256_fmadd_ps(
+                            wv, _mm256_broadcast_ss(xf + m * in + 4 * d + i), acc[j * mb + m][h]);
+                }
+            }
+    }
+    for (int j = 0; j < nt; j++)
+        for (int h = 0; h < 2; h++)
+            for (int m = 0; m < mb; m++) store_half(y, m, out, j, h, acc[j * mb + m][h], y_bf16);
+}
+
+/* How many tiles take the `rem` rows of a last, partial row block at once (avx2_pair_rows says
+ * why); a macro for the switch cases' constants. */
+#define AVX2_TILES_AT_ONCE(rem) ((rem) == 1 ? 4 : (rem) == 2 ? 2 : 1)
+
+/* Rows r.. r + mb of tiles t.. t + nt, for a weight kind (a constant wherever this is inlined).
+ * per_out: the bfloat16 weight's bias (or NULL), the int8 weight's scales, the int4 weight's. */
+static inline __attribute__((always_inline)) void avx2_pass(
+    int kind, const int mb, const int nt, const float *xf, int64_t in, int64_t r, int64_t t,
+    const void *w, const uint16_t *per_out, const uint16_t *mins, int64_t group, void *y,
+    int64_t out, int y_bf16) {
+    const int64_t pairs = in / 2;
+    void *yr = tile_output(y, r, out, t, y_bf16);
+    if (kind == WEIGHT_INT4) {
+        const int64_t groups = in / group;
+        avx2_int4_rows(mb, nt, xf + r * in, in, (const uint8_t *)w + t * pairs * 16,
+                       per_out + t * groups * 16, mins + t * groups * 16, group, yr, out,
+                       y_bf16);
+    } else {
+        const void *wt = kind == WEIGHT_BF16 ? (const void *)((const uint16_t *)w + t * pairs * 32)
+                                             : (const void *)((const int8_t *)w + t * pairs * 32);
+        avx2_pair_rows(kind, mb, nt, xf + r * in, in, wt, per_out == NULL ? NULL : per_out + t * 16,
+                       yr, out, y_bf16);
+    }
+}
+
+#define AVX2_PASS(n, nt_, r_, t_)                                                         \
+    case n:                                                                               \
+        avx2_pass(kind, n, nt_, xf, in, r_, t_, w, per_out, mins, group, y, out, y_bf16); \
+        break;
+
+/* One thread's share of y [rows, out] = x [rows, in] @ W^T (x bfloat16, W in the tile layouts
+ * above), called inside a parallel region, `kind` a constant: AVX2_LINEAR puts the region in each
+ * kernel, so that each outlined region is compiled for its own weight kind. */
+static inline __attribute__((always_inline)) void avx2_team(
+    int kind, const void *x, float *xf, const void *w, const uint16_t *per_out,
+    const uint16_t *mins, int64_t group, void *y, int64_t rows, int64_t in, int64_t out,
+    int y_bf16) {
+    const int64_t tiles = out / 16, rem = rows % AVX2_ROWS, full = rows - rem;
+    const int at_once = AVX2_TILES_AT_ONCE(rem);
+    rows_to_f32((const uint16_t *)x, xf, rows, in);
+    int64_t t0, t_end;
+    thread_tiles(tiles, &t0, &t_end);
+    while (t0 < t_end) {
+        const int nt = t0 + at_once <= t_end ? at_once : 1;
+        for (int64_t t = t0; t < t0 + nt; t++)
+            for (int64_t r = 0; r < (nt > 1 ? full : rows); r += AVX2_ROWS)
+                switch (rows - r < AVX2_ROWS ? rows - r : AVX2_ROWS) {
+                    AVX2_PASS(1, 1, r, t) AVX2_PASS(2, 1, r, t)
+                    AVX2_PASS(3, 1, r, t) AVX2_PASS(4, 1, r, t)
+                }
+        if (nt > 1) /* the partial block of the group's tiles at once */
+            switch (rem) {
+                AVX2_PASS(1, AVX2_TILES_AT_ONCE(1), full, t0)
+                AVX2_PASS(2, AVX2_TILES_AT_ONCE(2), full, t0)
+            }
+        t0 += nt;
+    }
+}
+
+/* A kernel's body: the shapes it takes, the activations' float32 copy, its parallel region. */
+#define AVX2_LINEAR(kind, w, per_out, mins, group)                                            \
+    if (out % 16 || in_padded % 2) return -1;                                               \
+    if ((kind) == WEIGHT_INT4 && ((group) % 32 || in_padded % (group))) return -1;          \
+    if (rows == 0) return 0;                                                                \
+    float *xf = malloc(sizeof(float) * rows * in_padded);                                   \
+    if (xf == NULL) return -1;                                                              \
+    _Pragma("omp parallel num_threads(threads)")                                            \
+    avx2_team(kind, x, xf, w, per_out, mins, group, y, rows, in_padded, out, y_bf16);       \
+    free(xf);                                                                               \
+    return 0;
+
+int bf16_linear(const void *x, const uint16_t *w, const uint16_t *bias, void *y, int64_t rows,
+                int64_t in_padded, int64_t out, int y_bf16, int threads) {
+    AVX2_LINEAR(WEIGHT_BF16, w, bias, NULL, 2)
+}
+
+int int8_linear(const void *x, const int8_t *codes, const uint16_t *scales, void *y, int64_t rows,
+                int64_t in_padded, int64_t out, int y_bf16, int threads) {
+    AVX2_LINEAR(WEIGHT_INT8, codes, scales, NULL, 2)
+}
+
+int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
+                const uint16_t *mins, void *y, int64_t rows, int64_t in_padded, int64_t out,
+                int64_t group, int y_bf16, int threads) {
+    AVX2_LINEAR(WEIGHT_INT4, codes, scales, mins, group)
+}
+/* The int4 weight as bfloat16 in bf16_linear's tile layout (int4_dequantize above says why):
+ * code * scale + min rounded once, each pair's 16 outputs as (input 2p, 2p + 1) words. */
+int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
+                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
+    if (out % 16 || group % 32 || in_padded % group) return -1;
+    const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = (t * groups + g) * 16 + h * 8;
+                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at)));
+                const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at)));
+                for (int64_t d = g * group / 4; d < (g + 1) * group / 4; d++) {
+                    __m256 c[4];
+                    int4_codes(codes + t * pairs * 16, d, h, c);
+                    for (int k = 0; k < 2; k++) { /* pair 2d + k: inputs 4d + 2k, 4d + 2k + 1 */
+                        vf even, odd;
+                        const __m256 e = _mm256_fmadd_ps(c[2 * k], s, mn);
+                        const __m256 o = _mm256_fmadd_ps(c[2 * k + 1], s, mn);
+                        memcpy(&even, &e, sizeof even);
+                        memcpy(&odd, &o, sizeof odd);
+                        const vu32 word = (bf16_bits(even) >> 16) | bf16_bits(odd);
+                        memcpy(w + (t * pairs + 2 * d + k) * 32 + h * 16, &word, sizeof word);
+                    }
+                }
+            }
+    return 0;
+}
 #else
-/* Without AVX512-BF16 int4 and int8 weights keep PyTorch's packed ops (kernels/quant.py). */
+/* Without AVX512-BF16 or AVX2 int4 and int8 weights keep PyTorch's packed ops (kernels/quant.py). */
 int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 const uint16_t *mins, void *y, int64_t rows, int64_t in_padded, int64_t out,
                 int64_t group, int y_bf16, int threads) {

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from engine.cpu_features import native_bf16
+from engine.cpu_features import cpu_default_dtype
 
 
 def servescope(*args: str, tmp_path=None) -> subprocess.CompletedProcess:
@@ -78,10 +78,10 @@ def test_bench_quick_json(demo_gguf, tmp_path):
     assert set(out["throughput_tokens_per_s"]) == {"1", "4"}
     assert out["machine"]["cpus"] >= 1
     assert (out["weights"], out["kv_cache_dtype"]) == ("float", "auto")
-    # "auto" is bfloat16 on a CPU with bfloat16 instructions, which the planner models; float32
-    # elsewhere, which it does not, so such a run calibrates nothing.
-    expected = "bf16" if native_bf16() else None
-    assert out["dtype"] == ("bfloat16" if native_bf16() else "float32")
+    # "auto" is bfloat16 on a CPU with bfloat16 instructions or AVX2 (the tile kernels), which
+    # the planner models; float32 elsewhere, which it does not, so such a run calibrates nothing.
+    expected = "bf16" if cpu_default_dtype() == "bfloat16" else None
+    assert out["dtype"] == cpu_default_dtype()
     assert out["precision"] == {"weights": expected, "kv": expected}
     saved = (tmp_path / "bench_results.jsonl").read_text().splitlines()
     assert json.loads(saved[-1])["ttft_ms"] == out["ttft_ms"]

@@ -12,21 +12,23 @@ from kernels import cpu_linear, onednn
 from tests.test_cpu_quant import (
     _has_amx,
     _has_avx512_bf16,
+    _has_tile_isa,
     _weight,
     assert_reads_like,
     needs_kernel,
 )
 
 
-def test_the_kernel_runs_exactly_where_the_cpu_has_avx512_bf16():
-    # ...and the CPU table picks the tile layout there; where the CPU has AMX too, the AMX kernel
-    # must run (oneDNN, which uses AMX, beats the tile loop, so without it oneDNN would stay).
-    assert cpu_linear.available() == _has_avx512_bf16()
+def test_the_kernel_runs_exactly_where_the_cpu_has_its_instructions():
+    # AVX512-BF16, or AVX2 with FMA and F16C; and the CPU table picks the tile layout there;
+    # where the CPU has AMX too, the AMX kernel must run (oneDNN, which uses AMX, beats the tile
+    # loop, so without it oneDNN would stay).
+    assert cpu_linear.available() == _has_tile_isa()
     assert cpu_linear.amx_runs() == (_has_avx512_bf16() and _has_amx())
-    assert cpu_linear.preferred() == _has_avx512_bf16()
+    assert cpu_linear.preferred() == _has_tile_isa()
 
 
-# Where the CPU table picks the tile layout (AVX512-BF16).
+# Where the CPU table picks the tile layout (AVX512-BF16, AVX2).
 picked = pytest.mark.skipif(not cpu_linear.preferred(),
                             reason="the CPU table keeps oneDNN for bfloat16 weights here")
 
@@ -123,6 +125,19 @@ def test_weights_the_kernel_does_not_take_keep_onednns_layout():
         assert ops.linear(x, packed).shape == (3, 40)
 
 
+def test_where_onednn_has_no_bfloat16_the_cpu_table_keeps_such_weights_for_f_linear():
+    # An AVX2 CPU: the table serves bfloat16 for the tile kernel; a weight the kernel does not
+    # take (40 outputs) is multiplied by F.linear as it is.
+    if onednn.available(torch.bfloat16) or torch.bfloat16 not in kernels.ONEDNN_DTYPES:
+        pytest.skip("oneDNN runs bfloat16 here, or the CPU table does not serve it")
+    ops = kernels.ops_for("cpu", torch.bfloat16)
+    w = _weight(40, 64, seed=5).to(torch.bfloat16)
+    plain = ops.prepare_linear(w)
+    assert isinstance(plain, kernels.PlainLinear) and plain.nbytes == 40 * 64 * 2
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    torch.testing.assert_close(ops.linear(x, plain), F.linear(x, w))
+
+
 @picked
 def test_the_cpu_table_runs_bfloat16_weights_through_the_kernel():
     ops = kernels.ops_for("cpu", torch.bfloat16)
@@ -170,8 +185,9 @@ def test_turning_the_c_kernels_off_leaves_onednn_or_the_reference(monkeypatch):
 
 @picked
 def test_the_demo_model_in_bfloat16_reads_like_onednn(demo_gguf, monkeypatch):
-    # The same bfloat16 weights through the tile kernel and through oneDNN's packed matmul: the
-    # logits of a real prompt agree but for roundings, and the memory held is the same.
+    # The same bfloat16 weights through the tile kernel and through oneDNN's packed matmul (or,
+    # where oneDNN has no bfloat16 path, F.linear): the logits of a real prompt agree but for
+    # roundings, and the memory held is the same.
     from engine import LLM
 
     ours = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=256)
@@ -179,6 +195,7 @@ def test_the_demo_model_in_bfloat16_reads_like_onednn(demo_gguf, monkeypatch):
     assert isinstance(ours.model.lm_head, cpu_linear.Bf16Linear)
     monkeypatch.setattr(cpu_linear, "prepare", lambda weight: None)
     theirs = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=256)
-    assert isinstance(theirs.model.layers[0].qkv, torch.Tensor)
+    assert isinstance(theirs.model.layers[0].qkv,
+                      torch.Tensor if onednn.available(torch.bfloat16) else kernels.PlainLinear)
     assert ours.model.weight_bytes == theirs.model.weight_bytes
     assert_reads_like(ours, theirs)

@@ -22,17 +22,25 @@ def _has_avx512_bf16() -> bool:
     return _cpu_flag("avx512_bf16")
 
 
+def _has_tile_isa() -> bool:
+    """The instructions the weights' tile kernels are built for: AVX512-BF16, or AVX2 with FMA
+    and F16C (x86 CPUs without AVX-512, such as Zen 2 and Zen 3 EPYCs)."""
+    return _has_avx512_bf16() or all(_cpu_flag(f) for f in ("avx2", "fma", "f16c"))
+
+
 def _has_amx() -> bool:
     return _cpu_flag("amx_bf16")
 
 
-# Where the CPU has AVX512-BF16 and a compiler is present, the kernel must build and pass its
-# self-check (a wrong build fails here rather than quietly leaving PyTorch's op in place).
-needs_kernel = pytest.mark.skipif(not _has_avx512_bf16(), reason="the CPU lacks AVX512-BF16")
+# Where the CPU has AVX512-BF16 or AVX2 (with FMA and F16C) and a compiler is present, the
+# kernel must build and pass its self-check (a wrong build fails here rather than quietly
+# leaving PyTorch's op in place).
+needs_kernel = pytest.mark.skipif(not _has_tile_isa(),
+                                  reason="the CPU lacks AVX512-BF16 and AVX2 with FMA and F16C")
 
 
-def test_the_kernel_is_used_exactly_where_the_cpu_has_avx512_bf16():
-    assert cpu_quant.available() == _has_avx512_bf16()
+def test_the_kernel_is_used_exactly_where_the_cpu_has_its_instructions():
+    assert cpu_quant.available() == _has_tile_isa()
 
 
 def _weight(out_f: int, in_f: int, seed: int) -> torch.Tensor:
