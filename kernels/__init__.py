@@ -2,15 +2,16 @@
 
 Every op the model runs is looked up here, so a faster implementation (on the CPU: oneDNN linear
 layers in float32, bfloat16 ones through a C tile kernel where the CPU has AVX512-BF16 and no
-AMX (kernels/cpu_linear.py; else oneDNN where it runs bfloat16 natively), decode attention,
-RMSNorm, rotary and SwiGLU from small C kernels (kernels/cpu_kernels.py); Triton on CUDA) can
-replace the reference for one device and dtype without the model knowing.
+AMX, or AVX2 (kernels/cpu_linear.py; else oneDNN where it runs bfloat16 natively), decode
+attention, RMSNorm, rotary and SwiGLU from small C kernels (kernels/cpu_kernels.py); Triton on
+CUDA) can replace the reference for one device and dtype without the model knowing.
 `SERVESCOPE_KERNELS=reference|onednn|triton` forces one backend everywhere. Each table's
 `prepare_linear` / `linear` also take weight-only quantized weights (kernels/quant.py): the
 reference dequantizes them per call, the oneDNN table runs int4 and per-channel int8 through the
-C kernels of kernels/cpu_quant.py where the CPU has AVX512-BF16, else PyTorch's packed int8 /
-int4 ops where they exist. `prepare_compact_linear` is `prepare_linear` for weights that need
-not multiply exactly (a speculative draft's): int4 where the table has an int4 kernel of its own.
+C kernels of kernels/cpu_quant.py where the CPU has AVX512-BF16 or AVX2, else PyTorch's packed
+int8 / int4 ops where they exist. `prepare_compact_linear` is `prepare_linear` for weights that
+need not multiply exactly (a speculative draft's): int4 where the table has an int4 kernel of its
+own.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ class PlainLinear:
 
 def _prepare_cpu_quantized(q: quant.QuantizedWeight):
     """The CPU's form of a quantized weight: int4 / per-channel int8 through the C kernels where
-    the CPU has AVX512-BF16, else PyTorch's packed int8 / int4 ops, else the dequantizing
-    reference."""
+    the CPU has AVX512-BF16 or AVX2, else PyTorch's packed int8 / int4 ops, else the
+    dequantizing reference."""
     return cpu_quant.prepare(q) or quant.prepare_packed(q)
 
 

@@ -1,5 +1,5 @@
-"""Bfloat16 weights through cpu_kernels.c's tile loop (bf16_linear) on CPUs with AVX512-BF16, and
-the tile layout that loop shares with the int8 kernel (kernels/cpu_quant.py).
+"""Bfloat16 weights through cpu_kernels.c's tile loop (bf16_linear) on CPUs with AVX512-BF16 or
+AVX2, and the tile layout that loop shares with the int8 kernel (kernels/cpu_quant.py).
 
 At decode sizes (1-16 rows) a matmul is one pass over the weight, and oneDNN's packed bfloat16
 matmul (kernels/onednn.py) made that pass slowly on a Zen 4 EPYC: the demo model's 30 layers'
@@ -9,8 +9,16 @@ demo model's batch-1 decode step 1.3-1.7x faster, its 16-sequence step 1.07-1.10
 16-prompt prefill 1.03-1.07x (benchmarks/cpu_bf16.py, three runs: both alternating in one
 process), so one layout serves every
 step and the weight is held once, as oneDNN's packed copy was. Where the kernel does not
-build, the CPU lacks AVX512-BF16, the self-check disagrees or a shape has outputs that are not
-a whole number of tiles of 16, the weight keeps oneDNN's layout.
+build, the CPU lacks AVX512-BF16 and AVX2, the self-check disagrees or a shape has outputs that
+are not a whole number of tiles of 16, the weight keeps oneDNN's layout.
+
+On x86 CPUs with AVX2, FMA and F16C but no AVX512-BF16 (Zen 2 / Zen 3 EPYCs, Intel before
+Cooper Lake) the same function is built from AVX2 FMAs on the same layout: each bfloat16 weight
+pair becomes two float32 vectors with a shift and a mask, products of bfloat16 values are exact in
+float32, and the sums are float32 as VDPBF16PS's. oneDNN has no bfloat16 path on such CPUs, so
+bfloat16 ran through F.linear there and float32 through oneDNN was the default; with this build
+bfloat16 weights, and a decode step in one C call (kernels/cpu_layers.py), make bfloat16 the
+faster default there (benchmarks/cpu_avx2.py has the figures).
 
 On CPUs with AMX (Xeons from Sapphire Rapids on) the same layout is AMX's bfloat16 B-tile format,
 and cpu_kernels.c's bf16_amx_linear multiplies straight from it on the AMX tile units (inputs
@@ -64,11 +72,12 @@ def _bf16_rows(x: torch.Tensor, padded_in: int) -> torch.Tensor:
 
 
 def check(status: int) -> None:
-    """Raise where a tile kernel refused: a build without AVX512-BF16 (which the self-checks
-    have refused before any weight takes a kernel) or no memory for its copy of the rows."""
+    """Raise where a tile kernel refused: a build without AVX512-BF16 or AVX2 (which the
+    self-checks have refused before any weight takes a kernel) or no memory for its copy of the
+    rows."""
     if status != 0:
-        raise RuntimeError("a CPU tile kernel failed: no AVX512-BF16 in this build, or no "
-                           "memory for its copy of the rows")
+        raise RuntimeError("a CPU tile kernel failed: no AVX512-BF16 or AVX2 in this build, or "
+                           "no memory for its copy of the rows")
 
 
 def through_kernel(x: torch.Tensor, padded_in: int, out: int, call) -> torch.Tensor:
@@ -85,7 +94,7 @@ def through_kernel(x: torch.Tensor, padded_in: int, out: int, call) -> torch.Ten
 
 def bf16_forward(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + bias for a bfloat16 weight in tile_layout: on AMX's tile units where they run
-    here and the inputs are whole A tiles (32), else the AVX512-BF16 tile loop."""
+    here and the inputs are whole A tiles (32), else the tile loop (AVX512-BF16 or AVX2)."""
     amx = tiles.shape[1] % (AMX_INPUTS // 2) == 0 and amx_runs()
     return _tiles_forward(x, tiles, bias, "bf16_amx_linear" if amx else "bf16_linear")
 
@@ -189,9 +198,9 @@ def has_amx() -> bool:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel runs here (AVX512-BF16) and agrees with F.linear on the same bfloat16
-    values: one row, a partial and a whole row block and more than one block, with and without a
-    bias, an odd input count, bfloat16 and float32 activations."""
+    """Whether the kernel runs here (AVX512-BF16, or AVX2 with FMA and F16C) and agrees with
+    F.linear on the same bfloat16 values: one row, a partial and a whole row block and more than
+    one block, with and without a bias, an odd input count, bfloat16 and float32 activations."""
     lib = _library()
     if lib is None or not cpu_kernels.available():
         return False

@@ -1,5 +1,5 @@
-"""Int4 and int8 weights times bfloat16 activations on CPUs with AVX512-BF16 (cpu_kernels.c's
-int4_linear and int8_linear).
+"""Int4 and int8 weights times bfloat16 activations on CPUs with AVX512-BF16 or AVX2
+(cpu_kernels.c's int4_linear and int8_linear).
 
 PyTorch's CPU quantized matmuls decode every weight for every block of rows: its int4 op
 (`_weight_int4pack_mm_for_cpu`, kernels/quant.PackedInt4) is 2-3x slower than oneDNN's bfloat16
@@ -18,8 +18,13 @@ pairs into cache for the tile units likewise (int8_amx_linear).
 Weights keep their footprint: int4 codes plus float16 scales and mins (the 20 bytes per 32
 weights of a GGUF Q4_1 block), int8 codes plus bfloat16 scales, as PyTorch's ops hold them.
 
-Used where the C kernels build, the CPU has AVX512-BF16 and the self-check agrees with the
-dequantizing reference; elsewhere the weights keep PyTorch's packed ops (or the reference).
+On CPUs with AVX2, FMA and F16C but no AVX512-BF16 the same functions are built from AVX2 FMAs
+on the same layouts: each code is decoded to float32 (int4: code * scale + min, one FMA, so the
+decoded weight is not shared between rows as the VDPBF16PS trick does), and the products of the
+bfloat16 activations sum in float32.
+
+Used where the C kernels build, the CPU has AVX512-BF16 or AVX2 and the self-check agrees with
+the dequantizing reference; elsewhere the weights keep PyTorch's packed ops (or the reference).
 """
 
 from __future__ import annotations
@@ -230,11 +235,11 @@ def prepare(q: QuantizedWeight) -> Int4Linear | Int8Linear | None:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernels run here (AVX512-BF16) and agree with the dequantizing reference:
-    int4 on each path int4_path takes here (tiles of rows, the weight decoded whole, and
-    int4_amx_linear where AMX runs, with a partial row block), float32 and bfloat16 activations
-    and a group of 64; int8 on a partial and a whole row block, with an odd input count, and
-    on int8_amx_linear where AMX runs."""
+    """Whether the kernels run here (AVX512-BF16, or AVX2 with FMA and F16C) and agree with the
+    dequantizing reference: int4 on each path int4_path takes here (tiles of rows, the weight
+    decoded whole, and int4_amx_linear where AMX runs, with a partial row block), float32 and
+    bfloat16 activations and a group of 64; int8 on a partial and a whole row block, with an odd
+    input count, and on int8_amx_linear where AMX runs."""
     lib = _library()
     if lib is None or not cpu_kernels.available():
         return False
@@ -266,5 +271,5 @@ def available() -> bool:
 
 def _disagrees(what: str) -> bool:
     log.info("The CPU's quantized-weight kernel (%s) disagrees with the reference, or the CPU "
-             "lacks AVX512-BF16: int4 / int8 weights use PyTorch's packed ops.", what)
+             "lacks AVX512-BF16 and AVX2: int4 / int8 weights use PyTorch's packed ops.", what)
     return False

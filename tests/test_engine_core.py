@@ -168,7 +168,9 @@ def _exact_nucleus(row: torch.Tensor, k: int, p: float) -> set[int]:
 def test_the_nucleus_is_the_whole_sorts_on_real_logits(prompt_logits, top_k, top_p):
     """Top-k and top-p keep exactly the tokens a float64 sort of the whole row keeps, with
     their logits, at several temperatures of the demo model's real logits (nuclei of one token
-    to tens of thousands)."""
+    to tens of thousands). Logits computed in bfloat16 tie often (8 significant bits over 49,152
+    tokens); which of the tokens tied at the nucleus' edge a sort puts first is arbitrary, so
+    there the sets may differ by tokens of the edge's value, never in size."""
     from engine.sampler import _apply_top_k_top_p
 
     for temperature in (0.3, 1.0, 2.0):
@@ -176,5 +178,8 @@ def test_the_nucleus_is_the_whole_sorts_on_real_logits(prompt_logits, top_k, top
         fast = _apply_top_k_top_p(scaled, [top_k] * len(scaled), [top_p] * len(scaled))
         for row, kept_row in zip(scaled, fast, strict=True):
             kept = set(torch.isfinite(kept_row).nonzero().flatten().tolist())
-            assert kept == _exact_nucleus(row, top_k, top_p)
+            exact = _exact_nucleus(row, top_k, top_p)
+            edge = row[list(exact)].min()
+            assert len(kept) == len(exact)
+            assert all(row[t] == edge for t in kept ^ exact)
             assert torch.equal(kept_row[list(kept)], row[list(kept)])
