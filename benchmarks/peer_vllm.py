@@ -88,11 +88,12 @@ class Running:
         vs.stop(self)  # the tests' way: the whole session, SIGTERM then SIGKILL
 
 
-def vllm_command(python: str, folder: Path, port: int, eager: bool) -> list[str]:
+def vllm_command(python: str, folder: Path, port: int, eager: bool, extra: str = "") -> list[str]:
     from app.vllm_local import server_command
 
     return server_command(python, str(folder), port, "demo",
-                          ["--max-model-len", "2048", *(["--enforce-eager"] if eager else [])])
+                          ["--max-model-len", "2048", *(["--enforce-eager"] if eager else []),
+                           *shlex.split(extra)])
 
 
 def vllm_env(all_cores: bool) -> dict:
@@ -121,7 +122,7 @@ def start(name: str, args: argparse.Namespace, log_dir: Path) -> Running:
         from app.vllm_local import demo_folder
 
         folder, _ = demo_folder(args.vllm_python)
-        command = vllm_command(args.vllm_python, folder, port, args.vllm_eager)
+        command = vllm_command(args.vllm_python, folder, port, args.vllm_eager, args.vllm_args)
         return Running(name, command, vllm_env(name == "vllm-all-cores"), port, log)
     if name == "llamacpp":
         from engine.models import fetch_demo_model
@@ -297,6 +298,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--best-args", default="--weights int4",
                    help="flags for `servescope serve` in its best precision")
     p.add_argument("--vllm-python", default=vllm_python())
+    p.add_argument("--vllm-args", default="",
+                   help="more flags for `vllm serve` (e.g. --dtype float32 on a CPU without "
+                        "bfloat16 instructions, where vLLM's bfloat16 default is emulated)")
     p.add_argument("--vllm-eager", action="store_true",
                    help="--enforce-eager (skips torch.compile's warm-up; not vLLM's default)")
     p.add_argument("--llamacpp-python", default=None,
@@ -341,6 +345,7 @@ def main() -> None:
         "settings": {"servescope": args.servescope_args
                      or f"(defaults: dtype auto = {cpu_default_dtype()} on this CPU)",
                      "servescope-best": args.best_args, "servescope-bf16": "--dtype bfloat16",
+                     "vllm_args": args.vllm_args or "(its defaults: dtype auto = bfloat16)",
                      "vllm_eager": args.vllm_eager},
         "started_s": {k: statistics.median(v) for k, v in started.items()},
         "results": results, "ratios": ratios(results, args.servers)}, indent=1))

@@ -1139,6 +1139,7 @@ int int8_amx_linear(const void *x, const int8_t *codes, const uint16_t *scales, 
  * outputs, inputs in order. So an output's value does not depend on the call's row count or on
  * how many tiles a pass takes: a draft's verification rows get a lone decode row's bits. */
 #define AVX2_ROWS 4 /* rows per pass: two accumulators each (a tile's 16 outputs) */
+#define AVX2_INT4_ROWS 8 /* int4: rows per pass, one accumulator each (half a tile) */
 
 /* Rows [0, rows) of x (bfloat16, [rows, n]) as float32 into xf, split over the team (called
  * inside a parallel region). */
@@ -1178,7 +1179,8 @@ static inline void bf16_pair(const uint16_t *w, int64_t p, int h, __m256 *w0, __
 }
 
 static inline void int8_pair(const int8_t *w, int64_t p, int h, __m256 *w0, __m256 *w1) {
-    const __m256i v = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(w + p * 32 + h * 16)));
+    const __m256i v =
+        _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(w + p * 32 + h * 16)));
     *w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
     *w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 8));
 }
@@ -1237,43 +1239,51 @@ static inline void int4_codes(const uint8_t *codes, int64_t d, int h, __m256 c[4
     c[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 12));
 }
 
-/* The int4 weight's rows [0, mb) of `nt` tiles (constants, as avx2_pair_rows): each weight
- * decoded as code * scale + min (one FMA: int4_dequantize's value before its rounding). The
- * tiles and halves are the innermost loops, so that the accumulators' FMA chains interleave (a
- * half's 32 inputs of a group in a row ran the LM head at a third of the int8 kernel's speed at
- * 1 row); a half's scale and min are read again for each 4 inputs, from L1. */
+/* The int4 weight's rows [0, mb) of `nt` tiles (constants; mb * nt <= AVX2_INT4_ROWS): each
+ * weight decoded as code * scale + min (one FMA: int4_dequantize's value before its rounding).
+ * Decoding costs about four vector ops per 8 codes, so the passes are half a tile (8 outputs)
+ * wide with one accumulator per row: 8 rows share each decode (the bfloat16 loop's 4-row
+ * passes made a 16-row int4 step 1.2x the bfloat16 one's time). The tiles are the innermost loop,
+ * so that the accumulators' FMA chains interleave (a half's 32 inputs of a group in a row ran the
+ * LM head at a third of the int8 kernel's speed at 1 row); a half's scale and min are read
+ * again for each 4 inputs, from L1. */
 static inline __attribute__((always_inline)) void avx2_int4_rows(
     const int mb, const int nt, const float *xf, int64_t in, const uint8_t *codes,
     const uint16_t *scales, const uint16_t *mins, int64_t group, void *y, int64_t out,
     int y_bf16) {
     const int64_t groups = in / group, pairs = in / 2;
-    __m256 acc[AVX2_ROWS][2];
-    for (int i = 0; i < nt * mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < in / 4; d++) {
-        const int64_t g = d * 4 / group;
-        for (int j = 0; j < nt; j++)
-            for (int h = 0; h < 2; h++) {
-                const int64_t at = (j * groups + g) * 16 + h * 8;
-                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at)));
-                const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at)));
-                __m256 c[4];
-                int4_codes(codes + j * pairs * 16, d, h, c);
-                for (int i = 0; i < 4; i++) {
-                    const __m256 wv = _mm256_fmadd_ps(c[i], s, mn);
-                    for (int m = 0; m < mb; m++)
-                        acc[j * mb + m][h] = _mm256_fmadd_ps(
-                            wv, _mm256_broadcast_ss(xf + m * in + 4 * d + i), acc[j * mb + m][h]);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[AVX2_INT4_ROWS];
+        for (int i = 0; i < nt * mb; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t d = g * group / 4; d < (g + 1) * group / 4; d++) /* no division per d */
+#pragma GCC unroll 8 /* acc's indices must be constants, or acc lives on the stack */
+                for (int j = 0; j < nt; j++) {
+                    const int64_t at = (j * groups + g) * 16 + h * 8;
+                    const __m256 s =
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at)));
+                    const __m256 mn =
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at)));
+                    __m256 c[4];
+                    int4_codes(codes + j * pairs * 16, d, h, c);
+                    for (int i = 0; i < 4; i++) {
+                        const __m256 wv = _mm256_fmadd_ps(c[i], s, mn);
+                        for (int m = 0; m < mb; m++)
+                            acc[j * mb + m] =
+                                _mm256_fmadd_ps(wv, _mm256_broadcast_ss(xf + m * in + 4 * d + i),
+                                                acc[j * mb + m]);
+                    }
                 }
-            }
+        for (int j = 0; j < nt; j++)
+            for (int m = 0; m < mb; m++) store_half(y, m, out, j, h, acc[j * mb + m], y_bf16);
     }
-    for (int j = 0; j < nt; j++)
-        for (int h = 0; h < 2; h++)
-            for (int m = 0; m < mb; m++) store_half(y, m, out, j, h, acc[j * mb + m][h], y_bf16);
 }
 
 /* How many tiles take the `rem` rows of a last, partial row block at once (avx2_pair_rows says
  * why); a macro for the switch cases' constants. */
 #define AVX2_TILES_AT_ONCE(rem) ((rem) == 1 ? 4 : (rem) == 2 ? 2 : 1)
+#define AVX2_INT4_TILES_AT_ONCE(rem) \
+    ((rem) == 1 ? 4 : (rem) == 2 ? 2 : 1)
 
 /* Rows r.. r + mb of tiles t.. t + nt, for a weight kind (a constant wherever this is inlined).
  * per_out: the bfloat16 weight's bias (or NULL), the int8 weight's scales, the int4 weight's. */
@@ -1308,20 +1318,36 @@ static inline __attribute__((always_inline)) void avx2_team(
     int kind, const void *x, float *xf, const void *w, const uint16_t *per_out,
     const uint16_t *mins, int64_t group, void *y, int64_t rows, int64_t in, int64_t out,
     int y_bf16) {
-    const int64_t tiles = out / 16, rem = rows % AVX2_ROWS, full = rows - rem;
-    const int at_once = AVX2_TILES_AT_ONCE(rem);
+    const int block = kind == WEIGHT_INT4 ? AVX2_INT4_ROWS : AVX2_ROWS;
+    const int64_t tiles = out / 16, rem = rows % block, full = rows - rem;
+    const int at_once =
+        kind == WEIGHT_INT4 ? AVX2_INT4_TILES_AT_ONCE(rem) : AVX2_TILES_AT_ONCE(rem);
     rows_to_f32((const uint16_t *)x, xf, rows, in);
     int64_t t0, t_end;
     thread_tiles(tiles, &t0, &t_end);
     while (t0 < t_end) {
         const int nt = t0 + at_once <= t_end ? at_once : 1;
         for (int64_t t = t0; t < t0 + nt; t++)
-            for (int64_t r = 0; r < (nt > 1 ? full : rows); r += AVX2_ROWS)
-                switch (rows - r < AVX2_ROWS ? rows - r : AVX2_ROWS) {
-                    AVX2_PASS(1, 1, r, t) AVX2_PASS(2, 1, r, t)
-                    AVX2_PASS(3, 1, r, t) AVX2_PASS(4, 1, r, t)
-                }
-        if (nt > 1) /* the partial block of the group's tiles at once */
+            for (int64_t r = 0; r < (nt > 1 ? full : rows); r += block)
+                if (kind == WEIGHT_INT4)
+                    switch (rows - r < block ? rows - r : block) {
+                        AVX2_PASS(1, 1, r, t) AVX2_PASS(2, 1, r, t) AVX2_PASS(3, 1, r, t)
+                        AVX2_PASS(4, 1, r, t) AVX2_PASS(5, 1, r, t) AVX2_PASS(6, 1, r, t)
+                        AVX2_PASS(7, 1, r, t) AVX2_PASS(8, 1, r, t)
+                    }
+                else
+                    switch (rows - r < block ? rows - r : block) {
+                        AVX2_PASS(1, 1, r, t) AVX2_PASS(2, 1, r, t)
+                        AVX2_PASS(3, 1, r, t) AVX2_PASS(4, 1, r, t)
+                    }
+        if (nt > 1 && kind == WEIGHT_INT4) /* the partial block of the group's tiles at once */
+            switch (rem) {
+                AVX2_PASS(1, AVX2_INT4_TILES_AT_ONCE(1), full, t0)
+                AVX2_PASS(2, AVX2_INT4_TILES_AT_ONCE(2), full, t0)
+                AVX2_PASS(3, AVX2_INT4_TILES_AT_ONCE(3), full, t0)
+                AVX2_PASS(4, AVX2_INT4_TILES_AT_ONCE(4), full, t0)
+            }
+        else if (nt > 1)
             switch (rem) {
                 AVX2_PASS(1, AVX2_TILES_AT_ONCE(1), full, t0)
                 AVX2_PASS(2, AVX2_TILES_AT_ONCE(2), full, t0)
@@ -1387,7 +1413,8 @@ int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t
     return 0;
 }
 #else
-/* Without AVX512-BF16 or AVX2 int4 and int8 weights keep PyTorch's packed ops (kernels/quant.py). */
+/* Without AVX512-BF16 or AVX2, int4 and int8 weights keep PyTorch's packed ops (kernels/quant.py)
+ * and bfloat16 ones oneDNN or F.linear. */
 int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 const uint16_t *mins, void *y, int64_t rows, int64_t in_padded, int64_t out,
                 int64_t group, int y_bf16, int threads) {
