@@ -48,7 +48,7 @@ from engine.bench import (  # noqa: E402
     step_summary,
 )
 from engine.engine_config import EngineConfig  # noqa: E402
-from kernels import cpu_linear, cpu_quant, onednn, quant  # noqa: E402
+from kernels import cpu_linear, cpu_quant, ops_for, quant  # noqa: E402
 from monitor.loadgen import make_prompt  # noqa: E402
 
 SIDES = ("c_int4", "pytorch_int4", "float")
@@ -113,8 +113,9 @@ def layer_linears(llm: LLM, rounds: int, dtype: torch.dtype) -> dict:
     """Each layer shape's linear and the LM head at decode and prefill row counts: the kernel
     (by cpu_quant.int4_path / on_amx; with AMX also `c_tile_loop`, its AMX kernel off,
     `c_amx`, its AMX kernel at every row count, and for int4 `c_decoded_whole`, the weight
-    decoded whole), PyTorch's op on the same codes, and oneDNN on the same weight decoded to the
-    default float `dtype`."""
+    decoded whole), PyTorch's op on the same codes, and the same weight decoded to the default
+    float `dtype` as the CPU table runs it (oneDNN, or the bfloat16 tile kernel)."""
+    table = ops_for("cpu", dtype)
     layer = llm.model.layers[0]
     kernels = {name: getattr(layer, name) for name in ("qkv", "o", "gate_up", "down")}
     kernels["lm_head (int8)"] = llm.model.lm_head
@@ -122,14 +123,14 @@ def layer_linears(llm: LLM, rounds: int, dtype: torch.dtype) -> dict:
     for name, kernel in kernels.items():
         codes = _codes(kernel)
         theirs = quant.PackedInt4(codes) if codes.bits == 4 else quant.PackedInt8(codes)
-        dense = onednn.prepare_linear(codes.dequantize(dtype))
+        dense = table.prepare_linear(codes.dequantize(dtype))
         shape = f"{name} {kernel.out_features}x{kernel.in_features}"
         out[shape] = {}
         for rows in (1, 2, 4, 8, 16, 64, 256):
             x = torch.randn(rows, kernel.in_features).to(dtype)
             times = {"c": _time(functools.partial(kernel.linear, x), rounds),
                      "pytorch": _time(functools.partial(theirs.linear, x), rounds),
-                     "float": _time(functools.partial(onednn.linear, x, dense), rounds)}
+                     "float": _time(functools.partial(table.linear, x, dense), rounds)}
             if cpu_linear.amx_runs():  # the AMX kernels' switch rows come from these columns
                 times["c_tile_loop"] = _time(functools.partial(_amx_from, kernel, 0, x), rounds)
                 times["c_amx"] = _time(functools.partial(_amx_from, kernel, 1, x), rounds)
