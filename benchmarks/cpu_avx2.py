@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 from unittest import mock
@@ -33,10 +32,11 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM  # noqa: E402
 from engine.bench import (  # noqa: E402
     alternating_decode_ms,
     alternating_prefill_ms,
+    greedy_agreement,
     machine,
     step_summary,
 )
@@ -77,31 +77,14 @@ def perplexity(llms: dict[str, LLM], tokens: int) -> dict:
     return {"tokens": len(ids), "perplexity": out}
 
 
-def replies_agreement(llms: dict[str, LLM], prompts: int = 8, tokens: int = 48) -> dict:
+def replies_agreement(llms: dict[str, LLM], prompts: int = 8) -> dict:
     """Greedy replies to the same chat prompts against float32's: how many are identical, and
     the mean share of float32's reply in common."""
-    reference = llms["float32"]
     rng = np.random.default_rng(7)
-    chats = [reference.chat_prompt([{"role": "user",
-                                     "content": f"Write about {make_prompt(6, rng)}."}])
+    chats = [llms["float32"].chat_prompt([{"role": "user",
+                                           "content": f"Write about {make_prompt(6, rng)}."}])
              for _ in range(prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=tokens)
-    replies = {side: [o.token_ids for o in llm.generate(chats, params)]
-               for side, llm in llms.items()}
-    want = replies.pop("float32")
-    return {side: {"identical_to_float32": sum(g == w for g, w in zip(got, want, strict=True)),
-                   "of": prompts,
-                   "common_prefix": round(statistics.mean(
-                       _common(g, w) / max(len(w), 1) for g, w in zip(got, want, strict=True)),
-                       3)}
-            for side, got in replies.items()}
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    return greedy_agreement(llms, "float32", chats)[0]
 
 
 def main() -> None:

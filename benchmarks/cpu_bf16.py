@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 from unittest import mock
@@ -31,10 +30,11 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM  # noqa: E402
 from engine.bench import (  # noqa: E402
     alternating_decode_ms,
     alternating_prefill_ms,
+    greedy_agreement,
     machine,
     median_call_us,
     step_summary,
@@ -89,24 +89,12 @@ def replies_agreement(llms: dict[str, LLM], prompts: int = 8, tokens: int = 48) 
     chats = [reference.chat_prompt([{"role": "user",
                                      "content": f"Write about {make_prompt(6, rng)}."}])
              for _ in range(prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=tokens)
-    replies = {side: [o.token_ids for o in llm.generate(chats, params)]
-               for side, llm in {**llms, "float32": reference}.items()}
-    want = replies.pop("float32")
-    out = {side: {"identical_to_float32": sum(g == w for g, w in zip(got, want, strict=True)),
-                  "common_prefix": round(statistics.mean(
-                      _common(g, w) / max(len(w), 1) for g, w in zip(got, want, strict=True)), 3)}
-           for side, got in replies.items()}
+    summary, replies = greedy_agreement(llms, reference, chats, tokens)
+    out = {side: {"identical_to_float32": s["identical"], "common_prefix": s["common_prefix"]}
+           for side, s in summary.items()}
     out["tile_identical_to_onednn"] = sum(
         a == b for a, b in zip(replies["tile"], replies["onednn"], strict=True))
     return out
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _summary(step_ms: dict) -> dict:

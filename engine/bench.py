@@ -157,6 +157,35 @@ def alternating_prefill_ms(llms: dict, batches: list) -> dict:
     return step_ms
 
 
+def greedy_agreement(llms: dict, reference, chats: list[list[int]],
+                     tokens: int = 48) -> tuple[dict, dict]:
+    """Greedy replies of each engine (`llms`: side -> LLM) to the same chat prompts (token ids)
+    against `reference`'s (an LLM, or the side of llms that is the reference): per side, how
+    many are identical and the mean share of the reference's reply in common; and every side's
+    replies (token ids), the reference's under "reference"."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens)
+    replies = {side: [o.token_ids for o in llm.generate(chats, params)]
+               for side, llm in llms.items()}
+    if isinstance(reference, str):
+        want = replies.pop(reference)
+    else:
+        want = [o.token_ids for o in reference.generate(chats, params)]
+    summary = {side: {"identical": sum(g == w for g, w in zip(got, want, strict=True)),
+                      "of": len(chats),
+                      "common_prefix": round(statistics.mean(
+                          _common_prefix(g, w) / max(len(w), 1)
+                          for g, w in zip(got, want, strict=True)), 3)}
+               for side, got in replies.items()}
+    return summary, {**replies, "reference": want}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def step_summary(step_ms: dict, ratios: dict[str, tuple[str, str]]) -> dict:
     """alternating_*_ms's times as a result: each engine's median, each named ratio (`name`:
     (slower side, faster side), the first's median over the second's), every round's times."""

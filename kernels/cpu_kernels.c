@@ -558,6 +558,7 @@ static inline void thread_tiles(int64_t tiles, int64_t *begin, int64_t *end) {
  * padded to whole groups), read as one 32-bit word per input pair. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+#define TILE_KERNELS 1
 
 /* One row's 16 outputs of a tile, rounded to bfloat16 or kept in float32. */
 static inline void store_tile_row(void *y, __m512 v, int y_bf16) {
@@ -809,20 +810,6 @@ static inline void int4_decode_tile(const uint8_t *codes, const uint16_t *scales
             }
         }
     }
-}
-
-/* The weight as bfloat16 in bf16_linear's tile layout [tiles, pairs, 32], code * scale + min
- * rounded once (for prefill-sized batches, which the bfloat16 tile loop runs faster than the
- * int4 one: 8-row blocks there, and the decode redone per block). Lane i of pair p's word is
- * output 16t + i at inputs (2p, 2p + 1), so each decoded pair is one contiguous 64-byte store. */
-int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
-                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
-    if (out % 16 || group % 32 || in_padded % group) return -1;
-    const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
-        int4_decode_tile(codes, scales, mins, w + t * pairs * 32, t, pairs, groups, group);
-    return 0;
 }
 
 /* ---- int8 weights (per output channel) times bfloat16 activations ----
@@ -1383,46 +1370,38 @@ int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 int64_t group, int y_bf16, int threads) {
     AVX2_LINEAR(WEIGHT_INT4, codes, scales, mins, group)
 }
-/* The int4 weight as bfloat16 in bf16_linear's tile layout (int4_dequantize above says why):
- * code * scale + min rounded once, each pair's 16 outputs as (input 2p, 2p + 1) words. */
-int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
-                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
-    if (out % 16 || group % 32 || in_padded % group) return -1;
-    const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t g = 0; g < groups; g++)
-            for (int h = 0; h < 2; h++) {
-                const int64_t at = (t * groups + g) * 16 + h * 8;
-                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at)));
-                const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at)));
-                for (int64_t d = g * group / 4; d < (g + 1) * group / 4; d++) {
-                    __m256 c[4];
-                    int4_codes(codes + t * pairs * 16, d, h, c);
-                    for (int k = 0; k < 2; k++) { /* pair 2d + k: inputs 4d + 2k, 4d + 2k + 1 */
-                        vf even, odd;
-                        const __m256 e = _mm256_fmadd_ps(c[2 * k], s, mn);
-                        const __m256 o = _mm256_fmadd_ps(c[2 * k + 1], s, mn);
-                        memcpy(&even, &e, sizeof even);
-                        memcpy(&odd, &o, sizeof odd);
-                        const vu32 word = (bf16_bits(even) >> 16) | bf16_bits(odd);
-                        memcpy(w + (t * pairs + 2 * d + k) * 32 + h * 16, &word, sizeof word);
-                    }
+/* Weight tile t as bfloat16 in the tile layout ([pairs, 32] at tile_w), code * scale + min
+ * rounded once, each pair's 16 outputs as (input 2p, 2p + 1) words: int4_dequantize's values. */
+static inline void int4_decode_tile(const uint8_t *codes, const uint16_t *scales,
+                                    const uint16_t *mins, uint16_t *tile_w, int64_t t,
+                                    int64_t pairs, int64_t groups, int64_t group) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int h = 0; h < 2; h++) {
+            const int64_t at = (t * groups + g) * 16 + h * 8;
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at)));
+            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at)));
+            for (int64_t d = g * group / 4; d < (g + 1) * group / 4; d++) {
+                __m256 c[4];
+                int4_codes(codes + t * pairs * 16, d, h, c);
+                for (int k = 0; k < 2; k++) { /* pair 2d + k: inputs 4d + 2k, 4d + 2k + 1 */
+                    vf even, odd;
+                    const __m256 e = _mm256_fmadd_ps(c[2 * k], s, mn);
+                    const __m256 o = _mm256_fmadd_ps(c[2 * k + 1], s, mn);
+                    memcpy(&even, &e, sizeof even);
+                    memcpy(&odd, &o, sizeof odd);
+                    const vu32 word = (bf16_bits(even) >> 16) | bf16_bits(odd);
+                    memcpy(tile_w + (2 * d + k) * 32 + h * 16, &word, sizeof word);
                 }
             }
-    return 0;
+        }
 }
+#define TILE_KERNELS 1
 #else
 /* Without AVX512-BF16 or AVX2, int4 and int8 weights keep PyTorch's packed ops (kernels/quant.py)
  * and bfloat16 ones oneDNN or F.linear. */
 int int4_linear(const void *x, const uint8_t *codes, const uint16_t *scales,
                 const uint16_t *mins, void *y, int64_t rows, int64_t in_padded, int64_t out,
                 int64_t group, int y_bf16, int threads) {
-    return -1;
-}
-
-int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
-                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
     return -1;
 }
 
@@ -1436,6 +1415,24 @@ int bf16_linear(const void *x, const uint16_t *w, const uint16_t *bias, void *y,
     return -1;
 }
 #endif
+
+/* The weight as bfloat16 in bf16_linear's tile layout [tiles, pairs, 32], code * scale + min
+ * rounded once (for prefill-sized batches, which the bfloat16 tile loop runs faster than the
+ * int4 one: 8-row blocks there, and the decode redone per block). Lane i of pair p's word is
+ * output 16t + i at inputs (2p, 2p + 1), so each decoded pair is one contiguous 64-byte store. */
+int int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
+                    uint16_t *w, int64_t in_padded, int64_t out, int64_t group, int threads) {
+#ifdef TILE_KERNELS
+    if (out % 16 || group % 32 || in_padded % group) return -1;
+    const int64_t tiles = out / 16, pairs = in_padded / 2, groups = in_padded / group;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        int4_decode_tile(codes, scales, mins, w + t * pairs * 32, t, pairs, groups, group);
+    return 0;
+#else
+    return -1; /* without AVX512-BF16 or AVX2 (int4 weights keep PyTorch's packed op) */
+#endif
+}
 
 #ifndef HAVE_AMX
 /* Without AMX (or a compiler that knows it) bfloat16 weights keep the tile loop or oneDNN. */
