@@ -112,8 +112,8 @@ _ONEDNN_NATIVE = tuple(dtype for dtype in onednn.DTYPES if onednn.available(dtyp
 # The dtypes the CPU table (still named for oneDNN) serves; its other ops follow the input's
 # dtype. bfloat16 joins where the C tile kernel runs it though oneDNN does not: on AVX2 CPUs
 # without AVX-512 (Zen 2 / Zen 3 EPYCs) oneDNN refuses bfloat16, and bfloat16 weights through
-# the tile kernels with a decode step in one C call beat float32 through oneDNN (figures in
-# kernels/cpu_linear.py).
+# the tile kernels with a decode step in one C call beat float32 through oneDNN
+# (benchmarks/cpu_avx2.py).
 ONEDNN_DTYPES = _ONEDNN_NATIVE + (
     (torch.bfloat16,) if torch.bfloat16 not in _ONEDNN_NATIVE and _ONEDNN_NATIVE
     and cpu_linear.preferred() else ())

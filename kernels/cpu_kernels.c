@@ -1118,8 +1118,9 @@ int int8_amx_linear(const void *x, const int8_t *codes, const uint16_t *scales, 
 
 /* ---- the weights' tile kernels on AVX2 with FMA (x86 CPUs without AVX512-BF16) ----
  * The layouts and signatures of the AVX512-BF16 kernels above, so one packing serves both.
- * On a 2-core Zen 2 EPYC (AVX2, no AVX-512) the int4 / int8 weights had PyTorch's packed ops and
- * bfloat16 weights oneDNN's emulated bfloat16 matmul; benchmarks/cpu_avx2.py has the figures.
+ * Before them a 2-core Zen 2 EPYC (AVX2, no AVX-512) ran int4 / int8 weights through PyTorch's
+ * packed ops and bfloat16 ones through F.linear (oneDNN refuses bfloat16 there), so float32 was
+ * the faster default; benchmarks/cpu_avx2.py has the figures.
  *
  * Each bfloat16 activation becomes float32 once per call (exact), each weight is decoded to
  * float32 in registers, and each product is one FMA into a float32 accumulator per row and 8
@@ -1128,25 +1129,21 @@ int int8_amx_linear(const void *x, const int8_t *codes, const uint16_t *scales, 
 #define AVX2_ROWS 4 /* rows per pass: two accumulators each (a tile's 16 outputs) */
 #define AVX2_INT4_ROWS 8 /* int4: rows per pass, one accumulator each (half a tile) */
 
+/* 8 bfloat16 values as float32 (activations, a bias, int8 scales). */
+static inline __m256 load_bf16x8(const uint16_t *at) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)at)), 16));
+}
+
 /* Rows [0, rows) of x (bfloat16, [rows, n]) as float32 into xf, split over the team (called
  * inside a parallel region). */
 static inline void rows_to_f32(const uint16_t *x, float *xf, int64_t rows, int64_t n) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         int64_t k = 0;
-        for (; k + 8 <= n; k += 8) {
-            const __m256i bits = _mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + r * n + k))), 16);
-            _mm256_storeu_ps(xf + r * n + k, _mm256_castsi256_ps(bits));
-        }
+        for (; k + 8 <= n; k += 8) _mm256_storeu_ps(xf + r * n + k, load_bf16x8(x + r * n + k));
         for (; k < n; k++) xf[r * n + k] = bf16_to_f32(x[r * n + k]);
     }
-}
-
-/* 8 bfloat16 values as float32 (a bias, int8 scales). */
-static inline __m256 load_bf16x8(const uint16_t *at) {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)at)), 16));
 }
 
 /* Row m's 8 outputs h of tile j (relative to y, the pass's first row and tile). */
@@ -1244,7 +1241,7 @@ static inline __attribute__((always_inline)) void avx2_int4_rows(
         for (int i = 0; i < nt * mb; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++)
             for (int64_t d = g * group / 4; d < (g + 1) * group / 4; d++) /* no division per d */
-#pragma GCC unroll 8 /* acc's indices must be constants, or acc lives on the stack */
+#pragma GCC unroll 4 /* acc's indices must be constants, or acc lives on the stack */
                 for (int j = 0; j < nt; j++) {
                     const int64_t at = (j * groups + g) * 16 + h * 8;
                     const __m256 s =
@@ -1269,8 +1266,6 @@ static inline __attribute__((always_inline)) void avx2_int4_rows(
 /* How many tiles take the `rem` rows of a last, partial row block at once (avx2_pair_rows says
  * why); a macro for the switch cases' constants. */
 #define AVX2_TILES_AT_ONCE(rem) ((rem) == 1 ? 4 : (rem) == 2 ? 2 : 1)
-#define AVX2_INT4_TILES_AT_ONCE(rem) \
-    ((rem) == 1 ? 4 : (rem) == 2 ? 2 : 1)
 
 /* Rows r.. r + mb of tiles t.. t + nt, for a weight kind (a constant wherever this is inlined).
  * per_out: the bfloat16 weight's bias (or NULL), the int8 weight's scales, the int4 weight's. */
@@ -1307,8 +1302,7 @@ static inline __attribute__((always_inline)) void avx2_team(
     int y_bf16) {
     const int block = kind == WEIGHT_INT4 ? AVX2_INT4_ROWS : AVX2_ROWS;
     const int64_t tiles = out / 16, rem = rows % block, full = rows - rem;
-    const int at_once =
-        kind == WEIGHT_INT4 ? AVX2_INT4_TILES_AT_ONCE(rem) : AVX2_TILES_AT_ONCE(rem);
+    const int at_once = AVX2_TILES_AT_ONCE(rem);
     rows_to_f32((const uint16_t *)x, xf, rows, in);
     int64_t t0, t_end;
     thread_tiles(tiles, &t0, &t_end);
@@ -1327,14 +1321,7 @@ static inline __attribute__((always_inline)) void avx2_team(
                         AVX2_PASS(1, 1, r, t) AVX2_PASS(2, 1, r, t)
                         AVX2_PASS(3, 1, r, t) AVX2_PASS(4, 1, r, t)
                     }
-        if (nt > 1 && kind == WEIGHT_INT4) /* the partial block of the group's tiles at once */
-            switch (rem) {
-                AVX2_PASS(1, AVX2_INT4_TILES_AT_ONCE(1), full, t0)
-                AVX2_PASS(2, AVX2_INT4_TILES_AT_ONCE(2), full, t0)
-                AVX2_PASS(3, AVX2_INT4_TILES_AT_ONCE(3), full, t0)
-                AVX2_PASS(4, AVX2_INT4_TILES_AT_ONCE(4), full, t0)
-            }
-        else if (nt > 1)
+        if (nt > 1) /* the partial block of the group's tiles at once */
             switch (rem) {
                 AVX2_PASS(1, AVX2_TILES_AT_ONCE(1), full, t0)
                 AVX2_PASS(2, AVX2_TILES_AT_ONCE(2), full, t0)

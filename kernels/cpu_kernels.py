@@ -128,18 +128,18 @@ def _library() -> ctypes.CDLL | None:
         "rotary": [_PTR] * 6 + [_I64] * 6 + [_INT, _INT],
         "silu_and_mul": [_PTR, _PTR, _I64, _I64, _INT, _INT],
         "softmax_topk": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR],
-        # The weights' tile kernels (kernels/cpu_quant.py): -1 without AVX512-BF16.
+        # The weights' tile kernels (kernels/cpu_quant.py): -1 without AVX512-BF16 or AVX2.
         "int4_linear": [_PTR] * 5 + [_I64] * 4 + [_INT, _INT],
         "int4_dequantize": [_PTR] * 4 + [_I64] * 3 + [_INT],
         "int4_amx_linear": [_PTR] * 5 + [_I64] * 4 + [_INT, _INT],
         "int8_amx_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
         "int8_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
-        # bfloat16 weights (kernels/cpu_linear.py): -1 without AVX512-BF16.
+        # bfloat16 weights (kernels/cpu_linear.py): -1 without AVX512-BF16 or AVX2.
         "bf16_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
         # The same on AMX's tile units (kernels/cpu_linear.py): -1 without AMX.
         "bf16_amx_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
         "amx_enable": [],
-        # A decode step's layers (kernels/cpu_layers.py): -1 without AVX512-BF16.
+        # A decode step's layers (kernels/cpu_layers.py): -1 without AVX512-BF16 or AVX2.
         "decode_layers": ([_PTR, _I64] + [_PTR] * 7 + [_I64] * 8 + [_PTR, _I64, _PTR]
                           + [_F32, _F32] + [_INT] * 4),
     }

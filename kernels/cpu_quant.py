@@ -19,9 +19,9 @@ Weights keep their footprint: int4 codes plus float16 scales and mins (the 20 by
 weights of a GGUF Q4_1 block), int8 codes plus bfloat16 scales, as PyTorch's ops hold them.
 
 On CPUs with AVX2, FMA and F16C but no AVX512-BF16 the same functions are built from AVX2 FMAs
-on the same layouts: each code is decoded to float32 (int4: code * scale + min, one FMA, so the
-decoded weight is not shared between rows as the VDPBF16PS trick does), and the products of the
-bfloat16 activations sum in float32.
+on the same layouts: each code is decoded to float32 (int4: code * scale + min, one FMA, shared
+only by the rows of a pass, where the VDPBF16PS trick above applies scale and min to group sums),
+and the products of the bfloat16 activations sum in float32.
 
 Used where the C kernels build, the CPU has AVX512-BF16 or AVX2 and the self-check agrees with
 the dequantizing reference; elsewhere the weights keep PyTorch's packed ops (or the reference).
