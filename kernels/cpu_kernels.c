@@ -1122,12 +1122,13 @@ int int8_amx_linear(const void *x, const int8_t *codes, const uint16_t *scales, 
  * packed ops and bfloat16 ones through F.linear (oneDNN refuses bfloat16 there), so float32 was
  * the faster default; benchmarks/cpu_avx2.py has the figures.
  *
- * Each bfloat16 activation becomes float32 once per call (exact), each weight is decoded to
- * float32 in registers, and each product is one FMA into a float32 accumulator per row and 8
- * outputs, inputs in order. So an output's value does not depend on the call's row count or on
- * how many tiles a pass takes: a draft's verification rows get a lone decode row's bits. */
+ * bfloat16 and int8 weights: each bfloat16 activation becomes float32 once per call (exact),
+ * each weight is decoded to float32 in registers, and each product is one FMA into a float32
+ * accumulator per row and 8 outputs, inputs in order. int4 weights multiply 16-bit integer
+ * activations (avx2_w4a16_rows says why and how). Either way an output's value does not depend
+ * on the call's row count or on how many tiles a pass takes: a draft's verification rows get a
+ * lone decode row's bits. */
 #define AVX2_ROWS 4 /* rows per pass: two accumulators each (a tile's 16 outputs) */
-#define AVX2_INT4_ROWS 8 /* int4: rows per pass, one accumulator each (half a tile) */
 
 /* 8 bfloat16 values as float32 (activations, a bias, int8 scales). */
 static inline __m256 load_bf16x8(const uint16_t *at) {
@@ -1223,44 +1224,116 @@ static inline void int4_codes(const uint8_t *codes, int64_t d, int h, __m256 c[4
     c[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 12));
 }
 
-/* The int4 weight's rows [0, mb) of `nt` tiles (constants; mb * nt <= AVX2_INT4_ROWS): each
- * weight decoded as code * scale + min (one FMA: int4_dequantize's value before its rounding).
- * Decoding costs about four vector ops per 8 codes, so the passes are half a tile (8 outputs)
- * wide with one accumulator per row: 8 rows share each decode (the bfloat16 loop's 4-row
- * passes made a 16-row int4 step 1.2x the bfloat16 one's time). The tiles are the innermost loop,
- * so that the accumulators' FMA chains interleave (a half's 32 inputs of a group in a row ran the
- * LM head at a third of the int8 kernel's speed at 1 row); a half's scale and min are read
- * again for each 4 inputs, from L1. */
-static inline __attribute__((always_inline)) void avx2_int4_rows(
-    const int mb, const int nt, const float *xf, int64_t in, const uint8_t *codes,
-    const uint16_t *scales, const uint16_t *mins, int64_t group, void *y, int64_t out,
-    int y_bf16) {
-    const int64_t groups = in / group, pairs = in / 2;
+/* int4 weights on AVX2 multiply 16-bit activations in integers. Decoding each code to float32
+ * and multiplying it there took about 24 vector ops per 32 products, so int4 decoded slower
+ * than bfloat16 (whose stream is 3.5x the bytes). Here each row's activations are quantized per
+ * block of 32 inputs, q = round(x / d) with d = max|x| / 32767 (an error below a 65534th of the
+ * block's largest activation, far below the bfloat16 rounding they already carry: 8-bit ones,
+ * as llama.cpp's Q8_1, moved the demo model's logits 0.045 nats from PyTorch's int4 op), and
+ * VPMADDWD multiplies two codes (<= 15) by two q's into one exact 32-bit sum per output. Per
+ * block, then,
+ *     sum_k x_k (c_k s + min) ~ s d sum_k c_k q_k + min sum_k x_k
+ * (the min's term takes the exact float sum of the block's activations). A row's values depend
+ * on its own activations only, so a draft's verification rows still get a lone row's bits. */
+#define AVX2_W4A16_ROWS 8 /* rows per pass */
+#define W4A16_BLOCK 32    /* inputs per activation scale */
+
+/* Row r's activations as int16 q [rows, n], with d [rows, n / 32] (q * d ~ x) and the exact sum
+ * of x over each block, xsum [rows, n / 32]; split over the team (inside a parallel region). */
+static inline void rows_to_q16(const uint16_t *x, int16_t *q, float *d, float *xsum,
+                               int64_t rows, int64_t n) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < n / W4A16_BLOCK; b++) {
+            const uint16_t *xb = x + r * n + b * W4A16_BLOCK;
+            float v[W4A16_BLOCK], amax = 0.0f, sum = 0.0f;
+            for (int i = 0; i < W4A16_BLOCK; i++) {
+                v[i] = bf16_to_f32(xb[i]);
+                const float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+                sum += v[i];
+            }
+            const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            for (int i = 0; i < W4A16_BLOCK; i++)
+                q[r * n + b * W4A16_BLOCK + i] = (int16_t)lrintf(v[i] * inv);
+            d[r * (n / W4A16_BLOCK) + b] = amax / 32767.0f;
+            xsum[r * (n / W4A16_BLOCK) + b] = sum;
+        }
+}
+
+static inline __m256 f16x8(const uint16_t *at) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+}
+
+/* Rows [0, mb) (a constant <= AVX2_W4A16_ROWS) of one int4 tile, a half tile (8 outputs) at a
+ * time: a row's two halves' integer sums side by side, with the codes and broadcasts, took more
+ * than the 16 registers from 3 rows on, and GCC spilled sums in the inner loop. The float sums
+ * live in acc (memory, touched once per block). */
+static inline __attribute__((always_inline)) void avx2_w4a16_rows(
+    const int mb, const int16_t *q, const float *d, const float *xsum, int64_t in,
+    const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t group, void *y,
+    int64_t out, int y_bf16) {
+    const int64_t blocks = in / W4A16_BLOCK, per_group = group / W4A16_BLOCK;
+    const __m256i nibble = _mm256_set1_epi16(15);
     for (int h = 0; h < 2; h++) {
-        __m256 acc[AVX2_INT4_ROWS];
-        for (int i = 0; i < nt * mb; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t d = g * group / 4; d < (g + 1) * group / 4; d++) /* no division per d */
-#pragma GCC unroll 4 /* acc's indices must be constants, or acc lives on the stack */
-                for (int j = 0; j < nt; j++) {
-                    const int64_t at = (j * groups + g) * 16 + h * 8;
-                    const __m256 s =
-                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at)));
-                    const __m256 mn =
-                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at)));
-                    __m256 c[4];
-                    int4_codes(codes + j * pairs * 16, d, h, c);
-                    for (int i = 0; i < 4; i++) {
-                        const __m256 wv = _mm256_fmadd_ps(c[i], s, mn);
-                        for (int m = 0; m < mb; m++)
-                            acc[j * mb + m] =
-                                _mm256_fmadd_ps(wv, _mm256_broadcast_ss(xf + m * in + 4 * d + i),
-                                                acc[j * mb + m]);
+        float acc[AVX2_W4A16_ROWS][8] __attribute__((aligned(32))) = {{0}};
+        for (int64_t g = 0; g < in / group; g++)
+            for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
+                __m256i sums[AVX2_W4A16_ROWS];
+#pragma GCC unroll 8
+                for (int m = 0; m < mb; m++) sums[m] = _mm256_setzero_si256();
+                for (int64_t dp = b * (W4A16_BLOCK / 4); dp < (b + 1) * (W4A16_BLOCK / 4); dp++) {
+                    /* per 32-bit lane an output's codes at inputs (4dp, 4dp + 1) in the low
+                     * nibbles and (4dp + 2, 4dp + 3) in the high ones */
+                    const __m256i v = _mm256_cvtepu8_epi16(
+                        _mm_loadu_si128((const __m128i *)(codes + dp * 32 + h * 16)));
+                    const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_srli_epi16(v, 4);
+#pragma GCC unroll 8
+                    for (int m = 0; m < mb; m++) {
+                        int32_t pair0, pair1;
+                        memcpy(&pair0, q + m * in + 4 * dp, sizeof pair0);
+                        memcpy(&pair1, q + m * in + 4 * dp + 2, sizeof pair1);
+                        sums[m] = _mm256_add_epi32(
+                            sums[m], _mm256_madd_epi16(lo, _mm256_set1_epi32(pair0)));
+                        sums[m] = _mm256_add_epi32(
+                            sums[m], _mm256_madd_epi16(hi, _mm256_set1_epi32(pair1)));
                     }
                 }
-        for (int j = 0; j < nt; j++)
-            for (int m = 0; m < mb; m++) store_half(y, m, out, j, h, acc[j * mb + m], y_bf16);
+                const __m256 s = f16x8(scales + g * 16 + h * 8), mn = f16x8(mins + g * 16 + h * 8);
+#pragma GCC unroll 8
+                for (int m = 0; m < mb; m++) {
+                    const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(d[m * blocks + b]));
+                    const __m256 a = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(sums[m]),
+                                                     _mm256_load_ps(acc[m]));
+                    _mm256_store_ps(acc[m],
+                                    _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m * blocks + b]), a));
+                }
+            }
+#pragma GCC unroll 8
+        for (int m = 0; m < mb; m++) store_half(y, m, out, 0, h, _mm256_load_ps(acc[m]), y_bf16);
     }
+}
+
+#define AVX2_W4A16_CASE(n)                                                                      \
+    case n:                                                                                    \
+        avx2_w4a16_rows(n, q + r * in, d + r * (in / W4A16_BLOCK), xsum + r * (in / W4A16_BLOCK), \
+                       in, codes + t * pairs * 16, scales + t * groups * 16,                   \
+                       mins + t * groups * 16, group, tile_output(y, r, out, t, y_bf16), out,  \
+                       y_bf16);                                                                \
+        break;
+
+/* A thread's int4 tiles [t0, t_end) for all rows (inside a parallel region, after rows_to_q16). */
+static inline void avx2_w4a16_tiles(const int16_t *q, const float *d, const float *xsum,
+                                   int64_t in, const uint8_t *codes, const uint16_t *scales,
+                                   const uint16_t *mins, int64_t group, void *y, int64_t rows,
+                                   int64_t out, int64_t t0, int64_t t_end, int y_bf16) {
+    const int64_t pairs = in / 2, groups = in / group;
+    for (int64_t t = t0; t < t_end; t++)
+        for (int64_t r = 0; r < rows; r += AVX2_W4A16_ROWS)
+            switch (rows - r < AVX2_W4A16_ROWS ? rows - r : AVX2_W4A16_ROWS) {
+                AVX2_W4A16_CASE(1) AVX2_W4A16_CASE(2) AVX2_W4A16_CASE(3) AVX2_W4A16_CASE(4)
+                AVX2_W4A16_CASE(5) AVX2_W4A16_CASE(6) AVX2_W4A16_CASE(7) AVX2_W4A16_CASE(8)
+            }
 }
 
 /* How many tiles take the `rem` rows of a last, partial row block at once (avx2_pair_rows says
@@ -1271,26 +1344,17 @@ static inline __attribute__((always_inline)) void avx2_int4_rows(
  * per_out: the bfloat16 weight's bias (or NULL), the int8 weight's scales, the int4 weight's. */
 static inline __attribute__((always_inline)) void avx2_pass(
     int kind, const int mb, const int nt, const float *xf, int64_t in, int64_t r, int64_t t,
-    const void *w, const uint16_t *per_out, const uint16_t *mins, int64_t group, void *y,
-    int64_t out, int y_bf16) {
+    const void *w, const uint16_t *per_out, void *y, int64_t out, int y_bf16) {
     const int64_t pairs = in / 2;
-    void *yr = tile_output(y, r, out, t, y_bf16);
-    if (kind == WEIGHT_INT4) {
-        const int64_t groups = in / group;
-        avx2_int4_rows(mb, nt, xf + r * in, in, (const uint8_t *)w + t * pairs * 16,
-                       per_out + t * groups * 16, mins + t * groups * 16, group, yr, out,
-                       y_bf16);
-    } else {
-        const void *wt = kind == WEIGHT_BF16 ? (const void *)((const uint16_t *)w + t * pairs * 32)
-                                             : (const void *)((const int8_t *)w + t * pairs * 32);
-        avx2_pair_rows(kind, mb, nt, xf + r * in, in, wt, per_out == NULL ? NULL : per_out + t * 16,
-                       yr, out, y_bf16);
-    }
+    const void *wt = kind == WEIGHT_BF16 ? (const void *)((const uint16_t *)w + t * pairs * 32)
+                                         : (const void *)((const int8_t *)w + t * pairs * 32);
+    avx2_pair_rows(kind, mb, nt, xf + r * in, in, wt, per_out == NULL ? NULL : per_out + t * 16,
+                   tile_output(y, r, out, t, y_bf16), out, y_bf16);
 }
 
 #define AVX2_PASS(n, nt_, r_, t_)                                                         \
     case n:                                                                               \
-        avx2_pass(kind, n, nt_, xf, in, r_, t_, w, per_out, mins, group, y, out, y_bf16); \
+        avx2_pass(kind, n, nt_, xf, in, r_, t_, w, per_out, y, out, y_bf16);               \
         break;
 
 /* One thread's share of y [rows, out] = x [rows, in] @ W^T (x bfloat16, W in the tile layouts
@@ -1300,27 +1364,27 @@ static inline __attribute__((always_inline)) void avx2_team(
     int kind, const void *x, float *xf, const void *w, const uint16_t *per_out,
     const uint16_t *mins, int64_t group, void *y, int64_t rows, int64_t in, int64_t out,
     int y_bf16) {
-    const int block = kind == WEIGHT_INT4 ? AVX2_INT4_ROWS : AVX2_ROWS;
-    const int64_t tiles = out / 16, rem = rows % block, full = rows - rem;
+    const int64_t tiles = out / 16, rem = rows % AVX2_ROWS, full = rows - rem;
     const int at_once = AVX2_TILES_AT_ONCE(rem);
-    rows_to_f32((const uint16_t *)x, xf, rows, in);
     int64_t t0, t_end;
     thread_tiles(tiles, &t0, &t_end);
+    if (kind == WEIGHT_INT4) { /* xf holds q, then d and xsum (rows_to_q16) */
+        int16_t *q = (int16_t *)xf;
+        float *d = (float *)(q + rows * in), *xsum = d + rows * (in / W4A16_BLOCK);
+        rows_to_q16((const uint16_t *)x, q, d, xsum, rows, in);
+        avx2_w4a16_tiles(q, d, xsum, in, (const uint8_t *)w, per_out, mins, group, y, rows, out,
+                        t0, t_end, y_bf16);
+        return;
+    }
+    rows_to_f32((const uint16_t *)x, xf, rows, in);
     while (t0 < t_end) {
         const int nt = t0 + at_once <= t_end ? at_once : 1;
         for (int64_t t = t0; t < t0 + nt; t++)
-            for (int64_t r = 0; r < (nt > 1 ? full : rows); r += block)
-                if (kind == WEIGHT_INT4)
-                    switch (rows - r < block ? rows - r : block) {
-                        AVX2_PASS(1, 1, r, t) AVX2_PASS(2, 1, r, t) AVX2_PASS(3, 1, r, t)
-                        AVX2_PASS(4, 1, r, t) AVX2_PASS(5, 1, r, t) AVX2_PASS(6, 1, r, t)
-                        AVX2_PASS(7, 1, r, t) AVX2_PASS(8, 1, r, t)
-                    }
-                else
-                    switch (rows - r < block ? rows - r : block) {
-                        AVX2_PASS(1, 1, r, t) AVX2_PASS(2, 1, r, t)
-                        AVX2_PASS(3, 1, r, t) AVX2_PASS(4, 1, r, t)
-                    }
+            for (int64_t r = 0; r < (nt > 1 ? full : rows); r += AVX2_ROWS)
+                switch (rows - r < AVX2_ROWS ? rows - r : AVX2_ROWS) {
+                    AVX2_PASS(1, 1, r, t) AVX2_PASS(2, 1, r, t)
+                    AVX2_PASS(3, 1, r, t) AVX2_PASS(4, 1, r, t)
+                }
         if (nt > 1) /* the partial block of the group's tiles at once */
             switch (rem) {
                 AVX2_PASS(1, AVX2_TILES_AT_ONCE(1), full, t0)

@@ -80,6 +80,56 @@ def test_int4_linear_computes_the_dequantize_reference(group, rows, dtype, amx_p
     assert ((got.float() - want).abs() <= _bound(x, q.dequantize())).all()
 
 
+def _int4_times_q16(x: torch.Tensor, q: quant.QuantizedWeight) -> torch.Tensor:
+    """What the AVX2 int4 kernel computes (cpu_kernels.c, rows_to_q16 and avx2_w4a16_rows): each
+    row's bfloat16 activations quantized to int16 per block of 32 inputs (d = max|x| / 32767,
+    q = round(x / d)), exact integer sums of codes times q per block, then per block
+    scale * d * sum + min * (the block's exact float sum), with the float16 scales and mins the
+    kernel holds."""
+    xb = torch.nn.functional.pad(x.to(torch.bfloat16).float(), (0, q.padded_in - x.shape[1]))
+    blocks = xb.view(x.shape[0], -1, 32).double()
+    amax = blocks.abs().amax(-1, keepdim=True).float()
+    full = torch.full_like(amax, 32767.0)  # a tensor: torch's scalar / tensor is not exact
+    inv = torch.where(amax > 0, full / amax, 0.0)
+    qx = torch.round((blocks.float() * inv).double())
+    codes = q.int_codes().double().view(q.out_features, -1, 32)
+    sums = torch.einsum("rbk,obk->rob", qx, codes)  # integers: exact in float64
+    per_block = q.group_size // 32
+    scales = q.scales.half().double().repeat_interleave(per_block, dim=1)  # [out, blocks]
+    mins = q.mins.half().double().repeat_interleave(per_block, dim=1)
+    d = (amax / full).double().squeeze(-1)  # [rows, blocks]
+    return (scales[None] * d[:, None] * sums + mins[None] * blocks.sum(-1)[:, None]).sum(-1)
+
+
+@pytest.mark.skipif(not _has_tile_isa() or _has_avx512_bf16(),
+                    reason="the AVX2 build of the int4 kernel runs on CPUs without AVX512-BF16")
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9, 40])
+def test_on_avx2_int4_weights_multiply_16_bit_activations_in_integers(group, rows):
+    # Activations with an outlier per row, as a layer's inputs have: a block's other inputs
+    # keep fewer levels, which the reference models exactly.
+    out_f, in_f = 64, 256
+    q = quant.quantize_int4(_weight(out_f, in_f, seed=group + rows), group)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_f, generator=gen)
+    x[:, 5] *= 20
+    x = x.to(torch.bfloat16).float()  # float32 activations: outputs unrounded
+    weight = cpu_quant.prepare(q)
+    got = weight.linear(x).double()
+    # The kernel's float32 terms (each a few roundings of float32) in its own order.
+    magnitude = x.abs() @ q.dequantize().abs().T
+    assert ((got - _int4_times_q16(x, q)).abs() <= 2**-20 * magnitude + 1e-6).all()
+    # And 16-bit activations give the exact product of the weights as held (float16 scales and
+    # mins, as a GGUF Q4_1 block has them) but for their rounding: half a 32767th of each
+    # block's largest activation per input (2^-16), times the weights.
+    held = quant.QuantizedWeight(q.codes, q.scales.half().float(), q.mins.half().float(), 4,
+                                 q.group_size, q.in_features)
+    exact = held.linear(x).double()
+    amax = x.view(rows, -1, 32).abs().amax(-1).repeat_interleave(32, dim=1)
+    assert ((got - exact).abs() <= 2**-16 * amax @ held.dequantize().abs().T
+            + 2**-20 * magnitude + 1e-5).all()
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
 @pytest.mark.parametrize("in_f", [96, 95])  # an odd input count is padded with a zero code
@@ -119,8 +169,9 @@ def test_rows_in_a_batch_do_not_change_each_others_results(out_f):
     # Every row goes through the same tile code whatever else is in the batch (decode rows
     # batched with others must get the logits they get alone), below the row counts where the
     # weight is decoded whole (DEQUANTIZE_ROWS; on a CPU with AMX, AMX_MATMUL_ROWS: the decoded
-    # weight rounds otherwise): rows in full blocks of 8, and the 1-4 rows of a last, partial
-    # block, which several tiles take at once. The 33 rows here stand for a batch of decodes,
+    # weight rounds otherwise): rows in full blocks of 8, and the rows of a last, partial
+    # block (on AVX512-BF16 several tiles take 1-4 of them at once; on AVX2 each row's
+    # activations are quantized on their own). The 33 rows here stand for a batch of decodes,
     # so the AMX path is held off.
     q = quant.quantize_int4(_weight(out_f, 128, seed=7), 32)
     weight = cpu_quant.prepare(q)
