@@ -6,7 +6,9 @@ Engine-level before/after runs (before_after.py) run each revision in its own pr
 the shared 2-core VM those moved by 10-30% between processes (a batch-1 decode step read 8.0-15.3
 ms in one hour); here both builds of the kernel are loaded side by side and called in turns on
 the same weights and inputs, so the ratio is the kernel's own. Both builds' outputs are compared
-too: they must be identical to the bit (a row's sums may not depend on how rows are blocked).
+too: a change that keeps the arithmetic must leave them identical to the bit (a row's sums may
+not depend on how rows are blocked); one that changes it (the AVX2 int4 kernel's 16-bit
+activations) reports them different.
 
 The weights are the demo model's layer shapes (SmolLM2-135M: hidden 576, 9 query and 3 KV heads
 of 64, MLP 1536), random, in the kernel's layout (int4: groups of 32, as the demo's Q4_1);
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     if not cpu_linear.available():
-        print(json.dumps({"error": "the tile kernel does not run here (no AVX512-BF16)"}))
+        print(json.dumps({"error": "the tile kernel does not run here (no AVX512-BF16, "
+                                   "nor AVX2 with FMA and F16C)"}))
         return 1
     before_source = subprocess.run(["git", "show", f"{args.before}:kernels/cpu_kernels.c"],
                                    cwd=ROOT, capture_output=True, text=True, check=True).stdout
