@@ -1227,19 +1227,20 @@ static inline void int4_codes(const uint8_t *codes, int64_t d, int h, __m256 c[4
 /* int4 weights on AVX2 multiply 16-bit activations in integers. Decoding each code to float32
  * and multiplying it there took about 24 vector ops per 32 products, so int4 decoded slower
  * than bfloat16 (whose stream is 3.5x the bytes). Here each row's activations are quantized per
- * block of 32 inputs, q = round(x / d) with d = max|x| / 32767 (an error below a 65534th of the
- * block's largest activation, far below the bfloat16 rounding they already carry: 8-bit ones,
- * as llama.cpp's Q8_1, moved the demo model's logits 0.045 nats from PyTorch's int4 op), and
- * VPMADDWD multiplies two codes (<= 15) by two q's into one exact 32-bit sum per output. Per
- * block, then,
+ * block of 32 inputs, q = round(x / d) with d = max|x| / 32767: an error of at most a 65534th
+ * of the block's largest activation, 128x below that activation's own bfloat16 rounding (inputs
+ * over 128x smaller than their block's largest come out coarser than bfloat16; perplexity did
+ * not move). 8-bit ones, as llama.cpp's Q8_1, moved the demo model's logits 0.045 nats from
+ * PyTorch's int4 op. VPMADDWD multiplies two codes (<= 15) by two q's into one exact 32-bit
+ * sum per output. Per block, then,
  *     sum_k x_k (c_k s + min) ~ s d sum_k c_k q_k + min sum_k x_k
- * (the min's term takes the exact float sum of the block's activations). A row's values depend
+ * (the min's term takes the float32 sum of the block's activations). A row's values depend
  * on its own activations only, so a draft's verification rows still get a lone row's bits. */
 #define AVX2_W4A16_ROWS 8 /* rows per pass */
 #define W4A16_BLOCK 32    /* inputs per activation scale */
 
-/* Row r's activations as int16 q [rows, n], with d [rows, n / 32] (q * d ~ x) and the exact sum
- * of x over each block, xsum [rows, n / 32]; split over the team (inside a parallel region). */
+/* Row r's activations as int16 q [rows, n], with d [rows, n / 32] (q * d ~ x) and the float32
+ * sum of x over each block, xsum [rows, n / 32]; split over the team (inside a parallel region). */
 static inline void rows_to_q16(const uint16_t *x, int16_t *q, float *d, float *xsum,
                                int64_t rows, int64_t n) {
 #pragma omp for schedule(static)

@@ -22,9 +22,9 @@ On CPUs with AVX2, FMA and F16C but no AVX512-BF16 the same functions are built 
 layouts: int8 codes are decoded to float32 and the products of the bfloat16 activations sum in
 float32 FMAs; int4 codes multiply the activations quantized to 16-bit integers per block of 32
 inputs (VPMADDWD: exact integer sums, then each block's scale, min and activation scale in
-float32; the quantization's error is below a 65534th of the block's largest activation, far below
-the activations' own bfloat16 rounding). Decoding each int4 code to float32 instead cost more than
-its smaller stream saved: int4 ran slower than bfloat16 there.
+float32; the quantization's error is at most a 65534th of the block's largest activation, 128x
+below that activation's own bfloat16 rounding). Decoding each int4 code to float32 instead cost
+more than its smaller stream saved: int4 ran slower than bfloat16 there.
 
 Used where the C kernels build, the CPU has AVX512-BF16 or AVX2 and the self-check agrees with
 the dequantizing reference; elsewhere the weights keep PyTorch's packed ops (or the reference).

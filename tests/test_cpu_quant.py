@@ -84,7 +84,7 @@ def _int4_times_q16(x: torch.Tensor, q: quant.QuantizedWeight) -> torch.Tensor:
     """What the AVX2 int4 kernel computes (cpu_kernels.c, rows_to_q16 and avx2_w4a16_rows): each
     row's bfloat16 activations quantized to int16 per block of 32 inputs (d = max|x| / 32767,
     q = round(x / d)), exact integer sums of codes times q per block, then per block
-    scale * d * sum + min * (the block's exact float sum), with the float16 scales and mins the
+    scale * d * sum + min * (the block's sum of x), with the float16 scales and mins the
     kernel holds."""
     xb = torch.nn.functional.pad(x.to(torch.bfloat16).float(), (0, q.padded_in - x.shape[1]))
     blocks = xb.view(x.shape[0], -1, 32).double()
