@@ -1136,6 +1136,11 @@ static inline __m256 load_bf16x8(const uint16_t *at) {
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)at)), 16));
 }
 
+/* 8 float16 values as float32 (int4 scales and mins). */
+static inline __m256 f16x8(const uint16_t *at) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+}
+
 /* Rows [0, rows) of x (bfloat16, [rows, n]) as float32 into xf, split over the team (called
  * inside a parallel region). */
 static inline void rows_to_f32(const uint16_t *x, float *xf, int64_t rows, int64_t n) {
@@ -1262,10 +1267,6 @@ static inline void rows_to_q16(const uint16_t *x, int16_t *q, float *d, float *x
         }
 }
 
-static inline __m256 f16x8(const uint16_t *at) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
-}
-
 /* Rows [0, mb) (a constant <= AVX2_W4A16_ROWS) of one int4 tile, a half tile (8 outputs) at a
  * time: a row's two halves' integer sums side by side, with the codes and broadcasts, took more
  * than the 16 registers from 3 rows on, and GCC spilled sums in the inner loop. The float sums
@@ -1365,10 +1366,8 @@ static inline __attribute__((always_inline)) void avx2_team(
     int kind, const void *x, float *xf, const void *w, const uint16_t *per_out,
     const uint16_t *mins, int64_t group, void *y, int64_t rows, int64_t in, int64_t out,
     int y_bf16) {
-    const int64_t tiles = out / 16, rem = rows % AVX2_ROWS, full = rows - rem;
-    const int at_once = AVX2_TILES_AT_ONCE(rem);
     int64_t t0, t_end;
-    thread_tiles(tiles, &t0, &t_end);
+    thread_tiles(out / 16, &t0, &t_end);
     if (kind == WEIGHT_INT4) { /* xf holds q, then d and xsum (rows_to_q16) */
         int16_t *q = (int16_t *)xf;
         float *d = (float *)(q + rows * in), *xsum = d + rows * (in / W4A16_BLOCK);
@@ -1377,6 +1376,8 @@ static inline __attribute__((always_inline)) void avx2_team(
                         t0, t_end, y_bf16);
         return;
     }
+    const int64_t rem = rows % AVX2_ROWS, full = rows - rem;
+    const int at_once = AVX2_TILES_AT_ONCE(rem);
     rows_to_f32((const uint16_t *)x, xf, rows, in);
     while (t0 < t_end) {
         const int nt = t0 + at_once <= t_end ? at_once : 1;
@@ -1395,7 +1396,8 @@ static inline __attribute__((always_inline)) void avx2_team(
     }
 }
 
-/* A kernel's body: the shapes it takes, the activations' float32 copy, its parallel region. */
+/* A kernel's body: the shapes it takes, the activations' copy (float32; for int4, int16 with the
+ * blocks' scales and sums, which take less room), its parallel region. */
 #define AVX2_LINEAR(kind, w, per_out, mins, group)                                            \
     if (out % 16 || in_padded % 2) return -1;                                               \
     if ((kind) == WEIGHT_INT4 && ((group) % 32 || in_padded % (group))) return -1;          \
@@ -1430,8 +1432,7 @@ static inline void int4_decode_tile(const uint8_t *codes, const uint16_t *scales
     for (int64_t g = 0; g < groups; g++)
         for (int h = 0; h < 2; h++) {
             const int64_t at = (t * groups + g) * 16 + h * 8;
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at)));
-            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + at)));
+            const __m256 s = f16x8(scales + at), mn = f16x8(mins + at);
             for (int64_t d = g * group / 4; d < (g + 1) * group / 4; d++) {
                 __m256 c[4];
                 int4_codes(codes + t * pairs * 16, d, h, c);
