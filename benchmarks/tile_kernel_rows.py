@@ -14,9 +14,12 @@ The weights are the demo model's layer shapes (SmolLM2-135M: hidden 576, 9 query
 of 64, MLP 1536), random, in the kernel's layout (int4: groups of 32, as the demo's Q4_1);
 timings are with warm caches (each matmul is called 100 times in a row), so they show the
 kernel's compute and latency, not the weight stream from memory a real decode step pays on top.
+With --cold the demo model's 30 layers each get their own weights (212 MB in bfloat16, far past
+the caches) and a timing is a pass over all of them, layer after layer as a decode step reads
+them: the weights stream from memory, and the figure is a layer's share of the pass.
 
     python benchmarks/tile_kernel_rows.py --before HEAD~1 [--kernel int4] [--rows 1 2 4 8 16 17]
-        [--rounds 5]
+        [--rounds 5] [--cold]
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ ROOT = _HERE.parent
 # (outputs, inputs) of the demo model's q/k/v, o, gate/up and down projections.
 LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 CALLS = 100  # per matmul and timing
+LAYERS = 30  # the demo model's, each with its own weights under --cold
+COLD_PASSES = 5  # timed passes over all the layers under --cold (the fastest counts)
 INT4_GROUP = 32
 
 
@@ -79,14 +84,14 @@ def random_weights(kernel: str, gen: torch.Generator) -> dict:
     return weights
 
 
-def layer_us(lib: ctypes.CDLL, kernel: str, weights: dict, inputs: dict,
-             rows: int) -> tuple[float, list]:
-    """Microseconds for one layer's four matmuls of `rows` rows, and their outputs."""
-    total, outputs = 0.0, []
+def layer_calls(lib: ctypes.CDLL, kernel: str, weights: dict, inputs: dict,
+                rows: int) -> tuple[list, list]:
+    """One layer's four matmuls of `rows` rows as argument-free calls, and their outputs."""
+    calls, outputs = [], []
+    threads = torch.get_num_threads()
     for name, (out, inn) in LAYER.items():
         x, w = inputs[name][:rows].contiguous(), weights[name]
         y = torch.empty(rows, out, dtype=torch.bfloat16)
-        threads = torch.get_num_threads()
         if kernel == "bf16":
             args = (x.data_ptr(), w[0].data_ptr(), None, y.data_ptr(), rows, inn, out, 1,
                     threads)
@@ -96,18 +101,46 @@ def layer_us(lib: ctypes.CDLL, kernel: str, weights: dict, inputs: dict,
                     INT4_GROUP, 1, threads)
             fn = lib.int4_linear
 
-        def call(fn=fn, args=args):
+        def call(fn=fn, args=args, x=x):  # x: its buffer must outlive the call
             if fn(*args):
                 raise RuntimeError(f"{fn.__name__} refused")
 
+        calls.append(call)
+        outputs.append(y)
+    return calls, outputs
+
+
+def layer_us(lib: ctypes.CDLL, kernel: str, weights: dict, inputs: dict,
+             rows: int) -> tuple[float, list]:
+    """Microseconds for one layer's four matmuls of `rows` rows (each called CALLS times in a
+    row: warm caches), and their outputs."""
+    total = 0.0
+    calls, outputs = layer_calls(lib, kernel, weights, inputs, rows)
+    for call in calls:
         for _ in range(5):
             call()
         start = time.perf_counter()
         for _ in range(CALLS):
             call()
         total += (time.perf_counter() - start) / CALLS
-        outputs.append(y.clone())
-    return total * 1e6, outputs
+    return total * 1e6, [y.clone() for y in outputs]
+
+
+def cold_layer_us(lib: ctypes.CDLL, kernel: str, layers: list[dict], inputs: dict,
+                  rows: int) -> tuple[float, list]:
+    """Microseconds a layer's four matmuls of `rows` rows take within a pass over all `layers`
+    (each its own weights, so they stream from memory), and the first layer's outputs."""
+    per_layer = [layer_calls(lib, kernel, w, inputs, rows) for w in layers]
+    calls = [call for layer, _ in per_layer for call in layer]
+    for call in calls:
+        call()
+    best = float("inf")
+    for _ in range(COLD_PASSES):
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        best = min(best, time.perf_counter() - start)
+    return best / len(layers) * 1e6, [y.clone() for y in per_layer[0][1]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", choices=["bf16", "int4"], default="bf16")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 17, 20, 24])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--cold", action="store_true",
+                   help="30 layers' own weights, streaming from memory as in a decode step")
     args = p.parse_args(argv)
     if not cpu_linear.available():
         print(json.dumps({"error": "the tile kernel does not run here (no AVX512-BF16, "
@@ -124,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     before_source = subprocess.run(["git", "show", f"{args.before}:kernels/cpu_kernels.c"],
                                    cwd=ROOT, capture_output=True, text=True, check=True).stdout
     gen = torch.Generator().manual_seed(0)
-    weights = random_weights(args.kernel, gen)
+    layers = [random_weights(args.kernel, gen) for _ in range(LAYERS if args.cold else 1)]
     inputs = {n: torch.randn(max(args.rows), i, generator=gen).to(torch.bfloat16)
               for n, (_, i) in LAYER.items()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,12 +171,17 @@ def main(argv: list[str] | None = None) -> int:
             for rows in args.rows:
                 outs = {}
                 for side, lib in libs.items():
-                    us, outs[side] = layer_us(lib, args.kernel, weights, inputs, rows)
+                    if args.cold:
+                        us, outs[side] = cold_layer_us(lib, args.kernel, layers, inputs, rows)
+                    else:
+                        us, outs[side] = layer_us(lib, args.kernel, layers[0], inputs, rows)
                     times[side][rows].append(us)
                 identical &= all(torch.equal(a, b) for a, b in zip(*outs.values(), strict=True))
     result = {"benchmark": "tile_kernel_rows", "machine": machine(), "before": args.before,
               "baseline": "the kernel at --before, loaded beside the working tree's, alternating",
-              "layer": "the demo model's q/k/v, o, gate/up and down matmuls (warm caches)",
+              "layer": "the demo model's q/k/v, o, gate/up and down matmuls, "
+                       + ("a layer's share of a pass over 30 layers' own weights (from memory)"
+                          if args.cold else "warm caches"),
               "kernel": args.kernel, "threads": torch.get_num_threads(),
               "outputs_identical": identical, "rows": {}}
     for rows in args.rows:
