@@ -1,6 +1,6 @@
-"""A tile kernel (cpu_kernels.c's bf16_linear, or int4_linear with --kernel int4) at an earlier
-revision and in the working tree, in one process: a decoder layer's four matmuls of the demo model
-by rows per call.
+"""A tile kernel (cpu_kernels.c's bf16_linear, int4_linear or int8_linear with --kernel) at an
+earlier revision and in the working tree, in one process: a decoder layer's four matmuls of the
+demo model by rows per call.
 
 Engine-level before/after runs (before_after.py) run each revision in its own process, and on
 the shared 2-core VM those moved by 10-30% between processes (a batch-1 decode step read 8.0-15.3
@@ -11,14 +11,15 @@ not depend on how rows are blocked); one that changes it (the AVX2 int4 kernel's
 activations) reports them different.
 
 The weights are the demo model's layer shapes (SmolLM2-135M: hidden 576, 9 query and 3 KV heads
-of 64, MLP 1536), random, in the kernel's layout (int4: groups of 32, as the demo's Q4_1);
+of 64, MLP 1536), random, in the kernel's layout (int4: groups of 32, as the demo's Q4_1; int8:
+per-output scales, as Int8Linear and the int4 formats' LM head);
 timings are with warm caches (each matmul is called 100 times in a row), so they show the
 kernel's compute and latency, not the weight stream from memory a real decode step pays on top.
 With --cold the demo model's 30 layers each get their own weights (212 MB in bfloat16, far past
 the caches) and a timing is a pass over all of them, layer after layer as a decode step reads
 them: the weights stream from memory, and the figure is a layer's share of the pass.
 
-    python benchmarks/tile_kernel_rows.py --before HEAD~1 [--kernel int4] [--rows 1 2 4 8 16 17]
+    python benchmarks/tile_kernel_rows.py --before HEAD~1 [--kernel int4|int8] [--rows 1 2 4 16 17]
         [--rounds 5] [--cold]
 """
 
@@ -63,17 +64,24 @@ def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     loaded.bf16_linear.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
     loaded.int4_linear.argtypes = [p] * 5 + [i64] * 4 + [i32, i32]
+    loaded.int8_linear.argtypes = [p, p, p, p, i64, i64, i64, i32, i32]
     return loaded
 
 
 def random_weights(kernel: str, gen: torch.Generator) -> dict:
-    """Per matmul of LAYER, its weight in the kernel's layout: bfloat16 tiles, or int4 codes
-    with float16 scales and mins per group (cpu_quant.pack's layout)."""
+    """Per matmul of LAYER, its weight in the kernel's layout: bfloat16 tiles, int4 codes with
+    float16 scales and mins per group (cpu_quant.pack's layout), or int8 codes with bfloat16
+    scales per output."""
     weights = {}
     for name, (out, inn) in LAYER.items():
         if kernel == "bf16":
             w = torch.randn(out, inn, generator=gen).to(torch.bfloat16)
             weights[name] = (cpu_linear.tile_layout(w),)
+        elif kernel == "int8":
+            codes = torch.randint(-127, 128, (out // 16, inn // 2, 32), generator=gen,
+                                  dtype=torch.int8)
+            scales = (torch.rand(out, generator=gen) * 0.02).to(torch.bfloat16)
+            weights[name] = (codes, scales)
         else:
             tiles, groups = out // 16, inn // INT4_GROUP
             codes = torch.randint(0, 256, (tiles, inn // 4, 32), generator=gen,
@@ -96,6 +104,10 @@ def layer_calls(lib: ctypes.CDLL, kernel: str, weights: dict, inputs: dict,
             args = (x.data_ptr(), w[0].data_ptr(), None, y.data_ptr(), rows, inn, out, 1,
                     threads)
             fn = lib.bf16_linear
+        elif kernel == "int8":
+            args = (x.data_ptr(), w[0].data_ptr(), w[1].data_ptr(), y.data_ptr(), rows, inn,
+                    out, 1, threads)
+            fn = lib.int8_linear
         else:
             args = (x.data_ptr(), *(t.data_ptr() for t in w), y.data_ptr(), rows, inn, out,
                     INT4_GROUP, 1, threads)
@@ -146,7 +158,7 @@ def cold_layer_us(lib: ctypes.CDLL, kernel: str, layers: list[dict], inputs: dic
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", required=True, help="the earlier git revision")
-    p.add_argument("--kernel", choices=["bf16", "int4"], default="bf16")
+    p.add_argument("--kernel", choices=["bf16", "int4", "int8"], default="bf16")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 17, 20, 24])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cold", action="store_true",

@@ -555,6 +555,19 @@ static inline __attribute__((always_inline)) void prefetch_weight(const void *at
     __builtin_prefetch((const char *)at + WEIGHT_AHEAD, 0, 2); /* into L2 */
 }
 
+/* The same for a loop that reads nt tiles side by side (nt streams, each `tile_bytes` long, at
+ * `offset` bytes into its tile): each stream asks its share of WEIGHT_AHEAD ahead, and past
+ * its tile's end it goes on in tile j + nt, the one it reads next (tile j + 1 is being read
+ * now, by its neighbour stream). prefetch_weight's fixed distance landed there: int4 at 1 row
+ * (8 tiles at once) gained nothing from it. `share` is the stream's fraction of the weight's
+ * bytes (its scales' stream asks an eighth as far ahead as its codes'). */
+static inline __attribute__((always_inline)) void prefetch_tile_stream(
+    const void *at, int64_t offset, int64_t tile_bytes, int nt, int64_t share) {
+    int64_t ahead = WEIGHT_AHEAD / nt / share;
+    if (offset + ahead >= tile_bytes) ahead += (int64_t)(nt - 1) * tile_bytes;
+    __builtin_prefetch((const char *)at + ahead, 0, 2); /* into L2 */
+}
+
 /* ---- int4 weights times bfloat16 activations (AVX512-BF16) ----
  * y[rows, out] = x[rows, in] @ W^T, with W held as 4-bit codes in groups of `group` inputs:
  * w = code * scale + min (llama.cpp's Q4_1 and the engine's int4). PyTorch's CPU int4 matmul
@@ -664,7 +677,8 @@ static inline __attribute__((always_inline)) void bf16_tile_group_rows(
     for (int64_t p = 0; p < pairs; p++) {
         const uint32_t *words = xt + p * mb;
         for (int j = 0; j < nt; j++) {
-            if (prefetch) prefetch_weight(w + (j * pairs + p) * 32);
+            if (prefetch && p % 2 == 0) /* every other line (each line asked: 1 row 0.94x) */
+                prefetch_tile_stream(w + (j * pairs + p) * 32, p * 64, pairs * 64, nt, 1);
             const __m512bh wv =
                 (__m512bh)_mm512_loadu_si512((const void *)(w + (j * pairs + p) * 32));
             for (int m = 0; m < mb; m++) DP_BROADCAST(acc[j * mb + m], wv, words + m);
@@ -704,7 +718,8 @@ static inline __attribute__((always_inline)) void int4_tile_rows(
             const uint32_t *words = xt + p * mb;
             for (int j = 0; j < nt; j++) {
                 if (prefetch && p % 4 == 0) /* a line per four pairs */
-                    prefetch_weight(codes + j * pairs * 16 + p * 16);
+                    prefetch_tile_stream(codes + j * pairs * 16 + p * 16, p * 16, pairs * 16,
+                                         nt, 1);
                 const __m512i v = _mm512_cvtepu8_epi16(
                     _mm256_loadu_si256((const __m256i *)(codes + j * pairs * 16 + p * 16)));
                 /* (v & 15) | 0x4300 in one ternary-logic op; the high nibbles need only the OR. */
@@ -718,6 +733,10 @@ static inline __attribute__((always_inline)) void int4_tile_rows(
         }
         for (int j = 0; j < nt; j++) {
             const int64_t at = j * groups * 16 + g * 16;
+            if (prefetch && g % 2 == 0) { /* a line per two groups, of each */
+                prefetch_tile_stream(scales + at, g * 32, groups * 32, nt, group_pairs / 2);
+                prefetch_tile_stream(mins + at, g * 32, groups * 32, nt, group_pairs / 2);
+            }
             const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + at)));
             const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + at)));
             const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s, mn); /* min-128s */
@@ -843,6 +862,15 @@ static inline void int4_decode_tile(const uint8_t *codes, const uint16_t *scales
  * codes [tiles, pairs, 32] int8, element e of pair p being output 16t + e/2 at input 2p + e%2;
  * scales bfloat16 [out] (as PyTorch's op holds them); x bfloat16 [rows, in_padded] (inputs
  * padded to an even count). */
+/* A pair's 32 int8 codes (32 bytes at c) as bfloat16, exact. */
+static inline __m512bh int8_pair(const int8_t *c) {
+    const __m512 low =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+    const __m512 high =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+    return _mm512_cvtne2ps_pbh(high, low);
+}
+
 static inline __attribute__((always_inline)) void int8_tile_rows(
     const int mb, const uint32_t *xt, int64_t pairs, const int8_t *codes, const uint16_t *scales,
     void *y, int64_t out, int y_bf16, int prefetch) {
@@ -850,17 +878,40 @@ static inline __attribute__((always_inline)) void int8_tile_rows(
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         if (prefetch && p % 2 == 0) prefetch_weight(codes + p * 32); /* a line per two pairs */
-        const __m512 low = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + p * 32))));
-        const __m512 high = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + p * 32 + 16))));
-        const __m512bh w = _mm512_cvtne2ps_pbh(high, low);
+        const __m512bh w = int8_pair(codes + p * 32);
         const uint32_t *words = xt + p * mb;
         for (int m = 0; m < mb; m++) DP_BROADCAST(acc[m], w, words + m);
     }
     const __m512 s = load_bf16x16(scales);
     for (int m = 0; m < mb; m++)
         store_tile_row(tile_output(y, m, out, 0, y_bf16), _mm512_mul_ps(acc[m], s), y_bf16);
+}
+
+/* int8_tile_rows for a last, partial row block of mb rows, nt tiles at once (mb * nt <= 16),
+ * as bf16_tile_group_rows does for bfloat16 weights: a lone row's one chain of VDPBF16PS waited
+ * on each product, so a batch-1 step's int8 matmuls (the int4 and int8 formats' LM head) ran at
+ * the chain's latency. Each output sums its pairs in the same order, its value the same. */
+static inline __attribute__((always_inline)) void int8_tile_group_rows(
+    const int mb, const int nt, const uint32_t *xt, int64_t pairs, const int8_t *codes,
+    const uint16_t *scales, void *y, int64_t out, int y_bf16, int prefetch) {
+    __m512 acc[ROW_BLOCK];
+    for (int i = 0; i < nt * mb; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint32_t *words = xt + p * mb;
+        for (int j = 0; j < nt; j++) {
+            const int8_t *c = codes + (j * pairs + p) * 32;
+            if (prefetch && p % 2 == 0) /* a line per two pairs */
+                prefetch_tile_stream(c, p * 32, pairs * 32, nt, 1);
+            const __m512bh w = int8_pair(c);
+            for (int m = 0; m < mb; m++) DP_BROADCAST(acc[j * mb + m], w, words + m);
+        }
+    }
+    for (int j = 0; j < nt; j++) {
+        const __m512 s = load_bf16x16(scales + j * 16);
+        for (int m = 0; m < mb; m++)
+            store_tile_row(tile_output(y, m, out, j, y_bf16), _mm512_mul_ps(acc[j * mb + m], s),
+                           y_bf16);
+    }
 }
 
 /* Rows r.. r + mb of tile t, for a weight kind (a constant wherever this is inlined). per_out:
@@ -876,9 +927,15 @@ static inline __attribute__((always_inline)) void tile_rows(
                        out, y_bf16, prefetch);
 }
 
-#define GROUP_ROWS(n, nt_)                                                           \
-    case n:                                                                          \
-        bf16_tile_group_rows(n, nt_, xr, pairs, wg, bg, yr, out, y_bf16, full == 0); \
+#define GROUP_ROWS(n, nt_)                                                                     \
+    case n:                                                                                    \
+        if (kind == WEIGHT_BF16)                                                               \
+            bf16_tile_group_rows(n, nt_, xr, pairs, (const uint16_t *)w + t0 * pairs * 32,     \
+                                 per_out == NULL ? NULL : per_out + t0 * 16, yr, out, y_bf16,  \
+                                 full == 0);                                                   \
+        else                                                                                   \
+            int8_tile_group_rows(n, nt_, xr, pairs, (const int8_t *)w + t0 * pairs * 32,       \
+                                 per_out + t0 * 16, yr, out, y_bf16, full == 0);               \
         break;
 
 #define TILE_ROWS(n)                                                                       \
@@ -896,7 +953,7 @@ static inline __attribute__((always_inline)) int tiles_linear(
     uint32_t *xt = malloc(sizeof(uint32_t) * rows * pairs);
     if (xt == NULL) return -1;
     const int64_t rem = rows % ROW_BLOCK, full = rows - rem;
-    const int group = kind == WEIGHT_BF16 ? TILES_AT_ONCE(rem) : 1; /* int8: one at a time */
+    const int group = TILES_AT_ONCE(rem);
 #pragma omp parallel num_threads(threads)
     {
         by_pair((const uint32_t *)x, xt, rows, pairs, ROW_BLOCK);
@@ -916,8 +973,6 @@ static inline __attribute__((always_inline)) int tiles_linear(
                 }
             if (nt > 1) { /* the partial block of the group's tiles at once */
                 const uint32_t *xr = xt + full * pairs;
-                const uint16_t *wg = (const uint16_t *)w + t0 * pairs * 32;
-                const uint16_t *bg = per_out == NULL ? NULL : per_out + t0 * 16;
                 void *yr = tile_output(y, full, out, t0, y_bf16);
                 switch (rem) {
                     GROUP_ROWS(1, TILES_AT_ONCE(1)) GROUP_ROWS(2, TILES_AT_ONCE(2))

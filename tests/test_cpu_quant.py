@@ -165,16 +165,17 @@ def test_an_empty_batch_gives_an_empty_result(make):
 
 @needs_kernel
 @pytest.mark.parametrize("out_f", [64, 352])  # 4 and 22 tiles of 16 outputs
-def test_rows_in_a_batch_do_not_change_each_others_results(out_f):
+@pytest.mark.parametrize("make", [lambda w: quant.quantize_int4(w, 32), quant.quantize_int8],
+                         ids=["int4", "int8"])
+def test_rows_in_a_batch_do_not_change_each_others_results(out_f, make):
     # Every row goes through the same tile code whatever else is in the batch (decode rows
     # batched with others must get the logits they get alone), below the row counts where the
     # weight is decoded whole (DEQUANTIZE_ROWS; on a CPU with AMX, AMX_MATMUL_ROWS: the decoded
     # weight rounds otherwise): rows in full blocks of 8, and the rows of a last, partial
     # block (on AVX512-BF16 several tiles take 1-4 of them at once; on AVX2 each row's
     # activations are quantized on their own). The 33 rows here stand for a batch of decodes,
-    # so the AMX path is held off.
-    q = quant.quantize_int4(_weight(out_f, 128, seed=7), 32)
-    weight = cpu_quant.prepare(q)
+    # so the AMX path is held off. int8 weights (the int4 formats' LM head) the same way.
+    weight = cpu_quant.prepare(make(_weight(out_f, 128, seed=7)))
     weight.matmul_rows = 0
     x = torch.randn(33, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     together = weight.linear(x)  # rows 0-31 in full blocks
