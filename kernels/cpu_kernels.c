@@ -558,9 +558,13 @@ static inline __attribute__((always_inline)) void prefetch_weight(const void *at
 /* The same for a loop that reads nt tiles side by side (nt streams, each `tile_bytes` long, at
  * `offset` bytes into its tile): each stream asks its share of WEIGHT_AHEAD ahead, and past
  * its tile's end it goes on in tile j + nt, the one it reads next (tile j + 1 is being read
- * now, by its neighbour stream). prefetch_weight's fixed distance landed there: int4 at 1 row
- * (8 tiles at once) gained nothing from it. `share` is the stream's fraction of the weight's
- * bytes (its scales' stream asks an eighth as far ahead as its codes'). */
+ * now, by its neighbour stream). prefetch_weight's fixed distance landed there, so int4 at 1-2
+ * rows (8 and 4 tiles at once) gained nothing from it. `share` divides the distance for a
+ * stream with fewer bytes (int4's scales and mins: an eighth of its codes'). Measured with cold
+ * weights (benchmarks/tile_kernel_rows.py --cold, the Zen 4 EPYC, alternating in one process):
+ * int4 1 row 90 -> 68 us a layer, 2 rows 87 -> 67 (its codes' streams alone 0.91x, its scales'
+ * alone 0.91x); bfloat16 1 row 0.93x; int8 with its tile groups (int8_tile_group_rows) 1 row
+ * 126 -> 105 us. Twice or four times the distance was no better. */
 static inline __attribute__((always_inline)) void prefetch_tile_stream(
     const void *at, int64_t offset, int64_t tile_bytes, int nt, int64_t share) {
     int64_t ahead = WEIGHT_AHEAD / nt / share;
