@@ -564,7 +564,8 @@ static inline __attribute__((always_inline)) void prefetch_weight(const void *at
  * weights (benchmarks/tile_kernel_rows.py --cold, the Zen 4 EPYC, alternating in one process):
  * int4 1 row 90 -> 68 us a layer, 2 rows 87 -> 67 (its codes' streams alone 0.91x, its scales'
  * alone 0.91x); bfloat16 1 row 0.93x; int8 with its tile groups (int8_tile_group_rows) 1 row
- * 126 -> 105 us. Twice or four times the distance was no better. */
+ * 126 -> 105 us. Twice or four times the distance was no better. The AVX2 pair loop (4 / 2 tiles
+ * at 1 / 2 rows), its build on that CPU: bfloat16 1-2 rows 0.87-0.93x, int8 0.82-0.94x. */
 static inline __attribute__((always_inline)) void prefetch_tile_stream(
     const void *at, int64_t offset, int64_t tile_bytes, int nt, int64_t share) {
     int64_t ahead = WEIGHT_AHEAD / nt / share;
@@ -1276,10 +1277,11 @@ static inline __attribute__((always_inline)) void avx2_pair_rows(
     for (int64_t p = 0; p < pairs; p++)
         for (int j = 0; j < nt; j++) {
             __m256 w0[2], w1[2];
-            if (prefetch && (kind == WEIGHT_BF16 || p % 2 == 0)) /* a line a pair, int8 two */
-                prefetch_weight(kind == WEIGHT_BF16
-                                    ? (const void *)((const uint16_t *)w + (j * pairs + p) * 32)
-                                    : (const void *)((const int8_t *)w + (j * pairs + p) * 32));
+            if (prefetch && (kind == WEIGHT_BF16 || p % 2 == 0)) { /* a line a pair, int8 two */
+                const int64_t bytes = kind == WEIGHT_BF16 ? 64 : 32; /* a pair's */
+                prefetch_tile_stream((const char *)w + (j * pairs + p) * bytes, p * bytes,
+                                     pairs * bytes, nt, 1);
+            }
             for (int h = 0; h < 2; h++) {
                 if (kind == WEIGHT_BF16)
                     bf16_pair((const uint16_t *)w + j * pairs * 32, p, h, &w0[h], &w1[h]);
