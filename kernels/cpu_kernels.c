@@ -868,7 +868,7 @@ static inline void int4_decode_tile(const uint8_t *codes, const uint16_t *scales
  * scales bfloat16 [out] (as PyTorch's op holds them); x bfloat16 [rows, in_padded] (inputs
  * padded to an even count). */
 /* A pair's 32 int8 codes (32 bytes at c) as bfloat16, exact. */
-static inline __m512bh int8_pair(const int8_t *c) {
+static inline __m512bh int8_pair_bf16(const int8_t *c) {
     const __m512 low =
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
     const __m512 high =
@@ -883,7 +883,7 @@ static inline __attribute__((always_inline)) void int8_tile_rows(
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         if (prefetch && p % 2 == 0) prefetch_weight(codes + p * 32); /* a line per two pairs */
-        const __m512bh w = int8_pair(codes + p * 32);
+        const __m512bh w = int8_pair_bf16(codes + p * 32);
         const uint32_t *words = xt + p * mb;
         for (int m = 0; m < mb; m++) DP_BROADCAST(acc[m], w, words + m);
     }
@@ -907,7 +907,7 @@ static inline __attribute__((always_inline)) void int8_tile_group_rows(
             const int8_t *c = codes + (j * pairs + p) * 32;
             if (prefetch && p % 2 == 0) /* a line per two pairs */
                 prefetch_tile_stream(c, p * 32, pairs * 32, nt, 1);
-            const __m512bh w = int8_pair(c);
+            const __m512bh w = int8_pair_bf16(c);
             for (int m = 0; m < mb; m++) DP_BROADCAST(acc[j * mb + m], w, words + m);
         }
     }
