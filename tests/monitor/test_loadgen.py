@@ -313,10 +313,11 @@ def test_record_attaches_slo_rules_to_every_server(serve_text, tmp_path, capsys)
 
 
 class _LyingServer:
-    """Answers every request with `reply` (raw bytes after the request is read), then holds the
-    connection open for `hold_s` or closes it: a stalled, truncated or garbled stream."""
+    """Answers every request with `reply` (raw bytes after the request is read; a list of them:
+    sent apart, 50 ms between, so the client reads them separately), then holds the connection
+    open for `hold_s` or closes it: a stalled, truncated or garbled stream."""
 
-    def __init__(self, reply: bytes, hold_s: float = 0.0) -> None:
+    def __init__(self, reply: bytes | list[bytes], hold_s: float = 0.0) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.reply, self.hold_s = reply, hold_s
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -340,7 +341,10 @@ class _LyingServer:
             length = int(announced.group(1)) if announced else 0
             while len(body) < length:
                 body += conn.recv(65536)
-            conn.sendall(self.reply)
+            for i, piece in enumerate([self.reply] if isinstance(self.reply, bytes)
+                                      else self.reply):
+                time.sleep(0.05 if i else 0.0)
+                conn.sendall(piece)
             time.sleep(self.hold_s)
 
     def close(self) -> None:
@@ -356,6 +360,26 @@ def _chunk(data: bytes) -> bytes:
 
 
 TOKEN_EVENT = b'data: {"choices": [{"text": " tok"}]}\n\n'
+
+
+def test_stream_lines_cut_between_reads_and_crlf_line_ends_are_read_whole():
+    events = [b'data: {"choices": [{"text": " a"}]}\r\n\r\n',
+              b'data: {"choices": [{"text": " b"}]}\r\n\r\n',
+              b'data: {"choices": [{"text": " c"}], "usage": {"completion_tokens": 3, '
+              b'"prompt_tokens": 5}}\r\n\r\n', b"data: [DONE]\r\n\r\n"]
+    body = b"".join(events)
+    cut_json, cut_line_end = 20, len(events[0]) + len(events[1]) - 1  # in a JSON, in a CRLF
+    server = _LyingServer([STREAM_HEAD + _chunk(body[:cut_json]),
+                           _chunk(body[cut_json:cut_line_end]),
+                           _chunk(body[cut_line_end:]) + b"0\r\n\r\n"])
+    try:
+        run = run_load(LoadSpec(server.url, requests=1, concurrency=1, output_len=3,
+                                timeout_s=5.0, server_estimates=False))
+    finally:
+        server.close()
+    (record,) = run.records
+    assert record.ok, record.error
+    assert (record.output_tokens, record.prompt_tokens, len(record.itl_s)) == (3, 5, 2)
 
 
 @pytest.mark.parametrize(("reply", "hold_s", "expected"), [
