@@ -47,8 +47,6 @@ def server_child(variant: str, serve_args: list[str]) -> int:
     """`servescope serve` under `variant`'s loop and protocol, printing its per-token costs at
     exit. The protocol replaces the server's own (GuardedH11Protocol: its slowloris deadline
     is not part of the streamed path)."""
-    import threading
-
     import uvicorn
 
     from app.cli import main
@@ -88,11 +86,8 @@ def server_child(variant: str, serve_args: list[str]) -> int:
 
     server.Server._serve_http = timed_serve_http
     try:
-        return main(["serve", *serve_args])
+        return main(["serve", *serve_args])  # returns once the HTTP thread has been joined
     finally:
-        for thread in threading.enumerate():  # the HTTP thread records its CPU as it ends
-            if thread.name == "http":
-                thread.join(timeout=10)
         print(MARK + json.dumps({"http_cpu_s": http_cpu.get("s"), "deliveries": len(waits),
                                  "wait_us": sorted(w * 1e6 for w in waits)}),
               file=sys.stderr, flush=True)

@@ -100,14 +100,11 @@ def layer_calls(lib: ctypes.CDLL, kernel: str, weights: dict, inputs: dict,
     for name, (out, inn) in LAYER.items():
         x, w = inputs[name][:rows].contiguous(), weights[name]
         y = torch.empty(rows, out, dtype=torch.bfloat16)
-        if kernel == "bf16":
-            args = (x.data_ptr(), w[0].data_ptr(), None, y.data_ptr(), rows, inn, out, 1,
+        if kernel in ("bf16", "int8"):  # one signature: the int8 scales where a bias goes
+            per_out = w[1].data_ptr() if kernel == "int8" else None
+            args = (x.data_ptr(), w[0].data_ptr(), per_out, y.data_ptr(), rows, inn, out, 1,
                     threads)
-            fn = lib.bf16_linear
-        elif kernel == "int8":
-            args = (x.data_ptr(), w[0].data_ptr(), w[1].data_ptr(), y.data_ptr(), rows, inn,
-                    out, 1, threads)
-            fn = lib.int8_linear
+            fn = getattr(lib, f"{kernel}_linear")
         else:
             args = (x.data_ptr(), *(t.data_ptr() for t in w), y.data_ptr(), rows, inn, out,
                     INT4_GROUP, 1, threads)
