@@ -1,10 +1,12 @@
-"""What growing a draft tree costs, with the kernel table's one-pass softmax_topk against the
-torch reference (softmax over the draft's vocabulary, then topk), in one process, alternating.
+"""What growing a draft tree costs, in one process, alternating: the kernel table's fused draft
+level (one call: the draft's step, its scores and their top tokens; kernels/cpu_draft.py)
+against the level composed from the table's ops, and the table's one-pass softmax_topk against
+the torch reference (softmax over the draft's vocabulary, then topk).
 
 The demo model's shipped hidden-state draft (`demo-draft`), real states from a chat reply: the
-op alone on 1 and 4 rows of the draft's scores, and a whole tree proposal (4 branches) 1, 2
-and 3 levels deep. Prints one JSON object: the machine, each case's median microseconds both
-ways and the ratio.
+top-k op alone on 1 and 4 rows of the draft's scores, one level on 1 and 4 rows, and a whole tree
+proposal (4 branches) 1, 2 and 3 levels deep. Prints one JSON object: the machine, each case's
+median microseconds each way and the ratios.
 
     python benchmarks/draft_tree.py
 """
@@ -34,12 +36,13 @@ from kernels import reference  # noqa: E402
 BRANCHES = 4
 
 
-def median_us(fn, calls: int, rounds: int, switch) -> dict[str, float]:
-    """fn's median time per call (us) with each side's op table switched in, alternating."""
-    times = {"one_pass": [], "reference": []}
+def median_us(fn, calls: int, rounds: int, sides: dict) -> dict[str, float]:
+    """fn's median time per call (us) with each side switched in (`sides`: name -> a function
+    that switches it in), alternating."""
+    times = {side: [] for side in sides}
     for _ in range(rounds):
-        for side in times:
-            switch(side)
+        for side, switch in sides.items():
+            switch()
             fn()
             start = time.perf_counter()
             for _ in range(calls):
@@ -58,48 +61,68 @@ def main() -> None:
     draft = llm.spec.proposer
     if not isinstance(draft, HiddenDraft):
         raise SystemExit("demo-draft did not load the hidden-state draft: nothing to time.")
-    hidden = _reply_state(llm)
-    tables = {"one_pass": draft.ops,
-              "reference": SimpleNamespace(**(vars(draft.ops)
-                                              | {"softmax_topk": reference.softmax_topk}))}
+    hidden, token = _reply_state(llm)
+    one_pass, fused = draft.ops, draft.fused_level
+    with_reference = SimpleNamespace(**(vars(one_pass) | {"softmax_topk": reference.softmax_topk}))
 
-    def switch(side: str) -> None:
-        draft.ops = tables[side]
+    def side(ops, level):
+        def switch() -> None:
+            draft.ops, draft.fused_level = ops, level
+        return switch
 
+    fused_side = {"fused": side(one_pass, fused)} if fused is not None else {}
+    composed = {"composed": side(one_pass, None)}
+    top_k_sides = composed | {"reference": side(with_reference, None)}
     cases = {}
     with torch.inference_mode():
         for rows in (1, 4):
-            scores = draft.scores(hidden.repeat(rows, 1) + 0.01 * torch.arange(rows)[:, None])
+            s = hidden.repeat(rows, 1) + 0.01 * torch.arange(rows)[:, None]
+            tokens = token.repeat(rows)
+            scores = draft.scores(s)
             cases[f"top_{BRANCHES}_of_{rows}_rows"] = median_us(
-                lambda s=scores: draft.ops.softmax_topk(s, BRANCHES), args.calls, args.rounds,
-                switch)
+                lambda x=scores: draft.ops.softmax_topk(x, BRANCHES), args.calls, args.rounds,
+                top_k_sides)
+            cases[f"level_of_{rows}_rows"] = median_us(
+                lambda x=s, t=tokens: draft.level(x, t, BRANCHES), args.calls,
+                args.rounds, fused_side | composed)
         for depth in (1, 2, 3):
             cases[f"tree_{depth}_levels"] = median_us(
-                lambda d=depth: draft._tree_paths(hidden, [d], [BRANCHES]),
-                max(10, args.calls // 5), args.rounds, switch)
-    draft.ops = tables["one_pass"]
+                lambda d=depth: draft._tree_paths(hidden, token, [d], [BRANCHES]),
+                max(10, args.calls // 5), args.rounds, fused_side | top_k_sides)
+    side(one_pass, fused)()
     print(json.dumps({
         "benchmark": "draft_tree", "machine": machine(),
-        "baseline": "the reference op (torch softmax over the draft's vocabulary, then topk), "
-                    "same process, alternating",
+        "baseline": "the level composed from the table's ops (draft_step, scores, top_tokens), "
+                    "and the reference top-k op (torch softmax over the draft's vocabulary, "
+                    "then topk); same process, alternating",
+        "fused_level": fused is not None,
         "draft_vocabulary": int(draft.vocab_ids.numel()), "branches": BRANCHES,
-        "cases": {name: {"one_pass_us": round(t["one_pass"], 1),
-                         "reference_us": round(t["reference"], 1),
-                         "speedup": round(t["reference"] / t["one_pass"], 2)}
-                  for name, t in cases.items()}}, indent=1))
+        "cases": {name: _figures(t) for name, t in cases.items()}}, indent=1))
 
 
-def _reply_state(llm: LLM) -> torch.Tensor:
-    """A real draft state ([1, hidden]): the target's hidden state the draft keeps for a chat
-    reply a few steps in."""
+def _figures(t: dict[str, float]) -> dict:
+    """A case's medians (us) and its ratios: composed over fused (the fused level's speed-up)
+    and reference over composed (the one-pass top-k's)."""
+    out = {f"{side}_us": round(us, 1) for side, us in t.items()}
+    if "fused" in t:
+        out["fused_speedup"] = round(t["composed"] / t["fused"], 2)
+    if "reference" in t:
+        out["one_pass_speedup"] = round(t["reference"] / t["composed"], 2)
+    return out
+
+
+def _reply_state(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
+    """A real draft state ([1, hidden]) and its token ([1]): the target's hidden state the draft
+    keeps for a chat reply a few steps in, and the token it chose there."""
     prompt = llm.chat_prompt([{"role": "user", "content": "Tell me about rivers."}])
     rid = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for _ in range(4):
         llm.step()
-    hidden = spec_state(llm.core.seqs[rid]).hidden
+    seq = llm.core.seqs[rid]
+    hidden, token = spec_state(seq).hidden, seq.all_token_ids[-1]
     while llm.has_unfinished():
         llm.step()
-    return hidden.unsqueeze(0)
+    return hidden.unsqueeze(0), torch.tensor([token])
 
 
 if __name__ == "__main__":

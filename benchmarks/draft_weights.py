@@ -1,16 +1,21 @@
-"""A draft's matrices in their compact form (int4, `ops.prepare_compact_linear`) against the
-target's float form, in one process, as JSON.
+"""A speculative draft as it ships against another form of it, in one process, as JSON.
 
-Three engines on the same model: plain decoding, speculation with the draft as it ships (its head
-and MLP compact where the kernels have int4), and the same speculation with the draft's matrices
-re-prepared as the target's own (bfloat16 through its tile kernel: the draft before the change).
+Three engines on the same model: plain decoding, speculation with the draft as it ships, and the
+same speculation with the draft in another form (`--against`):
+- `float`: the draft's matrices and head re-prepared as the target's own linears (bfloat16
+  through its tile kernel) rather than compact (int4, `ops.prepare_compact_linear`): the draft
+  before it became compact;
+- `composed`: the hidden-state draft's levels composed from the kernel table's ops (draft_step,
+  scores, top_tokens: about twenty torch ops and three matmul calls each) rather than one call
+  of the table's fused level (kernels/cpu_draft.py): the draft before the fused level.
 Each round runs the workload on all three in turn, each round starting one engine later, so the
 machine's load falls on them alike (it moved single runs of this VM by 10-30% between
-processes); the speed-ups over plain decoding and compact over float are per round, and their
-medians are reported. Outputs are checked equal to
-plain decoding: a draft in int4 can only propose differently.
+processes); the speed-ups over plain decoding and the shipped draft's over the other form are
+per round, and their medians are reported. Outputs are checked equal to plain decoding: a draft
+can only propose differently.
 Run: python benchmarks/draft_weights.py [--spec demo-draft:lookup=0,branches=4]
-     [--workload open_chat|concurrent_16] [--rounds 5] [--max-tokens 128]
+     [--against float|composed] [--workload open_chat|concurrent_16] [--rounds 5]
+     [--max-tokens 128]
 """
 
 from __future__ import annotations
@@ -49,8 +54,25 @@ def as_float_draft(llm: LLM, draft_file: str) -> None:
     draft = llm.spec.draft
     tensors = load_file(draft_file)
     tensors.pop("draft.vocab_ids")
-    draft.head = draft.ops.prepare_linear(draft.head_rows())
-    draft.weights = draft.prepare(tensors, draft.ops.prepare_linear)
+    head = draft.ops.prepare_linear(draft.head_rows())
+    weights = draft.prepare(tensors, draft.ops.prepare_linear)
+    if hasattr(draft, "use_weights"):  # the hidden-state draft: its fused level goes with them
+        draft.use_weights(weights, head)
+    else:
+        draft.head, draft.weights = head, weights
+
+
+def as_composed_levels(llm: LLM, draft_file: str) -> None:
+    """Let `llm`'s hidden-state draft compose its levels from the table's ops (no fused level)."""
+    draft = llm.spec.draft
+    if getattr(draft, "fused_level", None) is None:
+        raise SystemExit(f"{llm.spec.config.draft_model} has no fused level here (not the "
+                         "hidden-state draft, or the kernel table has none for it): nothing to "
+                         "compare.")
+    draft.fused_level = None
+
+
+AGAINST = {"float": as_float_draft, "composed": as_composed_levels}
 
 
 def _accepted_length(before: dict, after: dict) -> float | None:
@@ -63,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--spec", default="demo-draft:lookup=0,branches=4",
                    help="a speculation setting with the demo model's hidden-state draft")
+    p.add_argument("--against", choices=tuple(AGAINST), default="float",
+                   help="the other form: float (the draft's matrices as the target's) or "
+                        "composed (the levels from the table's ops, not its fused level)")
     p.add_argument("--workload", choices=("open_chat", "concurrent_16"), default="open_chat")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -70,19 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     bench = _speculative()
     model = str(fetch_demo_model(progress=lambda m, f: None))
     plain = LLM(model, device="cpu", dtype="bfloat16")
-    compact = LLM(model, device="cpu", dtype="bfloat16", speculative=args.spec)
-    full = LLM(model, device="cpu", dtype="bfloat16", speculative=args.spec)
-    as_float_draft(full, full.spec.config.draft_model)
+    shipped = LLM(model, device="cpu", dtype="bfloat16", speculative=args.spec)
+    other = LLM(model, device="cpu", dtype="bfloat16", speculative=args.spec)
+    AGAINST[args.against](other, other.spec.config.draft_model)
     if args.workload == "open_chat":
         prompts, run = bench.OPEN_CHAT, bench.run_workload
     else:
         prompts, run = (bench.OPEN_CHAT * bench.CONCURRENT)[:bench.CONCURRENT], bench.run_batch
-    for llm in (plain, compact, full):  # the step costs speculation prices drafts by
+    for llm in (plain, shipped, other):  # the step costs speculation prices drafts by
         for warm in (bench.COPY_HEAVY, bench.OPEN_CHAT, bench.UNPREDICTABLE):
             bench.run_workload(llm, warm, args.max_tokens)
-    counted = {name: bench._counters(llm) for name, llm in (("compact", compact), ("float", full))}
+    sides = {"shipped": shipped, args.against: other}
+    counted = {name: bench._counters(llm) for name, llm in sides.items()}
+    ratios = ("shipped_speedup", f"{args.against}_speedup", f"shipped_over_{args.against}")
     rounds = []
-    engines = [plain, compact, full]
+    engines = [plain, shipped, other]
     for i in range(args.rounds):
         # Each round starts one engine later, so none always runs first or after the same one.
         order = engines[i % 3:] + engines[: i % 3]
@@ -90,25 +117,26 @@ def main(argv: list[str] | None = None) -> int:
         base, fast, slow = (ran[id(llm)] for llm in engines)
         rounds.append({
             "plain_tokens_per_s": base["tokens_per_s"],
-            "compact_speedup": fast["tokens_per_s"] / base["tokens_per_s"],
-            "float_speedup": slow["tokens_per_s"] / base["tokens_per_s"],
-            "compact_over_float": fast["tokens_per_s"] / slow["tokens_per_s"],
+            ratios[0]: fast["tokens_per_s"] / base["tokens_per_s"],
+            ratios[1]: slow["tokens_per_s"] / base["tokens_per_s"],
+            ratios[2]: fast["tokens_per_s"] / slow["tokens_per_s"],
             "outputs_identical": fast["outputs"] == base["outputs"] == slow["outputs"]})
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                           for k, v in rounds[-1].items()}), file=sys.stderr)
-    head = compact.spec.draft.head
+    draft = shipped.spec.draft
     result = {
-        "benchmark": "draft_weights", "spec": args.spec, "workload": args.workload,
-        "machine": machine(), "compact_form": type(head).__name__,
-        "head_bytes": {"compact": getattr(head, "nbytes", None),
-                       "float": getattr(full.spec.draft.head, "nbytes", None)},
+        "benchmark": "draft_weights", "spec": args.spec, "against": args.against,
+        "workload": args.workload, "machine": machine(),
+        "shipped_form": {"head": type(draft.head).__name__,
+                         "fused_level": getattr(draft, "fused_level", None) is not None},
+        "head_bytes": {"shipped": getattr(draft.head, "nbytes", None),
+                       args.against: getattr(other.spec.draft.head, "nbytes", None)},
         "rounds": rounds,
-        # Accepted drafts per verification plus the bonus token, over all rounds: the compact
-        # draft proposes from rounded products, so its acceptance is measured, not assumed.
+        # Accepted drafts per verification plus the bonus token, over all rounds: each form
+        # proposes from its own arithmetic, so its acceptance is measured, not assumed.
         "mean_accepted_length": {name: _accepted_length(counted[name], bench._counters(llm))
-                                 for name, llm in (("compact", compact), ("float", full))},
-        **{f"median_{k}": statistics.median(r[k] for r in rounds)
-           for k in ("compact_speedup", "float_speedup", "compact_over_float")},
+                                 for name, llm in sides.items()},
+        **{f"median_{k}": statistics.median(r[k] for r in rounds) for k in ratios},
         "outputs_identical": all(r["outputs_identical"] for r in rounds),
     }
     print(json.dumps(result, indent=2))

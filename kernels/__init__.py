@@ -23,11 +23,21 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import cpu_kernels, cpu_layers, cpu_linear, cpu_quant, onednn, quant, reference
+from kernels import (
+    cpu_draft,
+    cpu_kernels,
+    cpu_layers,
+    cpu_linear,
+    cpu_quant,
+    onednn,
+    quant,
+    reference,
+)
 from kernels.metadata import AttentionMass, AttentionMetadata, PrefillChunk
 
 OPS = ("prepare_linear", "linear", "rms_norm", "rotary", "silu_and_mul", "store_kv",
-       "paged_attention", "paged_attention_mass", "prepare_decode_stack", "softmax_topk")
+       "paged_attention", "paged_attention_mass", "prepare_decode_stack", "softmax_topk",
+       "prepare_draft_level")
 
 
 def _table(name: str, prepare_quantized=None, int4_kernel=None, **overrides) -> SimpleNamespace:
@@ -125,7 +135,8 @@ if ONEDNN_DTYPES:
     _BACKENDS["onednn"] = _table("onednn", prepare_quantized=_prepare_cpu_quantized,
                                  int4_kernel=cpu_quant.prepare,
                                  prepare_linear=_prepare_cpu_linear, linear=onednn.linear,
-                                 prepare_decode_stack=cpu_layers.prepare, **cpu_kernels.OPS)
+                                 prepare_decode_stack=cpu_layers.prepare,
+                                 prepare_draft_level=cpu_draft.prepare, **cpu_kernels.OPS)
 # Importing triton takes a while and is only needed on CUDA: its table is built on first use.
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 

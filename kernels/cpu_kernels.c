@@ -1760,6 +1760,91 @@ int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
     return failed ? -1 : 0;
 }
 
+/* ---- one level of the hidden-state draft (engine/spec/hidden_draft.py) in one call ----
+ * For each of `rows` rows, from its draft state s [hidden] (float32) and the token it continues:
+ * the next state f(s, x) = s + fc2(silu(fc1([s, norm(E[x]) * embed_norm]) + b1)) + b2 (norm:
+ * the embedding row over its root mean square) into s_out, its scores over the draft vocabulary
+ * through the head (the first `vocab` of its head_out outputs), and their k largest softmax
+ * probabilities and columns into probs, cols [rows, k]: draft_step, scores and top_tokens. The
+ * same roundings as that composition of torch ops: each matmul's input bfloat16, its output and
+ * the bias added to it bfloat16, the state, the norm and SiLU float32.
+ * w: fc1's int4 codes, scales, mins (int4_linear's layout) and bfloat16 bias; the same for fc2;
+ * the head's codes, scales and mins; the embedding (bfloat16 [*, hidden]); embed_norm (float32).
+ * All three matmuls take int4 weights of group size `group`, inputs unpadded.
+ * Why one call: a level was about twenty torch ops and three matmul calls from Python, and on
+ * the 2-core EPYC half of its time went to the calls rather than the arithmetic.
+ * Returns 0, or -1 (a kernel refused, no memory, a NaN score): the caller composes the level
+ * from its ops. */
+static inline vf silu_vec(vf g) {
+    vf out = g; /* every lane is set below */
+    for (int i = 0; i < LANES; i++) {
+        const float e = exp_nonpositive(-fabsf(g[i])); /* as silu_and_mul */
+        out[i] = (g[i] >= 0.0f ? g[i] : g[i] * e) / (1.0f + e);
+    }
+    return out;
+}
+
+int draft_level(const int64_t *w, const float *s, const int64_t *tokens, int64_t rows,
+                int64_t hidden, int64_t width, int64_t head_out, int64_t vocab, int64_t group,
+                float eps, int64_t k, float *s_out, float *probs, int64_t *cols, int threads) {
+    if (hidden % LANES || width % LANES || head_out % LANES || vocab > head_out) return -1;
+    const uint16_t *b1 = (const uint16_t *)w[3], *b2 = (const uint16_t *)w[7];
+    const uint16_t *embed = (const uint16_t *)w[11];
+    const float *embed_norm = (const float *)w[12];
+    const int64_t in1 = 2 * hidden;
+    /* bfloat16 scratch: fc1's input, its output, fc2's input, its output, the head's input and
+     * output; then the scores as float32 */
+    const int64_t sizes[] = {rows * in1, rows * width, rows * width, rows * hidden,
+                             rows * hidden, rows * head_out};
+    int64_t total = 0;
+    for (int i = 0; i < 6; i++) total += (sizes[i] + 31) / 32 * 32;
+    uint16_t *scratch = aligned_alloc(64, (size_t)total * 2);
+    float *scores = aligned_alloc(64, (size_t)((rows * head_out + 15) / 16 * 16) * 4);
+    int failed = scratch == NULL || scores == NULL;
+    uint16_t *part[6];
+    for (int64_t i = 0, at = 0; i < 6; at += (sizes[i] + 31) / 32 * 32, i++) part[i] = scratch + at;
+    uint16_t *x = part[0], *y1 = part[1], *a = part[2], *y2 = part[3], *sb = part[4], *sc = part[5];
+    for (int64_t r = 0; r < rows && !failed; r++) {
+        const uint16_t *e = embed + tokens[r] * hidden;
+        vf squares = (vf){0};
+        for (int64_t c = 0; c < hidden; c += LANES) {
+            const vf v = load_vec(e, c, 1);
+            squares += v * v;
+            store_vec(x, r * in1 + c, 1, load_vec(s, r * hidden + c, 0));
+        }
+        const float inv = 1.0f / sqrtf(sum_lanes(squares) / (float)hidden + eps);
+        for (int64_t c = 0; c < hidden; c += LANES)
+            store_vec(x, r * in1 + hidden + c, 1,
+                      load_vec(e, c, 1) * inv * load_vec(embed_norm, c, 0));
+    }
+    failed = failed || int4_linear(x, (const uint8_t *)w[0], (const uint16_t *)w[1],
+                                   (const uint16_t *)w[2], y1, rows, in1, width, group, 1,
+                                   threads);
+    for (int64_t r = 0; r < rows && !failed; r++)
+        for (int64_t c = 0; c < width; c += LANES)
+            store_vec(a, r * width + c, 1,
+                      silu_vec(round_bf16(load_vec(y1, r * width + c, 1) + load_vec(b1, c, 1))));
+    failed = failed || int4_linear(a, (const uint8_t *)w[4], (const uint16_t *)w[5],
+                                   (const uint16_t *)w[6], y2, rows, width, hidden, group, 1,
+                                   threads);
+    for (int64_t r = 0; r < rows && !failed; r++)
+        for (int64_t c = 0; c < hidden; c += LANES) {
+            const vf next = load_vec(s, r * hidden + c, 0)
+                            + round_bf16(load_vec(y2, r * hidden + c, 1) + load_vec(b2, c, 1));
+            store_vec(s_out, r * hidden + c, 0, next);
+            store_vec(sb, r * hidden + c, 1, next);
+        }
+    failed = failed || int4_linear(sb, (const uint8_t *)w[8], (const uint16_t *)w[9],
+                                   (const uint16_t *)w[10], sc, rows, hidden, head_out, group, 1,
+                                   threads);
+    for (int64_t i = 0; i < rows * head_out && !failed; i += LANES)
+        store_vec(scores, i, 0, load_vec(sc, i, 1));
+    failed = failed || softmax_topk(scores, rows, vocab, head_out, k, probs, cols);
+    free(scratch);
+    free(scores);
+    return failed ? -1 : 0;
+}
+
 /* ---- prefill attention: a chunk of queries over its keys, bfloat16, on VDPBF16PS ----
  * torch's scaled_dot_product_attention took 0.4 ms a layer for a 110-token prompt of the demo
  * model (9 heads of 64) on the 2-core EPYC, 30 GFLOP/s, and 13.7 ms at 1,000 tokens (84

@@ -142,6 +142,8 @@ def _library() -> ctypes.CDLL | None:
         # A decode step's layers (kernels/cpu_layers.py): -1 without AVX512-BF16 or AVX2.
         "decode_layers": ([_PTR, _I64] + [_PTR] * 7 + [_I64] * 8 + [_PTR, _I64, _PTR]
                           + [_F32, _F32] + [_INT] * 4),
+        # A hidden-state draft's level (kernels/cpu_draft.py): -1 without AVX512-BF16 or AVX2.
+        "draft_level": [_PTR] * 3 + [_I64] * 6 + [_F32, _I64] + [_PTR] * 3 + [_INT],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

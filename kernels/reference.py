@@ -26,6 +26,12 @@ def prepare_decode_stack(layers: list, dims: dict) -> None:
     return None
 
 
+def prepare_draft_level(*weights, **options) -> None:
+    """No fused draft level here: a hidden-state draft composes its levels from the table's ops
+    (kernels/cpu_draft.py has the CPU's)."""
+    return None
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

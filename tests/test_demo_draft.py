@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.config import ModelError
 from engine.spec import medusa, parse_spec
 from engine.spec.config import DEMO_DRAFT_PATH, DEMO_MEDUSA_PATH, MEDUSA_DRAFT_TOKENS
+from engine.spec.decoder import spec_state
 from engine.spec.draft import make_draft
 from engine.spec.hidden_draft import FORMAT, vocab_fingerprint
 
@@ -66,6 +67,63 @@ def test_greedy_output_is_identical_with_the_demo_draft(demo_gguf, plain):
     sampled = SamplingParams(temperature=0.8, max_tokens=16, seed=5, ignore_eos=True)
     a, b = (spec.generate([prompts[0]], sampled)[0].token_ids for _ in range(2))
     assert a == b and len(a) == 16
+
+
+def _reply_states(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real draft inputs: the target's hidden state the draft keeps after each step of the
+    chat replies, and the token chosen there."""
+    states, tokens = [], []
+    for prompt in PROMPTS:
+        rid = llm.add_request(llm.chat_prompt([{"role": "user", "content": prompt}]),
+                              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        while llm.has_unfinished():
+            llm.step()
+            seq = llm.core.seqs.get(rid)
+            if seq is not None and spec_state(seq).hidden is not None:
+                states.append(spec_state(seq).hidden.clone())
+                tokens.append(seq.all_token_ids[-1])
+    return torch.stack(states), torch.tensor(tokens)
+
+
+def test_the_fused_draft_level_drafts_as_its_composition(demo_gguf):
+    """The hidden-state draft's level in one kernel call (kernels/cpu_draft.py, bfloat16 where
+    the int4 kernels run) gives the states, probabilities and tokens its composition from the
+    table's ops gives, on real states of the demo model's replies, and speculation with it, as
+    trees and as chains, stays lossless."""
+    llm = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=2048,
+              speculative="demo-draft:lookup=0,branches=4")
+    draft = llm.spec.proposer
+    if draft.fused_level is None:
+        pytest.skip("no fused draft level on this CPU: its int4 kernels need AVX512-BF16 or "
+                    "AVX2")
+    states, tokens = _reply_states(llm)
+    fused = draft.fused_level
+    with torch.inference_mode():
+        one_call, best = draft.level(states, tokens, 4), draft.level(states, tokens, 1)
+        draft.fused_level = None
+        composed, composed_best = draft.level(states, tokens, 4), draft.level(states, tokens, 1)
+        draft.fused_level = fused
+    assert states.shape[0] >= 24
+    # The same arithmetic and roundings, a mean's summation order aside: the states agree to
+    # well within one bfloat16 rounding of the update (a bias left out moved them by 0.1-1.5,
+    # the probabilities by 0.04-0.11, and changed tokens).
+    torch.testing.assert_close(one_call[0], composed[0], rtol=0, atol=0.02)
+    torch.testing.assert_close(one_call[1], composed[1], rtol=0, atol=1e-3)
+    assert (one_call[2] == composed[2]).float().mean() >= 0.95
+    # A chain's token is argmax's choice either way.
+    assert composed_best[1] is None and best[2].shape == (states.shape[0], 1)
+    assert (best[2] == composed_best[2]).float().mean() >= 0.95
+    plain = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=2048)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _chat(plain)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.spec.counters.acceptance_rate > 0.25
+    chains = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=2048,
+                 speculative="demo-draft:k=2,lookup=0")
+    assert chains.spec.proposer.fused_level is not None
+    assert [o.token_ids for o in chains.generate(prompts, params)] == expected
+    assert chains.spec.counters.acceptance_rate > 0.25
 
 
 def test_spec_names_for_the_demo_draft():

@@ -176,7 +176,17 @@ class HiddenDraft(StateProposer):
         tensors, ids = load_draft_file(path, target, target_tokenizer, TENSORS, "fc2.weight")
         super().__init__(path, target, ids)
         self.eps = target.config.rms_norm_eps
-        self.weights = self.prepare(tensors)
+        self.use_weights(self.prepare(tensors), self.head)
+
+    def use_weights(self, weights: dict, head) -> None:
+        """Draft with these prepared weights (prepare's) and head; a level (draft_step, scores,
+        top_tokens) runs in one kernel call where the table has one for them
+        (kernels/cpu_draft.py), else it is composed from the table's ops."""
+        self.weights, self.head = weights, head
+        self.fused_level = self.ops.prepare_draft_level(
+            weights["fc1.weight"], weights["fc1.bias"], weights["fc2.weight"],
+            weights["fc2.bias"], head, self.embed, weights["embed_norm.weight"], self.eps,
+            self.vocab_ids.numel())
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> None:
         """Fill each sequence's draft (up to k tokens) from its remembered hidden state: a
@@ -191,36 +201,55 @@ class HiddenDraft(StateProposer):
         tokens = torch.tensor([seq.all_token_ids[-1] for seq, _ in active],
                               device=self.embed.device)
         with torch.inference_mode():
-            s = draft_step(s, self.embed[tokens].float(), self.weights, self.eps, self.linear)
             if max(branches) == 1:
-                for (seq, k), chain in zip(active, self._chains(s, max(k for _, k in active)),
+                for (seq, k), chain in zip(active, self._chains(s, tokens,
+                                                                max(k for _, k in active)),
                                            strict=True):
                     set_draft_paths(seq, [chain[:k]])
                 return
-            trees = self._tree_paths(s, [k for _, k in active], branches)
+            trees = self._tree_paths(s, tokens, [k for _, k in active], branches)
         for (seq, _), (paths, probs) in zip(active, trees, strict=True):
             set_draft_paths(seq, paths, probs)
 
-    def _chains(self, s: torch.Tensor, depth: int) -> list[list[int]]:
-        """Each row's chain of the draft's best tokens, `depth` long, from its first state."""
+    def level(self, s: torch.Tensor, tokens: torch.Tensor, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One draft step from states s ([rows, hidden]) and the tokens they continue ([rows]):
+        the next states, and each one's k most probable next tokens (probabilities, token ids;
+        [rows, k], most probable first). k = 1: the best token alone, argmax's choice (the first
+        of tied scores), and the probabilities None where the level is composed from ops."""
+        if self.fused_level is not None:
+            got = self.fused_level(s, tokens, k)
+            if got is not None:
+                s, probs, cols = got
+                return s, probs, self.vocab_ids[cols]
+        s = draft_step(s, self.embed[tokens].float(), self.weights, self.eps, self.linear)
+        scores = self.scores(s)
+        if k == 1:
+            return s, None, self.vocab_ids[argmax_rows(scores)].unsqueeze(1)
+        probs, ids = self.top_tokens(scores, k)
+        return s, probs, ids
+
+    def _chains(self, s: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[list[int]]:
+        """Each row's chain of the draft's best tokens, `depth` long, from the target's states
+        s and the tokens they chose."""
         drafts = []
-        for level in range(depth):
-            if level:
-                s = draft_step(s, self.embed[drafts[-1]].float(), self.weights, self.eps,
-                               self.linear)
-            drafts.append(self.vocab_ids[argmax_rows(self.scores(s))])
+        for _ in range(depth):
+            s, _, best = self.level(s, tokens, 1)
+            tokens = best[:, 0]
+            drafts.append(tokens)
         return torch.stack(drafts, dim=1).tolist()
 
-    def _tree_paths(self, s: torch.Tensor, depths: list[int], branches: list[int]
-                    ) -> list[tuple[list[list[int]], list[list[float]]]]:
-        """Per row of `s` (a sequence's first draft state), the `branches` most probable paths
-        of its depth and each path's probability at every depth: each level scores every kept
-        path's next tokens by the draft's probability times the path's, keeps the best
-        (keep_best) and steps the draft once for each kept path."""
+    def _tree_paths(self, s: torch.Tensor, tokens: torch.Tensor, depths: list[int],
+                    branches: list[int]) -> list[tuple[list[list[int]], list[list[float]]]]:
+        """Per row of `s` (the target's state of a sequence, `tokens` its newest token), the
+        `branches` most probable paths of its depth and each path's probability at every depth:
+        each level scores every kept path's next tokens by the draft's probability times the
+        path's, keeps the best (keep_best) and steps the draft once for each kept path."""
         # (probability, path, its probability at each depth, row of s)
         beams = [[(1.0, [], [], row)] for row in range(len(depths))]
+        s, probs_t, tokens_t = self.level(s, tokens, max(branches))
         for level in range(max(depths)):
-            probs, tokens = (t.tolist() for t in self.top_tokens(self.scores(s), max(branches)))
+            probs, tokens = probs_t.tolist(), tokens_t.tolist()
             next_rows: list[int] = []
             for i, beam in enumerate(beams):
                 if level >= depths[i]:
@@ -234,8 +263,7 @@ class HiddenDraft(StateProposer):
             if level + 1 < max(depths):
                 last = torch.tensor([path[-1] for beam in beams for _, path, _, _ in beam
                                      if len(path) == level + 1], device=self.embed.device)
-                s = draft_step(s[next_rows], self.embed[last].float(), self.weights, self.eps,
-                               self.linear)
+                s, probs_t, tokens_t = self.level(s[next_rows], last, max(branches))
         return [([path for _, path, _, _ in beam], [cum for _, _, cum, _ in beam])
                 for beam in beams]
 
