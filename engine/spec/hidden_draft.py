@@ -249,14 +249,14 @@ class HiddenDraft(StateProposer):
         beams = [[(1.0, [], [], row)] for row in range(len(depths))]
         s, probs_t, tokens_t = self.level(s, tokens, max(branches))
         for level in range(max(depths)):
-            probs, tokens = probs_t.tolist(), tokens_t.tolist()
+            probs, ids = probs_t.tolist(), tokens_t.tolist()
             next_rows: list[int] = []
             for i, beam in enumerate(beams):
                 if level >= depths[i]:
                     continue
                 n = branches[i]
                 kept = keep_best([(p * q, path + [t], cum + [p * q], r) for p, path, cum, r in beam
-                                  for q, t in zip(probs[r][:n], tokens[r][:n], strict=True)], n)
+                                  for q, t in zip(probs[r][:n], ids[r][:n], strict=True)], n)
                 beams[i] = [(p, path, cum, len(next_rows) + j)
                             for j, (p, path, cum, _) in enumerate(kept)]
                 next_rows += [r for *_, r in kept]
