@@ -668,9 +668,10 @@ static inline __attribute__((always_inline)) void bf16_tile_rows(
  * (its latency), so a row past the full blocks cost what a whole pass of one row does: a
  * demo-model layer's matmuls took 1.27x as long for 17 rows as for 16 on the Zen 4 EPYC, which
  * priced any draft out of a step of 16 sequences. Chains side by side hide the latency (1 row:
- * 8 tiles, 2: 4, 3-4: 2; from 5 rows a tile has chains enough): 17 rows 0.86x, 1 row 0.57x (warm
- * caches, benchmarks/tile_kernel_rows.py). Each output still sums its pairs in the same order
- * from the same start, so its value is the one a full block gives it, to the bit. */
+ * 8 tiles, 2: 4, 3-4: 4, GROUP_TILES; from 5 rows a tile has chains enough): 17 rows 0.86x,
+ * 1 row 0.57x (warm caches, benchmarks/tile_kernel_rows.py). Each output still sums its pairs
+ * in the same order from the same start, so its value is the one a full block gives it, to the
+ * bit. */
 static inline __attribute__((always_inline)) void bf16_tile_group_rows(
     const int mb, const int nt, const uint32_t *xt, int64_t pairs, const uint16_t *w,
     const uint16_t *bias, void *y, int64_t out, int y_bf16, int prefetch) {
@@ -699,6 +700,14 @@ static inline __attribute__((always_inline)) void bf16_tile_group_rows(
  * block has chains enough, or there is none. A macro: the loops' switch cases pass it as a
  * constant for their row count, which must be what the loop advanced its tiles by. */
 #define TILES_AT_ONCE(rem) ((rem) == 1 ? 8 : (rem) == 2 ? 4 : (rem) == 3 || (rem) == 4 ? 2 : 1)
+
+/* The same for the bfloat16 and int8 loops (tiles_linear), whose ROW_BLOCK accumulators take 3-4
+ * rows of 4 tiles at once (int4's INT4_ROW_BLOCK takes 2): a draft tree's verify step is 3-5
+ * rows more often than anything else, and with 4 tiles rather than 2 side by side the demo
+ * model's whole decode stack at 3 and 4 rows took 0.945x and 0.949x the time (its real verify
+ * calls replayed with both builds in one process, alternating, the Zen 4 EPYC; 1 and 5 rows,
+ * unchanged, 1.00x and 0.99x); 8 tiles at 2 rows gained nothing and 16 at 1 row lost 9%. */
+#define GROUP_TILES(rem) ((rem) <= 2 ? TILES_AT_ONCE(rem) : (rem) <= 4 ? 4 : 1)
 
 #define INT4_ROW_BLOCK 8 /* rows per pass: two float32 accumulators each, in registers */
 
@@ -958,7 +967,7 @@ static inline __attribute__((always_inline)) int tiles_linear(
     uint32_t *xt = malloc(sizeof(uint32_t) * rows * pairs);
     if (xt == NULL) return -1;
     const int64_t rem = rows % ROW_BLOCK, full = rows - rem;
-    const int group = TILES_AT_ONCE(rem);
+    const int group = GROUP_TILES(rem);
 #pragma omp parallel num_threads(threads)
     {
         by_pair((const uint32_t *)x, xt, rows, pairs, ROW_BLOCK);
@@ -980,8 +989,8 @@ static inline __attribute__((always_inline)) int tiles_linear(
                 const uint32_t *xr = xt + full * pairs;
                 void *yr = tile_output(y, full, out, t0, y_bf16);
                 switch (rem) {
-                    GROUP_ROWS(1, TILES_AT_ONCE(1)) GROUP_ROWS(2, TILES_AT_ONCE(2))
-                    GROUP_ROWS(3, TILES_AT_ONCE(3)) GROUP_ROWS(4, TILES_AT_ONCE(4))
+                    GROUP_ROWS(1, GROUP_TILES(1)) GROUP_ROWS(2, GROUP_TILES(2))
+                    GROUP_ROWS(3, GROUP_TILES(3)) GROUP_ROWS(4, GROUP_TILES(4))
                 }
             }
             t0 += nt;
