@@ -704,9 +704,10 @@ static inline __attribute__((always_inline)) void bf16_tile_group_rows(
 /* The same for the bfloat16 and int8 loops (tiles_linear), whose ROW_BLOCK accumulators take 3-4
  * rows of 4 tiles at once (int4's INT4_ROW_BLOCK takes 2): a draft tree's verify step is 3-5
  * rows more often than anything else, and with 4 tiles rather than 2 side by side the demo
- * model's whole decode stack at 3 and 4 rows took 0.945x and 0.949x the time (its real verify
- * calls replayed with both builds in one process, alternating, the Zen 4 EPYC; 1 and 5 rows,
- * unchanged, 1.00x and 0.99x); 8 tiles at 2 rows gained nothing and 16 at 1 row lost 9%. */
+ * model's whole decode stack at 3 and 4 rows took 0.88x and 0.87x the time on a quiet Zen 4
+ * EPYC, 0.93-1.02x busy (its real verify calls replayed with both builds in one process,
+ * benchmarks/verify_stack.py; 1 and 5 rows, unchanged, within 2%); 8 tiles at 2 rows gained
+ * nothing and 16 at 1 row lost 9%. */
 #define GROUP_TILES(rem) ((rem) <= 2 ? TILES_AT_ONCE(rem) : (rem) <= 4 ? 4 : 1)
 
 #define INT4_ROW_BLOCK 8 /* rows per pass: two float32 accumulators each, in registers */
