@@ -4,7 +4,8 @@ The engine steps on its own thread and uvicorn (asyncio, h11) answers on another
 process; each token is handed to the event loop (engine/server.py's _Mailbox) and written as a
 server-sent event. This runs the same server under uvicorn's other event loop and protocol
 (uvloop, httptools: `pip install uvloop httptools`; a variant whose module is missing is left
-out and said so) and reports, per variant, what the load generator sees (output tok/s, TPOT p50)
+out and said so) and with the engine's OpenMP worker spinning less between steps
+(`spin-1000`), and reports, per variant, what the load generator sees (output tok/s, TPOT p50)
 and what the server spends per token: the HTTP thread's CPU time (`time.thread_time()` over its
 life, divided by the tokens it streamed) and how long the engine thread waits in the hand-over
 (it can stall on the GIL while the HTTP thread runs). The engine is also driven in-process on the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -33,11 +35,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peer_vllm  # noqa: E402 - the servers' start/stop, the load and the in-process worker
 
-VARIANTS = {  # name: (uvicorn loop, uvicorn http, the modules it needs)
-    "asyncio-h11": (None, None, ()),  # what `servescope serve` runs
-    "uvloop": ("uvloop", None, ("uvloop",)),
-    "httptools": (None, "httptools", ("httptools",)),
-    "uvloop-httptools": ("uvloop", "httptools", ("uvloop", "httptools")),
+VARIANTS = {  # name: (uvicorn loop, uvicorn http, the modules it needs, environment)
+    "asyncio-h11": (None, None, (), {}),  # what `servescope serve` runs
+    "uvloop": ("uvloop", None, ("uvloop",), {}),
+    "httptools": (None, "httptools", ("httptools",), {}),
+    "uvloop-httptools": ("uvloop", "httptools", ("uvloop", "httptools"), {}),
+    # The engine's OpenMP worker waits for the next parallel region spinning (libgomp's default:
+    # 300,000 spins, milliseconds), so it holds a core through the engine thread's Python
+    # between steps, when the HTTP thread and the client want one; 1,000 spins still cover the
+    # gaps between a step's own regions (100 did not: a step took 2.5x as long). Measured 0.96x
+    # the default's tokens/s (int4, 3 rounds, the Zen 4 EPYC): waking the worker for each step's
+    # first region cost more than the core it freed, so the default stays.
+    "spin-1000": (None, None, (), {"GOMP_SPINCOUNT": "1000"}),
 }
 MARK = "SERVE_OVERHEAD "
 
@@ -52,7 +61,7 @@ def server_child(variant: str, serve_args: list[str]) -> int:
     from app.cli import main
     from engine import server
 
-    loop, http, _ = VARIANTS[variant]
+    loop, http, _, _ = VARIANTS[variant]
     config_init = uvicorn.Config.__init__
 
     def config(self, *args, **kwargs):
@@ -98,7 +107,8 @@ def measure_variant(variant: str, args: argparse.Namespace, log_dir: Path) -> di
     port = peer_vllm.vs.free_port()
     command = [sys.executable, str(Path(__file__).resolve()), "--server-child", variant, "--",
                "--port", str(port), "--weights", args.weights]
-    server = peer_vllm.Running(variant, command, None, port, log_dir / f"{variant}.log")
+    env = {**os.environ, **VARIANTS[variant][3]}
+    server = peer_vllm.Running(variant, command, env, port, log_dir / f"{variant}.log")
     try:
         server.wait_healthy()
         peer_vllm.warm_up(server, args)
