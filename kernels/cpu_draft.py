@@ -40,7 +40,9 @@ class DraftLevel:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(next states [rows, hidden] float32, probabilities [rows, k], head rows [rows, k])
         from states s [rows, hidden] float32 and tokens [rows]; None where the kernel refused
-        (k outside 1..64, a NaN score, no memory)."""
+        (k outside 1..64, a NaN score, no memory) or the states are not float32 on the CPU."""
+        if s.dtype != torch.float32 or tokens.device.type != "cpu":
+            return None
         rows = s.shape[0]
         s = s.contiguous()
         tokens = cpu_kernels.int64_contiguous(tokens)
