@@ -489,6 +489,27 @@ int softmax_topk(const float *x, int64_t rows, int64_t n, int64_t stride, int64_
     return 0;
 }
 
+/* g * sigmoid(g) lane by lane, with the exponential's argument never positive. */
+static inline vf silu_vec(vf g) {
+    vf out = g; /* every lane is set below (GCC could not tell) */
+    for (int i = 0; i < LANES; i++) {
+        const float e = exp_nonpositive(-fabsf(g[i]));
+        out[i] = (g[i] >= 0.0f ? g[i] : g[i] * e) / (1.0f + e);
+    }
+    return out;
+}
+
+/* A scratch buffer of bfloat16 parts, counts[i] values each, every part starting 64-byte
+ * aligned: their starts into part[0..n-1]; the buffer (free it) or NULL. */
+static uint16_t *scratch_parts(const int64_t *counts, int n, uint16_t **part) {
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += (counts[i] + 31) / 32 * 32;
+    uint16_t *scratch = aligned_alloc(64, (size_t)total * 2);
+    for (int64_t i = 0, at = 0; i < n && scratch != NULL; at += (counts[i] + 31) / 32 * 32, i++)
+        part[i] = scratch + at;
+    return scratch;
+}
+
 /* SwiGLU of rows [rows, 2 * width] (gate, then up) into out [rows, width]: silu(gate) * up, the
  * silu rounded to the dtype before the product as the reference's two ops do. */
 int silu_and_mul(const void *x, void *out, int64_t rows, int64_t width, int bf16, int threads) {
@@ -499,12 +520,7 @@ int silu_and_mul(const void *x, void *out, int64_t rows, int64_t width, int bf16
         for (int64_t c = 0; c < width; c += LANES) {
             const vf gate = load_vec(x, r * 2 * width + c, bf16);
             const vf up = load_vec(x, r * 2 * width + width + c, bf16);
-            vf silu = gate; /* every lane is set below (GCC could not tell) */
-            for (int i = 0; i < LANES; i++) {
-                /* g * sigmoid(g), with the exponential's argument never positive */
-                const float g = gate[i], e = exp_nonpositive(-fabsf(g));
-                silu[i] = (g >= 0.0f ? g : g * e) / (1.0f + e);
-            }
+            vf silu = silu_vec(gate);
             if (bf16) silu = round_bf16(silu);
             store_vec(out, r * width + c, bf16, silu * up);
         }
@@ -1724,12 +1740,9 @@ int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
     const int64_t gathered = decode_rows == n && chunks == 0 ? 0 : decode_rows;
     const int64_t counts[] = {n * hidden, n * qkv_width, n * q_size, n * kv_size, n * q_size,
                               n * 2 * inter, n * inter, gathered * q_size, gathered * q_size};
-    int64_t total = 0;
-    for (int i = 0; i < 9; i++) total += (counts[i] + 31) / 32 * 32; /* 64-byte aligned parts */
-    uint16_t *scratch = aligned_alloc(64, (size_t)total * 2);
-    if (scratch == NULL) return -1;
     uint16_t *part[9];
-    for (int64_t i = 0, at = 0; i < 9; at += (counts[i] + 31) / 32 * 32, i++) part[i] = scratch + at;
+    uint16_t *scratch = scratch_parts(counts, 9, part);
+    if (scratch == NULL) return -1;
     uint16_t *x = part[0], *qkv = part[1], *q_out = part[2], *k_out = part[3], *attn = part[4],
              *gate_up = part[5], *act = part[6], *dq = part[7], *dout = part[8];
     uint16_t *decoded = NULL;
@@ -1785,15 +1798,6 @@ int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
  * the 2-core EPYC half of its time went to the calls rather than the arithmetic.
  * Returns 0, or -1 (a kernel refused, no memory, a NaN score): the caller composes the level
  * from its ops. */
-static inline vf silu_vec(vf g) {
-    vf out = g; /* every lane is set below */
-    for (int i = 0; i < LANES; i++) {
-        const float e = exp_nonpositive(-fabsf(g[i])); /* as silu_and_mul */
-        out[i] = (g[i] >= 0.0f ? g[i] : g[i] * e) / (1.0f + e);
-    }
-    return out;
-}
-
 int draft_level(const int64_t *w, const float *s, const int64_t *tokens, int64_t rows,
                 int64_t hidden, int64_t width, int64_t head_out, int64_t vocab, int64_t group,
                 float eps, int64_t k, float *s_out, float *probs, int64_t *cols, int threads) {
@@ -1806,15 +1810,16 @@ int draft_level(const int64_t *w, const float *s, const int64_t *tokens, int64_t
      * output; then the scores as float32 */
     const int64_t sizes[] = {rows * in1, rows * width, rows * width, rows * hidden,
                              rows * hidden, rows * head_out};
-    int64_t total = 0;
-    for (int i = 0; i < 6; i++) total += (sizes[i] + 31) / 32 * 32;
-    uint16_t *scratch = aligned_alloc(64, (size_t)total * 2);
-    float *scores = aligned_alloc(64, (size_t)((rows * head_out + 15) / 16 * 16) * 4);
-    int failed = scratch == NULL || scores == NULL;
     uint16_t *part[6];
-    for (int64_t i = 0, at = 0; i < 6; at += (sizes[i] + 31) / 32 * 32, i++) part[i] = scratch + at;
+    uint16_t *scratch = scratch_parts(sizes, 6, part);
+    float *scores = aligned_alloc(64, (size_t)((rows * head_out + 15) / 16 * 16) * 4);
+    if (scratch == NULL || scores == NULL) {
+        free(scratch);
+        free(scores);
+        return -1;
+    }
     uint16_t *x = part[0], *y1 = part[1], *a = part[2], *y2 = part[3], *sb = part[4], *sc = part[5];
-    for (int64_t r = 0; r < rows && !failed; r++) {
+    for (int64_t r = 0; r < rows; r++) {
         const uint16_t *e = embed + tokens[r] * hidden;
         vf squares = (vf){0};
         for (int64_t c = 0; c < hidden; c += LANES) {
@@ -1827,9 +1832,8 @@ int draft_level(const int64_t *w, const float *s, const int64_t *tokens, int64_t
             store_vec(x, r * in1 + hidden + c, 1,
                       load_vec(e, c, 1) * inv * load_vec(embed_norm, c, 0));
     }
-    failed = failed || int4_linear(x, (const uint8_t *)w[0], (const uint16_t *)w[1],
-                                   (const uint16_t *)w[2], y1, rows, in1, width, group, 1,
-                                   threads);
+    int failed = int4_linear(x, (const uint8_t *)w[0], (const uint16_t *)w[1],
+                             (const uint16_t *)w[2], y1, rows, in1, width, group, 1, threads);
     for (int64_t r = 0; r < rows && !failed; r++)
         for (int64_t c = 0; c < width; c += LANES)
             store_vec(a, r * width + c, 1,
