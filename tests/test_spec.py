@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.spec import parse_spec
-from engine.spec.ngram import propose_ngram
+from engine.spec.ngram import NgramIndex, propose_ngram, propose_ngram_paths
 from engine.spec.verify import residual, verify_greedy, verify_sampled
 
 P = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -79,6 +81,24 @@ def test_prompt_lookup_proposes_the_latest_continuation():
     assert parse_spec("ngram:k=3,adaptive=0").num_draft_tokens == 3
     with pytest.raises(ValueError, match="Unknown speculative method"):
         parse_spec("medusa")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=4), min_size=1, max_size=30),
+       st.integers(1, 8), st.integers(1, 4), st.sampled_from([(4, 2), (3, 1), (2, 2)]))
+def test_the_ngram_index_answers_as_the_scan(chunks, k, branches, sizes):
+    """Prompt lookup's index gives the scans' drafts as a sequence grows a few tokens at a time
+    (a small vocabulary, so n-grams repeat), and starts over on tokens it did not index."""
+    n_max, n_min = sizes
+    index, tokens = NgramIndex(n_max, n_min), []
+    for chunk in chunks:
+        tokens = tokens + chunk
+        assert index.propose(tokens, k) == propose_ngram(tokens, k, n_max, n_min)
+        assert index.paths(tokens, k, branches) == \
+            propose_ngram_paths(tokens, k, n_max, n_min, branches)
+    other = list(reversed(tokens))
+    assert index.paths(other, k, branches) == propose_ngram_paths(other, k, n_max, n_min,
+                                                                  branches)
 
 
 COPY_PROMPT = ("Copy this text exactly.\n\nThe quick brown fox jumps over the lazy dog while the "

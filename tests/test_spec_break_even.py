@@ -369,3 +369,37 @@ def test_trees_keep_only_the_branches_that_pay(demo_gguf, monkeypatch, spec):
         c = llm.spec.counters
         width[name] = c.draft_nodes / c.draft_tokens
     assert width["cpu"] < 0.8 * width["gpu"], width
+
+
+def test_prompt_lookup_and_the_model_behind_it_are_priced_apart(demo_gguf, tmp_path,
+                                                                 monkeypatch):
+    """Behind prompt lookup, a draft model that is always wrong does not cut lookup's drafts
+    short: each source's drafts are priced from their own acceptance (and a new request's from
+    that source's prior), so a reply that starts copying its prompt drafts deep at once."""
+    from engine.spec.decoder import LookupFirst, spec_state
+    from tests.test_spec import COPY_PROMPT, _tiny_draft
+
+    plain = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024)
+    tiny = _tiny_draft(tmp_path / "tiny", plain.tokenizer, plain.config.vocab_size)
+    llm = measured(LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=1024,
+                       speculative=f"draft:{tiny},k=3,lookup=1"), monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    for prompt in (COPY_PROMPT, PROMPTS[0]):  # lookup's copies, then the tiny draft's guesses
+        assert llm.generate([prompt], params)[0].token_ids == \
+            plain.generate([prompt], params)[0].token_ids
+    lookup_prior = llm.spec.prior_of(LookupFirst.LOOKUP)
+    model_prior = llm.spec.prior_of(LookupFirst.MODEL)
+    assert model_prior < 0.5 < lookup_prior  # both started at 0.8
+
+    rid = llm.add_request(COPY_PROMPT, params)
+    seq = llm.core.seqs[rid]
+    for _ in range(48):  # until the reply's tail occurs in the prompt
+        llm.step()
+        if llm.spec.proposer.source(seq) == LookupFirst.LOOKUP:
+            break
+    k = llm.spec.draft_lengths([seq])[0]
+    assert spec_state(seq).source == LookupFirst.LOOKUP
+    # Priced from the model's acceptance (or one estimate for both), it would not be drafted.
+    as_model = draft_lengths([model_prior], [llm.spec.max_draft_tokens],
+                             llm.spec.costs.at_batch(1), [1.0])[0]
+    assert k >= 3 and as_model == 0

