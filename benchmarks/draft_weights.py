@@ -7,14 +7,18 @@ same speculation with the draft in another form (`--against`):
   before it became compact;
 - `composed`: the hidden-state draft's levels composed from the kernel table's ops (draft_step,
   scores, top_tokens: about twenty torch ops and three matmul calls each) rather than one call
-  of the table's fused level (kernels/cpu_draft.py): the draft before the fused level.
+  of the table's fused level (kernels/cpu_draft.py): the draft before the fused level;
+- `shared`: prompt lookup in front of the draft (`--spec demo-draft`) priced from one acceptance
+  estimate for both sources rather than each source's own (`Proposer.source`): the pricing
+  before the sources were kept apart.
 Each round runs the workload on all three in turn, each round starting one engine later, so the
 machine's load falls on them alike (it moved single runs of this VM by 10-30% between
 processes); the speed-ups over plain decoding and the shipped draft's over the other form are
 per round, and their medians are reported. Outputs are checked equal to plain decoding: a draft
 can only propose differently.
 Run: python benchmarks/draft_weights.py [--spec demo-draft:lookup=0,branches=4]
-     [--against float|composed] [--workload open_chat|concurrent_16] [--rounds 5]
+     [--against float|composed|shared] [--workload open_chat|copy_heavy|concurrent_16]
+     [--rounds 5]
      [--max-tokens 128]
 """
 
@@ -72,7 +76,27 @@ def as_composed_levels(llm: LLM, draft_file: str) -> None:
     draft.fused_level = None
 
 
-AGAINST = {"float": as_float_draft, "composed": as_composed_levels}
+def as_shared_estimate(llm: LLM, draft_file: str) -> None:
+    """Let `llm`'s prompt lookup and the draft behind it (LookupFirst) count as one source: one
+    acceptance estimate, prior and depth cap for both, as before Proposer.source."""
+    from engine.spec.decoder import LookupFirst, spec_state
+
+    proposer = llm.spec.proposer
+    if not isinstance(proposer, LookupFirst):
+        raise SystemExit(f"{llm.spec.config.draft_model} drafts without prompt lookup in front "
+                         "(use --spec demo-draft): one source already.")
+    propose = proposer.propose
+
+    def propose_as_one(requests):
+        propose(requests)
+        for seq, _ in requests:
+            spec_state(seq).source = 0
+
+    proposer.source, proposer.source_depth = (lambda seq: 0), (lambda source: None)
+    proposer.propose = propose_as_one
+
+
+AGAINST = {"float": as_float_draft, "composed": as_composed_levels, "shared": as_shared_estimate}
 
 
 def _accepted_length(before: dict, after: dict) -> float | None:
@@ -87,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="a speculation setting with the demo model's hidden-state draft")
     p.add_argument("--against", choices=tuple(AGAINST), default="float",
                    help="the other form: float (the draft's matrices as the target's) or "
-                        "composed (the levels from the table's ops, not its fused level)")
-    p.add_argument("--workload", choices=("open_chat", "concurrent_16"), default="open_chat")
+                        "composed (the levels from the table's ops, not its fused level) or "
+                        "shared (one acceptance estimate for lookup and the draft)")
+    p.add_argument("--workload", choices=("open_chat", "copy_heavy", "concurrent_16"),
+                   default="open_chat")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128)
     args = p.parse_args(argv)
@@ -98,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     shipped = LLM(model, device="cpu", dtype="bfloat16", speculative=args.spec)
     other = LLM(model, device="cpu", dtype="bfloat16", speculative=args.spec)
     AGAINST[args.against](other, other.spec.config.draft_model)
-    if args.workload == "open_chat":
-        prompts, run = bench.OPEN_CHAT, bench.run_workload
+    if args.workload in ("open_chat", "copy_heavy"):
+        prompts = bench.OPEN_CHAT if args.workload == "open_chat" else bench.COPY_HEAVY
+        run = bench.run_workload
     else:
         prompts, run = (bench.OPEN_CHAT * bench.CONCURRENT)[:bench.CONCURRENT], bench.run_batch
     for llm in (plain, shipped, other):  # the step costs speculation prices drafts by
