@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.block_manager import BlockManager
@@ -220,10 +221,12 @@ class ModelRunner:
         return as_tensor(ids), as_tensor(pos), rows
 
     def _metadata(self, items: list[RunItem], want_mass: bool = False) -> AttentionMetadata:
+        # Built in NumPy, then handed to torch once per tensor: as torch ops (about 30 small
+        # ones a step) it took 218 us of a 5.0 ms int4 decode step at batch 1 on the 2-core
+        # EPYC, 471 us of 21.9 ms at 16 sequences.
         bs = self.block_manager.block_size
         context = [item.start + len(item.tokens) for item in items]
-        slots = _slot_table([item.block_table for item in items], context, bs, self.null_slot,
-                            self.device)
+        slots = _slot_table([item.block_table for item in items], context, bs, self.null_slot)
         slot_mapping, decode_rows, prefills = [], [], []
         row = 0
         for i, item in enumerate(items):
@@ -235,30 +238,34 @@ class ModelRunner:
             else:
                 mask = (_chunk_mask(n, ctx, self.device) if item.draft_parents is None
                         else _tree_chunk_mask(n, ctx, item.draft_parents, self.device))
-                prefills.append(PrefillChunk(row, row + n, slots[i, :ctx], mask,
+                prefills.append(PrefillChunk(row, row + n, self._tensor(slots[i, :ctx]), mask,
                                              item.mass_rows, item.draft_parents is None))
             row += n
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), prefills=prefills)
+        meta = AttentionMetadata(slot_mapping=self._tensor(np.concatenate(slot_mapping)),
+                                 prefills=prefills)
         if decode_rows:
             self._decode_metadata(meta, slots, decode_rows)
         return meta
 
-    def _decode_metadata(self, meta: AttentionMetadata, slots: torch.Tensor,
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """A NumPy array of the step's metadata as a tensor on the device (shared on the CPU)."""
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+    def _decode_metadata(self, meta: AttentionMetadata, slots: np.ndarray,
                          rows: list[DecodeRow]) -> None:
-        lengths = [r.keys for r in rows]
-        longest = max(lengths)
-        meta.decode_token_index = torch.tensor([r.token for r in rows], device=self.device)
-        table = slots[[r.item for r in rows], :longest]
+        lengths = np.array([r.keys for r in rows], dtype=np.int64)
+        longest = int(lengths.max())
+        meta.decode_token_index = self._tensor(np.array([r.token for r in rows], dtype=np.int64))
+        table = slots[[r.item for r in rows], :longest]  # a copy (fancy indexing)
         for k, r in enumerate(rows):
             if r.path is not None:  # a tree node: its ancestors' keys follow the context's
                 start = r.keys - len(r.path)
                 table[k, start : r.keys] = slots[r.item, r.path]
-        meta.decode_slots = table
-        meta.decode_lengths = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-        if min(lengths) != longest:
-            t = torch.arange(longest, device=self.device)
-            valid = t.unsqueeze(0) < meta.decode_lengths.unsqueeze(1)
-            meta.decode_mask = valid[:, None, None, :]
+        meta.decode_slots = self._tensor(table)
+        meta.decode_lengths = self._tensor(lengths)
+        if lengths.min() != longest:
+            valid = np.arange(longest)[None, :] < lengths[:, None]
+            meta.decode_mask = self._tensor(valid[:, None, None, :])
 
 
 def _per_item_mass(items: list[RunItem], masses: list) -> list[torch.Tensor]:
@@ -280,18 +287,20 @@ def _per_item_mass(items: list[RunItem], masses: list) -> list[torch.Tensor]:
 
 
 def _slot_table(block_tables: list[list[int]], lengths: list[int], block_size: int,
-                null_slot: int, device: torch.device) -> torch.Tensor:
-    """Cache slot of each sequence's positions ([S, max(lengths)]); past a sequence's length,
-    the zeroed null slot (its own block's tail may hold another request's stale values)."""
+                null_slot: int) -> np.ndarray:
+    """Cache slot of each sequence's positions ([S, max(lengths)], int64); past a sequence's
+    length, the zeroed null slot (its own block's tail may hold another request's stale
+    values)."""
     max_len = max(lengths)
     width = -(-max_len // block_size)
-    table = torch.zeros((len(block_tables), width), dtype=torch.long)
+    table = np.zeros((len(block_tables), width), dtype=np.int64)
     for i, blocks in enumerate(block_tables):
-        table[i, : min(width, len(blocks))] = torch.tensor(blocks[:width], dtype=torch.long)
-    t = torch.arange(max_len)
+        used = min(width, len(blocks))
+        table[i, :used] = blocks[:used]
+    t = np.arange(max_len)
     slots = table[:, t // block_size] * block_size + t % block_size
-    valid = t.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-    return torch.where(valid, slots, null_slot).to(device)
+    valid = t[None, :] < np.array(lengths)[:, None]
+    return np.where(valid, slots, null_slot)
 
 
 def _chunk_mask(n: int, ctx: int, device: torch.device) -> torch.Tensor | None:
