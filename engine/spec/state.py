@@ -25,6 +25,20 @@ class DraftStats:
     width: float = 1.0  # running draft nodes per level: 1 for chains, more for trees
 
 
+class _OfSource:
+    """A field of the sequence's current source's DraftStats, read and written through the
+    SpecState (position_rate, verifications, width)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: SpecState | None, owner: type | None = None):
+        return self if state is None else getattr(state.stats, self.name)
+
+    def __set__(self, state: SpecState, value) -> None:
+        setattr(state.stats, self.name, value)
+
+
 @dataclass
 class SpecState:
     """Drafts waiting for verification and what the proposers remember of the sequence."""
@@ -50,6 +64,10 @@ class SpecState:
     # rows whose KV and logits are kept.
     path: list[int] = field(default_factory=list)
 
+    position_rate = _OfSource()
+    verifications = _OfSource()
+    width = _OfSource()
+
     @property
     def stats(self) -> DraftStats:
         """The current source's record."""
@@ -57,30 +75,6 @@ class SpecState:
         if stats is None:
             stats = self.by_source[self.source] = DraftStats()
         return stats
-
-    @property
-    def position_rate(self) -> float:
-        return self.stats.position_rate
-
-    @position_rate.setter
-    def position_rate(self, value: float) -> None:
-        self.stats.position_rate = value
-
-    @property
-    def verifications(self) -> int:
-        return self.stats.verifications
-
-    @verifications.setter
-    def verifications(self, value: int) -> None:
-        self.stats.verifications = value
-
-    @property
-    def width(self) -> float:
-        return self.stats.width
-
-    @width.setter
-    def width(self, value: float) -> None:
-        self.stats.width = value
 
     @property
     def draft_parents(self) -> list[int] | None:
