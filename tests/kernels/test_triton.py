@@ -138,7 +138,7 @@ def _paged_batch(gen, seqs, heads, kv_heads, dim, block_size, dtype):
     k_cache[null_slot] = v_cache[null_slot] = 0
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(-(-t // block_size))] for t in total]
-    slots = _slot_table(tables, total, block_size, null_slot, torch.device("cpu"))
+    slots = torch.from_numpy(_slot_table(tables, total, block_size, null_slot))
     q = torch.randn(sum(n for _, n in seqs), heads, dim, generator=gen).to(dtype)
     decode_rows, decode_idx, prefills, row = [], [], [], 0
     for i, (_, n) in enumerate(seqs):
