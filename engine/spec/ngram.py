@@ -57,16 +57,19 @@ class NgramIndex:
     def __init__(self, n_max: int, n_min: int) -> None:
         self.n_max, self.n_min = n_max, n_min
         self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its starts, ascending
-        self.seen: list[int] = []  # the tokens indexed (their n-grams ending before the last)
+        self.size = 0  # tokens seen (their n-grams ending before the last are indexed)
 
     def _update(self, tokens: list[int]) -> None:
-        done = len(self.seen)
-        if done > len(tokens) or tokens[:done] != self.seen:
-            self.starts, self.seen, done = {}, [], 0  # not the tokens it indexed: start over
+        """Index the n-grams `tokens` added. Each call's tokens must start with the last call's
+        (a sequence's only grow; checking them all would cost what the scan did, O(length) a
+        step); fewer than before start the index over."""
+        done = self.size
+        if done > len(tokens):
+            self.starts, done = {}, 0
         for end in range(max(0, done - 1), len(tokens) - 1):  # n-grams ending at `end`
             for n in range(self.n_min, min(self.n_max, end + 1) + 1):
                 self.starts.setdefault(tuple(tokens[end - n + 1 : end + 1]), []).append(end - n + 1)
-        self.seen = tokens[:]
+        self.size = len(tokens)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """propose_ngram(tokens, k, n_max, n_min)."""
