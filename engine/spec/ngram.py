@@ -1,4 +1,7 @@
-"""Prompt lookup: propose the tokens that followed the latest earlier occurrence of the tail."""
+"""Prompt lookup: propose the tokens that followed the latest earlier occurrence of the tail.
+
+The engine asks an NgramIndex (one per sequence); the scans below are the definition it is
+tested against."""
 
 from __future__ import annotations
 
@@ -9,15 +12,8 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
     The most recent earlier match wins: in copy-heavy text the latest occurrence is the one
     being copied. A deterministic proposer, so verification treats its draft as p_draft = 1.
     """
-    size = len(tokens)
-    for n in range(min(n_max, size - 1), n_min - 1, -1):
-        tail = tokens[size - n :]
-        for start in range(size - n - 1, -1, -1):
-            if tokens[start : start + n] == tail:
-                follow = tokens[start + n : start + n + k]
-                if follow:
-                    return follow
-    return []
+    paths = propose_ngram_paths(tokens, k, n_max, n_min, 1)
+    return paths[0] if paths else []
 
 
 def propose_ngram_paths(tokens: list[int], k: int, n_max: int, n_min: int,
