@@ -126,6 +126,37 @@ def test_the_fused_draft_level_drafts_as_its_composition(demo_gguf):
     assert chains.spec.counters.acceptance_rate > 0.25
 
 
+def test_the_draft_reads_the_state_that_chose_the_newest_token(demo_gguf):
+    """After every step, the hidden state a hidden-state draft keeps for a greedy reply is the
+    one its newest token was chosen from, the target's argmax through its own head, also after a
+    tree's accepted branch that is not its first path (its rows are not moved: the draft reads
+    the last accepted node's row where it lies)."""
+    llm = LLM(str(demo_gguf), device="cpu", dtype="float32", kv_cache_tokens=2048,
+              speculative="demo-draft:lookup=0,branches=4")
+    spec, off_first_path = llm.spec, []
+    keep_path = spec._keep_path
+
+    def recording(step, seq, row, path):
+        off_first_path.append(any(node != depth for depth, node in enumerate(path)))
+        keep_path(step, seq, row, path)
+
+    spec._keep_path = recording
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ids = [llm.add_request(prompt, params) for prompt in _chat(llm)]
+    checked = 0
+    while llm.has_unfinished():
+        llm.step()
+        for seq in filter(None, map(llm.core.seqs.get, ids)):
+            if spec_state(seq).hidden is None:
+                continue
+            with torch.inference_mode():
+                logits = llm.runner.model.logits(spec_state(seq).hidden.unsqueeze(0))
+            assert int(logits.argmax()) == seq.all_token_ids[-1]
+            checked += 1
+    assert checked >= 60
+    assert any(off_first_path)
+
+
 def test_spec_names_for_the_demo_draft():
     cfg = parse_spec("demo-draft")
     assert cfg.method == "draft" and cfg.num_draft_tokens == 3 and cfg.lookup

@@ -392,8 +392,10 @@ def test_a_tree_the_free_blocks_cannot_hold_becomes_its_first_path():
 
 
 def test_an_accepted_branch_is_laid_out_as_a_chain():
-    """After verification the accepted nodes' KV moves to the indices right after the root, and
-    their logits and hidden rows to the rows right after the root's, where a chain's would be."""
+    """After verification the accepted nodes' KV moves to the indices right after the root, and,
+    where the request asked for log-probabilities, their logits rows to the rows right after
+    the root's, where a chain's would be; the hidden rows stay (a hidden-state draft reads the
+    last accepted node's row where it is)."""
     from engine import SamplingParams
     from engine.block_manager import BlockManager
     from engine.features import Step
@@ -410,23 +412,26 @@ def test_an_accepted_branch_is_laid_out_as_a_chain():
         def copy_slots(self, src, dst):
             self.copies.append((src, dst))
 
-    bm = BlockManager(6, 4)
-    seq = Sequence("s", [1, 2, 3, 4, 5], SamplingParams(), 0.0)
-    bm.append_slots(seq, 5 + 6)
-    seq.num_computed_tokens = 5  # the root, the last real token, is computed: kv_len 5
-    runner = Runner()
-    logits = torch.arange(9.0).unsqueeze(1).repeat(1, 3)  # another sequence's 2 rows, then 7
-    hidden = logits.clone() * 10
-    step = Step(SchedulerOutput())
-    step.result = StepResult(logits, hidden, None, runner)
-    SpecDecoder(SpecConfig(num_branches=3), block_manager=bm)._keep_path(step, seq, 2, [3, 4])
-    assert runner.copies == [([bm.slot(seq, 8), bm.slot(seq, 9)],
-                              [bm.slot(seq, 5), bm.slot(seq, 6)])]
-    assert logits[:, 0].tolist() == [0, 1, 2, 6, 7, 5, 6, 7, 8]
-    assert hidden[:, 0].tolist() == [0, 10, 20, 60, 70, 50, 60, 70, 80]
+    def keep(params: SamplingParams, path: list[int]) -> list[float]:
+        bm = BlockManager(6, 4)
+        seq = Sequence("s", [1, 2, 3, 4, 5], params, 0.0)
+        bm.append_slots(seq, 5 + 6)
+        seq.num_computed_tokens = 5  # the root, the last real token, is computed: kv_len 5
+        runner = Runner()
+        logits = torch.arange(9.0).unsqueeze(1).repeat(1, 3)  # another sequence's 2 rows, then 7
+        hidden = logits.clone() * 10
+        step = Step(SchedulerOutput())
+        step.result = StepResult(logits, hidden, None, runner)
+        SpecDecoder(SpecConfig(num_branches=3), block_manager=bm)._keep_path(step, seq, 2, path)
+        copies = [([bm.slot(seq, 8), bm.slot(seq, 9)], [bm.slot(seq, 5), bm.slot(seq, 6)])]
+        assert runner.copies == (copies if path == [3, 4] else [])
+        assert hidden[:, 0].tolist() == [0, 10, 20, 30, 40, 50, 60, 70, 80]
+        return logits[:, 0].tolist()
+
+    assert keep(SamplingParams(logprobs=1), [3, 4]) == [0, 1, 2, 6, 7, 5, 6, 7, 8]
+    assert keep(SamplingParams(), [3, 4]) == list(range(9))  # nobody reads them
     # A chain's path, or a tree's first branch, moves nothing.
-    SpecDecoder(SpecConfig(), block_manager=bm)._keep_path(step, seq, 2, [0, 1])
-    assert len(runner.copies) == 1
+    assert keep(SamplingParams(logprobs=1), [0, 1]) == list(range(9))
 
 
 # ---- the engine: tree speculation leaves greedy output unchanged ----

@@ -347,12 +347,13 @@ class SpecDecoder(StepFeature):
 
     def _keep_path(self, step: Step, seq: Sequence, row: int, path: list[int]) -> None:
         """Lay the accepted drafts out as a chain's would be: their KV at the cache indices
-        right after the last real token (draft node i was written at index kv_len + i), and
-        their logits and hidden rows right after the root's row (`row`), where the output's
-        log-probabilities and a hidden-state draft read them. A chain's path is 0, 1, ..., so
-        nothing moves; a tree's accepted branch may sit anywhere among its nodes. The KV
-        destinations lie past the sequence's computed tokens, in blocks not yet full of them, so
-        never in a block the prefix cache has indexed or another sequence shares."""
+        right after the last real token (draft node i was written at index kv_len + i), and,
+        where the request asked for log-probabilities, their logits rows right after the root's
+        row (`row`), where the output reads them. A chain's path is 0, 1, ..., so nothing moves;
+        a tree's accepted branch may sit anywhere among its nodes. The KV destinations lie past
+        the sequence's computed tokens, in blocks not yet full of them, so never in a block the
+        prefix cache has indexed or another sequence shares. (A hidden-state draft reads its
+        state at the path's last node where it lies: StateProposer.remember.)"""
         moves = [(node, depth) for depth, node in enumerate(path) if node != depth]
         if not moves:
             return
@@ -360,13 +361,14 @@ class SpecDecoder(StepFeature):
         bm, result = self.block_manager, step.result
         result.runner.copy_slots([bm.slot(seq, base + node) for node, _ in moves],
                                  [bm.slot(seq, base + depth) for _, depth in moves])
+        if seq.logprobs is None:
+            return
         src = torch.tensor([row + 1 + node for node, _ in moves], device=result.logits.device)
         dst = torch.tensor([row + 1 + depth for _, depth in moves], device=result.logits.device)
         # The forward pass made these under inference mode: writing them outside it raises (and
         # the step would be recomputed request by request, engine/core.py's isolation).
         with torch.inference_mode():
             result.logits[dst] = result.logits[src]
-            result.hidden[dst] = result.hidden[src]
 
     def on_preempt(self, seq: Sequence) -> None:
         state = spec_state(seq)

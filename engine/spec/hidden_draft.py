@@ -153,20 +153,32 @@ class StateProposer(Proposer):
 
     def remember(self, sampling: list, new_tokens: list[list[int]],
                  hidden: torch.Tensor) -> None:
-        """Keep, per sampling sequence (ScheduledSeq), the target's hidden state at the row that
-        chose its newest token: the step's rows are 1 + num_draft per sequence, in order."""
-        rows, start = [], 0
+        """Note, per sampling sequence (ScheduledSeq), where the target's hidden state at the row
+        that chose its newest token lies: the step's rows are 1 + num_draft per sequence, in
+        order, and a verified draft's newest token was chosen at its last accepted node's row
+        (the root's where none was accepted).
+
+        Only the step's tensor and the row are kept: the step's rows are a tensor of their own,
+        never written after this step, and most steps draft for nobody (at 16 sequences
+        break-even leaves nearly all without drafts), so gathering and converting every
+        sequence's state each step, as this did, was wasted; a draft gathers what it reads
+        (remembered_states)."""
+        start = 0
         for s, tokens in zip(sampling, new_tokens, strict=True):
-            # A tree's accepted rows were laid out as a chain's already (SpecDecoder._keep_path).
-            rows.append(start + len(tokens) - 1)
+            path = spec_state(s.seq).path
+            spec_state(s.seq).hidden_at = (hidden, start + (1 + path[-1] if path
+                                                            else len(tokens) - 1))
             start += 1 + s.num_draft
-        if not rows:
-            return
-        # One gather and one conversion for the whole step, not one per sequence: at 16
-        # sequences every step pays this, drafts or not.
-        kept = hidden[torch.tensor(rows, device=hidden.device)].float().unbind(0)
-        for s, state in zip(sampling, kept, strict=True):
-            spec_state(s.seq).hidden = state
+
+
+def remembered_states(seqs: list[Sequence]) -> torch.Tensor:
+    """The sequences' remembered target states as one float32 tensor ([len(seqs), hidden]): one
+    gather where they were kept from one step, as they are while the same requests decode."""
+    kept = [spec_state(seq).hidden_at for seq in seqs]
+    step = kept[0][0]
+    if all(rows is step for rows, _ in kept):
+        return step[torch.tensor([row for _, row in kept], device=step.device)].float()
+    return torch.stack([rows[row] for rows, row in kept]).float()
 
 
 class HiddenDraft(StateProposer):
@@ -193,11 +205,11 @@ class HiddenDraft(StateProposer):
         chain of the draft's best tokens, or with branches a tree grown level by level from the
         most probable paths so far (EAGLE-2's expansion by the draft's confidence)."""
         active = [(seq, k) for seq, k in requests
-                  if k > 0 and spec_state(seq).hidden is not None]
+                  if k > 0 and spec_state(seq).hidden_at is not None]
         if not active:
             return
         branches = [branches_for(seq, self.num_branches) for seq, _ in active]
-        s = torch.stack([spec_state(seq).hidden for seq, _ in active])
+        s = remembered_states([seq for seq, _ in active])
         tokens = torch.tensor([seq.all_token_ids[-1] for seq, _ in active],
                               device=self.embed.device)
         with torch.inference_mode():

@@ -24,7 +24,7 @@ from engine.model import LlamaModel
 from engine.sampler import argmax_rows
 from engine.sequence import Sequence
 from engine.spec.decoder import branches_for, set_draft_paths, spec_state
-from engine.spec.hidden_draft import StateProposer, keep_best, load_draft_file
+from engine.spec.hidden_draft import StateProposer, keep_best, load_draft_file, remembered_states
 
 FORMAT = "servescope-medusa"
 
@@ -62,13 +62,13 @@ class MedusaHeads(StateProposer):
         chain, or with branches a tree of the most probable paths through the heads' top
         tokens (see best_paths)."""
         active = [(seq, min(k, self.num_heads)) for seq, k in requests
-                  if k > 0 and spec_state(seq).hidden is not None]
+                  if k > 0 and spec_state(seq).hidden_at is not None]
         if not active:
             return
         depth = max(k for _, k in active)
         branches = [branches_for(seq, self.num_branches) for seq, _ in active]
         with torch.inference_mode():
-            h = torch.stack([spec_state(seq).hidden for seq, _ in active])
+            h = remembered_states([seq for seq, _ in active])
             scores = self.scores(medusa_states(h, self.weights, depth, self.linear))
             # [depth, B, vocab]
             if max(branches) == 1:

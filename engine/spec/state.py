@@ -55,7 +55,10 @@ class SpecState:
     ngrams: NgramIndex | None = None  # prompt lookup's index of the sequence's tokens
     idle_steps: int = 0  # steps without drafts since the last (break-even said no)
     cooldown: int = 0  # steps left without drafting after acceptance collapsed
-    hidden: torch.Tensor | None = None  # the target's last hidden state (a hidden-state draft)
+    # Where the target's last hidden state for the sequence lies (a hidden-state draft reads
+    # it): a step's hidden rows and the row, kept by reference and gathered only when a draft
+    # is made (StateProposer.remember says why).
+    hidden_at: tuple[torch.Tensor, int] | None = None
     tree: TokenTree | None = None  # the drafts as a tree (`tokens` are its nodes); None: a chain
     # Per tree node, the proposer's probability that its path is right (the draft's own
     # confidence, product along the path); None where the proposer gives none (prompt lookup).
@@ -75,6 +78,14 @@ class SpecState:
         if stats is None:
             stats = self.by_source[self.source] = DraftStats()
         return stats
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """The target's last hidden state for the sequence (float32, [hidden]), or None."""
+        if self.hidden_at is None:
+            return None
+        rows, row = self.hidden_at
+        return rows[row].float()
 
     @property
     def draft_parents(self) -> list[int] | None:

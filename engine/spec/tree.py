@@ -34,7 +34,7 @@ import torch
 
 from engine.sampler import argmax_rows, draw, filtered_probs, generator_for
 from engine.sequence import Sequence
-from engine.spec.verify import residual
+from engine.spec.verify import joined, residual
 from kernels.metadata import ancestor_mask, tree_depths
 
 ROOT = -1  # the parent of depth-1 nodes: the sequence's last real token
@@ -177,7 +177,7 @@ def verify_tree_all(items: list[TreeDrafted]) -> list[TreeVerdict]:
     greedy = [i for i, d in enumerate(items) if d.seq.params.greedy]
     sampled = [i for i, d in enumerate(items) if not d.seq.params.greedy]
     if greedy:
-        best = argmax_rows(torch.cat([items[i].logits for i in greedy]))
+        best = argmax_rows(joined([items[i].logits for i in greedy]))
         start = 0
         for i in greedy:
             rows = len(items[i].tree) + 1
@@ -186,7 +186,7 @@ def verify_tree_all(items: list[TreeDrafted]) -> list[TreeVerdict]:
     if sampled:
         chosen = [items[i] for i in sampled]
         params = [d.seq.params for d in chosen for _ in range(len(d.tree) + 1)]
-        probs = filtered_probs(torch.cat([d.logits for d in chosen]), params)
+        probs = filtered_probs(joined([d.logits for d in chosen]), params)
         start = 0
         for i, d in zip(sampled, chosen, strict=True):
             rows = len(d.tree) + 1
