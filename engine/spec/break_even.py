@@ -68,8 +68,11 @@ class StepCosts:
     # 16-token verification 28-31), and priced from all steps alike, drafts at 16 sequences
     # looked nearly free and made speculation 13% slower than none. See at_batch.
     by_batch: dict[int, StepCosts] = field(default_factory=dict, repr=False, compare=False)
-    # A batch's own slope until it has stepped two sizes: all steps' (set by at_batch).
-    fallback_slope: float | None = field(default=None, repr=False, compare=False)
+    # Where a batch's own costs come from (set by at_batch): all steps', whose slope is the
+    # batch's until it has stepped two sizes. Read only then: refitting all steps' curve every
+    # step for a batch that has its own (batch 1, after a few verifications) was a third of
+    # the pricing's time, about 30 us a step on the 2-core EPYC.
+    _all_steps: StepCosts | None = field(default=None, repr=False, compare=False)
     # The measured sizes in order, their times and the fitted slope, rebuilt after a step is
     # observed: draft_lengths prices every depth of every sequence each step (at 16 sequences
     # and depths up to 10, rebuilding them per price cost 0.9 ms of a 26.5 ms step:
@@ -93,7 +96,7 @@ class StepCosts:
         if not self.by_batch:
             return self
         own = self.by_batch.setdefault(batch, StepCosts())
-        own.fallback_slope, own.draft_token_s = self.slope(), self.draft_token_s
+        own._all_steps, own.draft_token_s = self, self.draft_token_s
         return own
 
     def observe_drafting(self, tokens: int, seconds: float) -> None:
@@ -134,16 +137,18 @@ class StepCosts:
 
     def slope(self) -> float | None:
         """Seconds one more query token adds to a step: the least-squares line through the
-        measured sizes (never negative); with fewer than two, the fallback (all steps', for a
-        batch's own costs) or None."""
+        measured sizes (never negative); with fewer than two, all steps' (for a batch's own
+        costs) or None."""
         own = self._fitted()[2]
-        return self.fallback_slope if own is None else own
+        if own is None and self._all_steps is not None:
+            return self._all_steps.slope()
+        return own
 
     @property
     def known(self) -> bool:
         """Whether sizes can be priced: two measured, or a slope to price from (a batch's own
         costs, which may not have measured even their plain step yet)."""
-        return len(self.by_tokens) >= 2 or self.fallback_slope is not None
+        return len(self.by_tokens) >= 2 or self.slope() is not None
 
 
 def _non_decreasing(times: list[float]) -> list[float]:
