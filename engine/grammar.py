@@ -42,8 +42,41 @@ class GrammarSpec:
         """llguidance's grammar for this spec."""
         from llguidance import LLMatcher
 
-        schema = json.loads(self.schema) if self.kind == "json_schema" else {"type": "object"}
+        schema = (closed_objects(json.loads(self.schema)) if self.kind == "json_schema"
+                  else {"type": "object"})
         return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+
+
+# Keywords whose values are subschemas: one, a map of them, or a list of them. allOf is left
+# out on purpose: closing each of its branches would forbid the other branches' properties.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_OPENS_OBJECTS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+
+
+def closed_objects(schema):
+    """The schema with every object that lists its properties closed to any others unless it
+    says otherwise (additionalProperties false where none of _OPENS_OBJECTS is given), as vLLM's
+    default grammar backend (xgrammar's strict mode) and llama.cpp's schema converter read a
+    schema. JSON Schema itself leaves such objects open, and the demo model asked for
+    {"name": string} went on adding nested properties until max_tokens cut the JSON short."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    if "properties" in out and not any(key in out for key in _OPENS_OBJECTS):
+        out["additionalProperties"] = False
+    return out
 
 
 def _ll_tokenizer(tokenizer):

@@ -17,6 +17,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from engine import LLM, SamplingParams
 from engine.api_schema import ChatCompletionRequest, CompletionRequest
+from engine.grammar import closed_objects
 from engine.server import serve
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -224,6 +225,59 @@ def test_json_schema_replies_validate(client, name, schema):
                                                                 "schema": schema}})
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
     assert out.choices[0].finish_reason == "stop"
+
+
+def test_an_object_schema_allows_only_its_properties_unless_it_says_otherwise(client, name):
+    """As vLLM's default grammar backend and llama.cpp read a schema: without
+    additionalProperties the object holds its listed properties only (the demo model asked
+    for a name under JSON Schema's open objects went on nesting more properties until
+    max_tokens cut the JSON short); a schema that says additionalProperties keeps its word."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+              "required": ["name"]}
+    ask = [{"role": "user", "content": "Give a JSON object with a name."}]
+
+    def reply(schema: dict):
+        return client.chat.completions.create(
+            model=name, messages=ask, max_tokens=60, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                    "schema": schema}})
+
+    out = reply(schema)
+    assert out.choices[0].finish_reason == "stop"
+    assert list(json.loads(out.choices[0].message.content)) == ["name"]
+    nested = {"type": "object", "properties": {"people": {"type": "array", "maxItems": 2,
+                                                          "items": schema}},
+              "required": ["people"]}
+    out = reply(nested)
+    people = json.loads(out.choices[0].message.content)["people"]
+    assert out.choices[0].finish_reason == "stop" and all(list(p) == ["name"] for p in people)
+    said = schema | {"additionalProperties": {"type": "integer"}}
+    out = reply(said)
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), said)
+
+
+def test_closing_objects_follows_only_subschemas():
+    open_ = {"type": "object", "properties": {"a": {"type": "string"}}}
+    closed = open_ | {"additionalProperties": False}
+    schema = {"type": "object", "$defs": {"d": open_},
+              "properties": {
+                  "list": {"type": "array", "items": open_},
+                  "either": {"anyOf": [open_, {"type": "null"}]},
+                  "free": open_ | {"additionalProperties": True},
+                  "patterned": open_ | {"patternProperties": {"^x": open_}},
+                  "const": {"const": {"properties": 1}},  # a value, not a schema
+                  "both": {"allOf": [open_, {"properties": {"b": {"type": "string"}}}]}}}
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False and out["$defs"]["d"] == closed
+    props = out["properties"]
+    assert props["list"]["items"] == closed and props["either"]["anyOf"][0] == closed
+    assert props["free"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["patterned"]
+    assert props["patterned"]["patternProperties"]["^x"] == closed
+    assert props["const"] == {"const": {"properties": 1}}
+    assert props["both"]["allOf"] == schema["properties"]["both"]["allOf"]
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
 
 
 def test_json_object_reply_is_an_object(client, name):
