@@ -165,9 +165,9 @@ class StateProposer(Proposer):
         (remembered_states)."""
         start = 0
         for s, tokens in zip(sampling, new_tokens, strict=True):
-            path = spec_state(s.seq).path
-            spec_state(s.seq).hidden_at = (hidden, start + (1 + path[-1] if path
-                                                            else len(tokens) - 1))
+            state = spec_state(s.seq)
+            state.hidden_at = (hidden, start + (1 + state.path[-1] if state.path
+                                                else len(tokens) - 1))
             start += 1 + s.num_draft
 
 
