@@ -79,7 +79,7 @@ def measure(llm: LLM, timer: HookTimer, batch: int, max_tokens: int, rounds: int
             timer.on = True
             while llm.has_unfinished():
                 begun = time.perf_counter()
-                outputs, stats = llm.step()
+                _, stats = llm.step()
                 step_s += time.perf_counter() - begun
                 steps += 1
                 tokens += stats.num_generated_tokens
