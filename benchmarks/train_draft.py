@@ -7,11 +7,15 @@ writes most. Only the MLP and the id map are shipped (assets/drafts/, safetensor
 
 Stages, each cached under --work-dir so a rerun picks up where it stopped:
 1. generate: greedy replies of the demo model to every prompt of the first --topics topics of
-   assets/drafts/prompts.json (templates x topics), batched through LLM.generate;
-2. target states: the target's final hidden state at every reply position (this file's own
-   forward pass, checked to reproduce the engine's reply);
-3. train: two chained draft steps per position, on the target's greedy tokens and states;
-   held-out prompts measure how often the draft's first and second tokens are the target's.
+   assets/drafts/prompts.json (templates x topics), batched through LLM.generate in --dtype
+   (default: what the engine serves on this machine, bfloat16 where the CPU has it), with the
+   target's final hidden state at every position that chose a reply token, as the engine
+   computed it (a step feature records it), so the draft learns the target as it is served;
+   with --sampled (the default) also a reply sampled at temperature 0.7 to every training
+   prompt: more of the target's own contexts, labelled with its greedy choice at each;
+2. train: --steps chained draft steps per position (serving chains up to 3), each from the
+   draft's own previous prediction, on the target's greedy tokens and states;
+   held-out prompts measure how often the draft's tokens at each step are the target's.
 Fixed seeds and greedy generation make the result reproducible.
 Run: python benchmarks/train_draft.py [--out assets/drafts/smollm2-135m-hidden.safetensors]
 """
@@ -35,9 +39,9 @@ import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.bench import machine  # noqa: E402
+from engine.features import Step, StepFeature  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
-from engine.rope import cos_sin_tables, inv_frequencies  # noqa: E402
 from engine.spec.config import DEMO_DRAFT_PATH  # noqa: E402
 from engine.spec.hidden_draft import FORMAT, draft_step, vocab_fingerprint  # noqa: E402
 
@@ -52,10 +56,18 @@ GEN_BATCH = 60  # six topics' worth of prompts
 TOPICS = 592
 VOCAB = 8192
 WIDTH = 1024
-EPOCHS = 4
+EPOCHS = 2  # over greedy and sampled replies: as many updates as 4 over greedy alone
 LR = 1e-3
 BATCH = 256
 STATE_WEIGHT = 1.0
+# Chained steps trained per position: serving drafts up to 3 (demo-draft's k), each step from
+# the draft's own previous state, so each of them is trained on what it will be given.
+STEPS = 3
+SOFT = 0.0
+# Sampled replies (--sampled): more contexts of the target's own writing; the draft still learns
+# the target's greedy choice at each of them (generate()'s `best`).
+SAMPLED_TEMPERATURE = 0.7
+TOP_P = 1.0
 
 
 def chat_prompts(topics: int) -> list[str]:
@@ -72,21 +84,58 @@ def split(prompts: list[str]) -> tuple[list[int], list[int]]:
     return sorted(order[cut:]), sorted(order[:cut])
 
 
-def generate(model: str, prompts: list[str], path: Path) -> list[dict]:
-    """Greedy replies (prompt ids + reply ids) of the demo model, GEN_BATCH prompts at a time; each
-    finished batch is appended to `path` (JSON lines), so a rerun resumes."""
+class StateRecorder(StepFeature):
+    """Keeps, per request, the target's final hidden state (float16) and its own greedy choice
+    at every position that chose a token, keyed by position (a preempted request's
+    recomputation overwrites)."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def after_forward(self, step: Step) -> None:
+        hidden, logits = step.result.hidden, step.result.logits
+        for s, row in zip(step.sampling, step.rows, strict=False):
+            kept = self.states.setdefault(s.seq.request_id, {})
+            kept[s.seq.num_tokens - 1] = (hidden[row].to(torch.float16), logits[row].argmax())
+
+    def take(self, request_id: str, prompt_len: int, length: int
+             ) -> tuple[torch.Tensor, list[int]]:
+        """A finished request's states and greedy choices at its last prompt position and the
+        next `length` - 1 ([length, hidden] and `length` token ids)."""
+        kept = self.states.pop(request_id)
+        at = [kept[p] for p in range(prompt_len - 1, prompt_len - 1 + length)]
+        return torch.stack([h for h, _ in at]), [int(t) for _, t in at]
+
+
+def generate(model: str, prompts: list[str], path: Path, dtype: str = "auto",
+             temperature: float = 0.0) -> list[dict]:
+    """Replies (prompt ids + reply ids) of the demo model in `dtype`, greedy or sampled at
+    `temperature` (seeded per prompt), GEN_BATCH prompts at a time, with the target's states
+    and greedy choices behind them (`best`: the reply itself where greedy): each finished
+    batch is appended to `path` (JSON lines) and its states saved beside it, so a rerun
+    resumes."""
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     if len(done) >= len(prompts):
         return done[: len(prompts)]
-    llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=GEN_BATCH)
+    llm = LLM(model, device="cpu", dtype=dtype, max_num_seqs=GEN_BATCH)
+    recorder = StateRecorder()
+    llm.core.features.append(recorder)
     ids = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     path.parent.mkdir(parents=True, exist_ok=True)
     for start in range(len(done), len(ids), GEN_BATCH):
         t0 = time.perf_counter()
-        outs = llm.generate(ids[start : start + GEN_BATCH], params)
-        batch = [{"prompt": p, "reply": o.token_ids}
-                 for p, o in zip(ids[start : start + GEN_BATCH], outs, strict=True)]
+        chunk = ids[start : start + GEN_BATCH]
+        params = [SamplingParams(temperature=temperature, top_p=TOP_P if temperature else 1.0,
+                                 seed=SEED + start + i, max_tokens=MAX_TOKENS)
+                  for i in range(len(chunk))]
+        outs = llm.generate(chunk, params)
+        batch, states = [], []
+        for p, o in zip(chunk, outs, strict=True):
+            h, best = recorder.take(o.request_id, len(p), len(o.token_ids))
+            batch.append({"prompt": p, "reply": o.token_ids, "best": best,
+                          "dtype": str(llm.model.dtype), "temperature": temperature})
+            states.append(h)
+        torch.save(states, states_file(path, start))
         with path.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in batch)
         done += batch
@@ -96,102 +145,39 @@ def generate(model: str, prompts: list[str], path: Path) -> list[dict]:
     return done
 
 
-# ---- the target's layers and the trainable draft head, in plain PyTorch ----
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+def states_file(path: Path, start: int) -> Path:
+    """Where generate() keeps the states of the replies from `start` on, beside `path`."""
+    return path.with_suffix(f".states_{start}.pt")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def decoder_layer(h: torch.Tensor, w: dict, cfg, cos: torch.Tensor, sin: torch.Tensor,
-                  ) -> torch.Tensor:
-    """One Llama layer over right-padded sequences h ([B, T, hidden]), causal; the same math
-    as the engine's forward (which fuses the residual adds into its norms)."""
-    b, t, _ = h.shape
-    x = rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps)
-
-    def heads(name: str, n: int) -> torch.Tensor:
-        return (x @ w[f"self_attn.{name}_proj.weight"].T).view(b, t, n, cfg.head_dim
-                                                               ).transpose(1, 2)
-
-    q, k, v = heads("q", cfg.num_heads), heads("k", cfg.num_kv_heads), heads("v", cfg.num_kv_heads)
-    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    group = cfg.num_heads // cfg.num_kv_heads
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    h = h + attn.transpose(1, 2).reshape(b, t, -1) @ w["self_attn.o_proj.weight"].T
-    x = rms_norm(h, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    gate = torch.nn.functional.silu(x @ w["mlp.gate_proj.weight"].T)
-    return h + (gate * (x @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
-
-
-def layer_weights(tensors: dict, i: int) -> dict:
-    prefix = f"model.layers.{i}."
-    return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
-
-
-def rope(cfg, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin_tables(inv_frequencies(cfg), length)
-    return cos[None, None], sin[None, None]  # broadcast over batch and heads
-
-
-def batches(items: list, size: int):
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
-def padded(seqs: list[list[int]]) -> torch.Tensor:
-    longest = max(map(len, seqs))
-    return torch.tensor([s + [0] * (longest - len(s)) for s in seqs])
-
-
-def target_states(tensors: dict, cfg, records: list[dict], work: Path) -> list[torch.Tensor]:
-    """The target's final (normed) hidden state at each reply position and the last prompt
-    position, per record (float16); computed 100 records at a time, cached under `work`."""
-    layers = [layer_weights(tensors, i) for i in range(cfg.num_layers)]
+def target_states(records: list[dict], path: Path) -> list[torch.Tensor]:
+    """Per record of `path` (generate()'s), the target's states it saved: at the last prompt
+    position and at every reply position but the last ([reply, hidden], float16)."""
     out: list[torch.Tensor] = []
-    for part in range(0, len(records), 100):
-        path = work / f"final_{part}.pt"
-        chunk = list(range(part, min(part + 100, len(records))))
-        cached = torch.load(path) if path.exists() else {}
-        if not all(i in cached for i in chunk):
-            cached = _states(tensors, cfg, layers, records, chunk)
-            torch.save(cached, path)
-        out += [cached[i] for i in chunk]
-        print(f"target states {part + len(chunk)}/{len(records)}", file=sys.stderr)
-    return out
+    while len(out) < len(records):
+        out += torch.load(states_file(path, len(out)))
+    return out[: len(records)]
 
 
-@torch.no_grad()
-def _states(tensors: dict, cfg, layers: list, records: list[dict], chunk: list[int]) -> dict:
-    out = {}
-    for group in batches(sorted(chunk, key=lambda i: len(records[i]["ids"])), 16):
-        ids = padded([records[i]["ids"] for i in group])
-        cos, sin = rope(cfg, ids.shape[1])
-        h = tensors["model.embed_tokens.weight"][ids]
-        for w in layers:
-            h = decoder_layer(h, w, cfg, cos, sin)
-        h = rms_norm(h, tensors["model.norm.weight"], cfg.rms_norm_eps)
-        for row, i in enumerate(group):
-            out[i] = h[row, records[i]["prompt_len"] - 1 : len(records[i]["ids"])].half()
-    return out
-
-
-def reproduces_reply(tensors: dict, record: dict, states: torch.Tensor) -> bool:
-    """This file's forward pass, through the target's tied head, gives the engine's reply."""
-    best = (states[:-1].float() @ tensors["model.embed_tokens.weight"].T).argmax(-1)
-    return best.tolist() == record["ids"][record["prompt_len"]:]
+def reply_agreement(tensors: dict, records: list[dict], states: list[torch.Tensor]) -> float:
+    """Share of the target's greedy choices (the replies, where greedy) that are the argmax of
+    their state through the target's tied head in float32 (below 1 only by the served dtype's
+    rounding near ties): the states are the ones behind the choices."""
+    head = tensors["model.embed_tokens.weight"]
+    same = total = 0
+    for record, h in zip(records, states, strict=True):
+        best = torch.tensor(record["best"])
+        same += int(((h.float() @ head.T).argmax(-1) == best).sum())
+        total += len(best)
+    return same / total
 
 
 def draft_vocab(records: list[dict], train_idx: list[int], size: int, vocab_size: int,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft's vocabulary: the `size` tokens the target wrote most in its training replies
+    """The draft's vocabulary: the `size` tokens the target chose most in its training replies
     (sorted ids; a draft's head is the target's tied head restricted to them), and the map from
     a token id to its row there (-100, ignored by the loss, for a token left out)."""
-    counts = Counter(t for i in train_idx for t in records[i]["ids"][records[i]["prompt_len"]:])
+    counts = Counter(t for i in train_idx for t in records[i]["best"])
     vocab_ids = torch.tensor(sorted(t for t, _ in counts.most_common(size)))
     return vocab_ids, rows_of(vocab_ids, vocab_size)
 
@@ -212,22 +198,37 @@ def held_out_coverage(records: list[dict], held_idx: list[int], vocab_ids: torch
 
 
 def examples(records: list[dict], states: list[torch.Tensor], which: list[int],
-             token_to_row: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Two chained draft steps per reply position q: from (h[q-1], x[q]) the draft predicts
-    h[q] and the head row of x[q+1]; then from its own prediction and x[q+1], h[q+1] and x[q+2]
-    (training the second step on the first's output, as serving chains them)."""
-    cols: dict[str, list] = {k: [] for k in ("h0", "x1", "h1", "y1", "x2", "h2", "y2")}
+             token_to_row: torch.Tensor, steps: int) -> dict[str, torch.Tensor]:
+    """`steps` chained draft steps per reply position q: from (h[q-1], x[q]) the draft predicts
+    h[q] and the head row of x[q+1]; then from its own prediction and x[q+1], h[q+1] and x[q+2];
+    and so on (training each step on the previous one's output, as serving chains them). The
+    token a step should draft is the target's greedy choice there (the next token, where the
+    reply is greedy). Keys h0, and per step j: xj (its input token), hj (the target's state),
+    yj (the row of the token it should draft); states in float16."""
+    cols: dict[str, list] = {"h0": []}
+    for j in range(1, steps + 1):
+        cols.update({f"x{j}": [], f"h{j}": [], f"y{j}": []})
     for i in which:
-        ids, n, h = records[i]["ids"], records[i]["prompt_len"], states[i]
-        for q in range(n, len(ids) - 2):
-            r = q - n  # h[r] is the state at position q - 1
-            for key, value in (("h0", h[r]), ("x1", ids[q]), ("h1", h[r + 1]),
-                               ("y1", ids[q + 1]), ("x2", ids[q + 1]), ("h2", h[r + 2]),
-                               ("y2", ids[q + 2])):
-                cols[key].append(value)
-    out = {k: torch.stack(v).float() if k.startswith("h") else torch.tensor(v)
-           for k, v in cols.items()}
-    out["y1"], out["y2"] = token_to_row[out["y1"]], token_to_row[out["y2"]]
+        ids, n, h, best = (records[i]["ids"], records[i]["prompt_len"], states[i],
+                           records[i]["best"])
+        m = len(ids) - n - steps  # positions q = n .. n + m - 1; h[r] is the state at n - 1 + r
+        if m <= 0:
+            continue
+        cols["h0"].append(h[:m])
+        for j in range(1, steps + 1):
+            cols[f"x{j}"].append(torch.tensor(ids[n + j - 1 : n + j - 1 + m]))
+            cols[f"h{j}"].append(h[j : j + m])
+            cols[f"y{j}"].append(token_to_row[torch.tensor(best[j : j + m])])
+    return {k: torch.cat(v) for k, v in cols.items()}
+
+
+def chain_steps(w: dict, data: dict, embed: torch.Tensor, head: torch.Tensor, eps: float,
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each chained step's predicted state and its draft-vocabulary logits."""
+    s, out = data["h0"].float(), []
+    for j in range(1, sum(k.startswith("y") for k in data) + 1):
+        s = draft_step(s, embed[data[f"x{j}"]], w, eps)
+        out.append((s, s @ head.T))
     return out
 
 
@@ -242,7 +243,7 @@ def new_draft(cfg, width: int) -> dict[str, torch.nn.Parameter]:
 
 
 def baseline_top1(path: str, records: list[dict], states: list[torch.Tensor], which: list[int],
-                  embed: torch.Tensor, vocab_size: int, eps: float) -> dict:
+                  embed: torch.Tensor, vocab_size: int, eps: float, steps: int) -> dict:
     """Another draft file's held-out figures on `which`, through its own vocabulary (a token
     outside it counts as a miss), so an earlier draft is compared on the same prompts."""
     from safetensors.torch import load_file
@@ -250,43 +251,50 @@ def baseline_top1(path: str, records: list[dict], states: list[torch.Tensor], wh
     tensors = load_file(path)
     vocab_ids = tensors.pop("draft.vocab_ids").long()
     w = {k: v.float() for k, v in tensors.items()}
-    data = examples(records, states, which, rows_of(vocab_ids, vocab_size))
+    data = examples(records, states, which, rows_of(vocab_ids, vocab_size), steps)
     return evaluate(w, data, embed, embed[vocab_ids], eps)
 
 
-def two_steps(w: dict, data: dict, embed: torch.Tensor, head: torch.Tensor, eps: float):
-    s1 = draft_step(data["h0"], embed[data["x1"]], w, eps)
-    s2 = draft_step(s1, embed[data["x2"]], w, eps)
-    return s1, s2, s1 @ head.T, s2 @ head.T
-
-
 def evaluate(w: dict, data: dict, embed: torch.Tensor, head: torch.Tensor, eps: float) -> dict:
-    """Held-out share of positions where the draft's first / second token is the target's."""
+    """Held-out share of positions where the draft's token at each chained step is the target's
+    (`per_step`), and where its tokens up to that step all are (`chain`: a greedy chain of that
+    many drafts accepted whole)."""
     with torch.no_grad():
-        _, _, l1, l2 = two_steps(w, data, embed, head, eps)
-    ok1, ok2 = l1.argmax(-1) == data["y1"], l2.argmax(-1) == data["y2"]
-    return {"first_token": float(ok1.float().mean()), "second_token": float(ok2.float().mean()),
-            "both": float((ok1 & ok2).float().mean())}
+        ok = torch.stack([logits.argmax(-1) == data[f"y{j}"]
+                          for j, (_, logits) in enumerate(chain_steps(w, data, embed, head,
+                                                                      eps), start=1)])
+    chain = ok.cumprod(0)
+    return {"per_step": [round(float(x), 4) for x in ok.float().mean(1)],
+            "chain": [round(float(x), 4) for x in chain.float().mean(1)]}
 
 
 def train(w: dict, data: dict, held: dict, embed: torch.Tensor, head: torch.Tensor, eps: float,
-          epochs: int, lr: float) -> list[dict]:
-    """Cross-entropy on both steps' tokens plus a regression of the states (EAGLE's recipe)."""
+          epochs: int, lr: float, soft: float = 0.0, bf16: bool = False) -> list[dict]:
+    """Cross-entropy on every step's token plus a regression of the states (EAGLE's recipe);
+    with `soft` > 0, plus that weight times the cross-entropy against the target's own
+    distribution over the draft vocabulary (its state through the same head: distillation)."""
     ce, l1_loss = torch.nn.functional.cross_entropy, torch.nn.functional.smooth_l1_loss
 
-    def loss(batch: dict) -> torch.Tensor:
-        s1, s2, l1, l2 = two_steps(w, batch, embed, head, eps)
-        return (ce(l1, batch["y1"], ignore_index=-100) + ce(l2, batch["y2"], ignore_index=-100)
-                + STATE_WEIGHT * (l1_loss(s1, batch["h1"]) + l1_loss(s2, batch["h2"])))
+    def step_loss(s: torch.Tensor, logits: torch.Tensor, batch: dict, j: int) -> torch.Tensor:
+        h, s, logits = batch[f"h{j}"].float(), s.float(), logits.float()  # bf16 under autocast
+        value = ce(logits, batch[f"y{j}"], ignore_index=-100) + STATE_WEIGHT * l1_loss(s, h)
+        if soft:
+            value = value + soft * ce(logits, torch.softmax(h @ head.T, dim=-1))
+        return value
 
-    return fit(w, data, loss, lambda: evaluate(w, held, embed, head, eps), epochs, lr)
+    def loss(batch: dict) -> torch.Tensor:
+        return sum(step_loss(s, logits, batch, j) for j, (s, logits)
+                   in enumerate(chain_steps(w, batch, embed, head, eps), start=1))
+
+    return fit(w, data, loss, lambda: evaluate(w, held, embed, head, eps), epochs, lr, bf16)
 
 
 def fit(w: dict, data: dict[str, torch.Tensor], loss, held_out, epochs: int, lr: float,
-        ) -> list[dict]:
+        bf16: bool = False) -> list[dict]:
     """AdamW with a one-cycle rate over `epochs` shuffled passes of BATCH examples (rows of
-    every tensor in `data`); `loss(batch)` per batch, `held_out()` after each epoch. One
-    history entry per epoch (train loss, held-out figures, seconds), printed as it ends."""
+    every tensor in `data`); `loss(batch)` per batch (its matmuls in bfloat16 with `bf16`: the
+    weights and their updates stay float32), `held_out()` after each epoch. One history entry
+    per epoch (train loss, held-out figures, seconds), printed as it ends."""
     opt = torch.optim.AdamW(w.values(), lr=lr, weight_decay=0.0)
     n = len(next(iter(data.values())))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * (n // BATCH),
@@ -296,7 +304,9 @@ def fit(w: dict, data: dict[str, torch.Tensor], loss, held_out, epochs: int, lr:
     for epoch in range(epochs):
         order, total, t0 = torch.randperm(n, generator=gen), 0.0, time.perf_counter()
         for b in range(n // BATCH):
-            value = loss({k: v[order[b * BATCH : (b + 1) * BATCH]] for k, v in data.items()})
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                value = loss({k: v[order[b * BATCH : (b + 1) * BATCH]]
+                              for k, v in data.items()})
             opt.zero_grad()
             value.backward()
             opt.step()
@@ -320,17 +330,33 @@ class Corpus:
     states: list[torch.Tensor]
     vocab_ids: torch.Tensor
     token_to_row: torch.Tensor
+    dtype: str  # the target's while it wrote the replies and computed the states
 
     @classmethod
     def build(cls, model: str, prompts: list[str], replies: list[dict], work: Path,
-              vocab: int) -> Corpus:
-        records = [{"ids": r["prompt"] + r["reply"], "prompt_len": len(r["prompt"])}
-                   for r in replies]
+              vocab: int, sampled: list[dict] | None = None) -> Corpus:
+        """From generate()'s greedy `replies` under `work`, and its `sampled` ones (training
+        prompts' only: a held-out prompt stays unseen)."""
+        records = [record(r, i) for i, r in enumerate(replies)]
         train_idx, held_idx = split(prompts)
         ckpt = load_checkpoint(model, dtype=torch.float32)
-        states = target_states(ckpt.tensors, ckpt.config, records, work)
+        states = target_states(records, work / "replies.jsonl")
+        if sampled:
+            extra = target_states(sampled, work / "sampled.jsonl")
+            for i in train_idx[:]:
+                train_idx.append(len(records))
+                records.append(record(sampled[i], i))
+                states.append(extra[i])
         vocab_ids, token_to_row = draft_vocab(records, train_idx, vocab, ckpt.config.vocab_size)
-        return cls(records, train_idx, held_idx, ckpt, states, vocab_ids, token_to_row)
+        return cls(records, train_idx, held_idx, ckpt, states, vocab_ids, token_to_row,
+                   replies[0]["dtype"])
+
+
+def record(reply: dict, prompt: int) -> dict:
+    """A reply as the corpus keeps it: all ids, the prompt's length, the greedy choices, the
+    prompt's index."""
+    return {"ids": reply["prompt"] + reply["reply"], "prompt_len": len(reply["prompt"]),
+            "best": reply.get("best", reply["reply"]), "prompt": prompt}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,10 +366,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topics", type=int, default=TOPICS,
                         help="train on the first N topics of assets/drafts/prompts.json")
     parser.add_argument("--generate-only", action="store_true")
+    parser.add_argument("--dtype", default="auto", help="the target's dtype while generating "
+                        "(auto: what the engine serves on this machine)")
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help="chained draft steps trained per position")
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--width", type=int, default=WIDTH)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument("--soft", type=float, default=SOFT,
+                        help="weight of the distillation term (0: greedy tokens only)")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                        help="train's matmuls in bfloat16 (autocast; faster where the CPU "
+                        "has bfloat16 instructions)")
+    parser.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
+                        help="also train on a sampled reply to every training prompt")
+    parser.add_argument("--subset", type=float, default=1.0,
+                        help="train on this share of the training prompts (quick comparisons)")
     parser.add_argument("--baseline", help="also score this draft file on the held-out prompts "
                         "of topics from --baseline-topics on (those it was not trained on)")
     parser.add_argument("--baseline-topics", type=int, default=0)
@@ -352,59 +391,66 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir)
     model = str(fetch_demo_model(progress=lambda m, f: None))
     prompts = chat_prompts(args.topics)
-    records = generate(model, prompts, work / "replies.jsonl")
+    records = generate(model, prompts, work / "replies.jsonl", args.dtype)
+    sampled = (generate(model, prompts, work / "sampled.jsonl", args.dtype, SAMPLED_TEMPERATURE)
+               if args.sampled else None)
     if args.generate_only:
         print(json.dumps({"replies": len(records), "machine": machine()}))
         return 0
     t0 = time.perf_counter()
-    c = Corpus.build(model, prompts, records, work, args.vocab)
-    state_s = time.perf_counter() - t0
+    c = Corpus.build(model, prompts, records, work, args.vocab, sampled)
+    load_s = time.perf_counter() - t0
     records, train_idx, held_idx, states = c.records, c.train_idx, c.held_idx, c.states
     ckpt, cfg, tensors = c.ckpt, c.ckpt.config, c.ckpt.tensors
     vocab_ids, token_to_row = c.vocab_ids, c.token_to_row
     embed = tensors["model.embed_tokens.weight"]
     head = embed[vocab_ids]
-    data = examples(records, states, train_idx, token_to_row)
-    held = examples(records, states, held_idx, token_to_row)
+    data = examples(records, states, [i for i in train_idx if records[i]["prompt"]
+                                      < args.subset * len(prompts)], token_to_row, args.steps)
+    held = examples(records, states, held_idx, token_to_row, args.steps)
     w = new_draft(cfg, args.width)
     before = evaluate(w, held, embed, head, cfg.rms_norm_eps)
     t0 = time.perf_counter()
-    history = train(w, data, held, embed, head, cfg.rms_norm_eps, args.epochs, args.lr)
+    history = train(w, data, held, embed, head, cfg.rms_norm_eps, args.epochs, args.lr,
+                    args.soft, args.bf16)
     train_s = time.perf_counter() - t0
     compared = None
     if args.baseline:
         per_topic = len(json.loads(PROMPTS.read_text())["templates"])  # prompts run topic-major
         unseen = [i for i in held_idx if i // per_topic >= args.baseline_topics]
-        unseen_data = examples(records, states, unseen, token_to_row)
+        unseen_data = examples(records, states, unseen, token_to_row, args.steps)
         compared = {"baseline": {"file": Path(args.baseline).name,
                                  "sha256": hashlib.sha256(Path(args.baseline).read_bytes())
                                  .hexdigest()},
                     "held_out_prompts": len(unseen),
                     "this_draft": evaluate(w, unseen_data, embed, head, cfg.rms_norm_eps),
                     "baseline_draft": baseline_top1(args.baseline, records, states, unseen,
-                                                    embed, cfg.vocab_size, cfg.rms_norm_eps)}
+                                                    embed, cfg.vocab_size, cfg.rms_norm_eps,
+                                                    args.steps)}
     save(w, vocab_ids, args.out, ckpt, {
         "format": FORMAT, "width": str(args.width), "trained_by": "benchmarks/train_draft.py",
-        "epochs": str(args.epochs), "lr": str(args.lr)})
+        "epochs": str(args.epochs), "lr": str(args.lr), "steps": str(args.steps),
+        "target_dtype": c.dtype})
     result = {
         "benchmark": "train_draft", "target": ckpt.name, "out": args.out,
         "draft_vocab": len(vocab_ids), "width": args.width,
         "prompts": {"train": len(train_idx), "held_out": len(held_idx)},
         "reply_tokens": {"train": len(data["x1"]), "held_out": len(held["x1"])},
         "held_out_vocab_coverage": held_out_coverage(records, held_idx, vocab_ids),
-        "target_forward_reproduces_engine": reproduces_reply(tensors, records[held_idx[0]],
-                                                             states[held_idx[0]]),
+        "target_dtype": c.dtype,
+        "reply_agreement_float32_head": reply_agreement(tensors, [records[i] for i in held_idx],
+                                                        [states[i] for i in held_idx]),
         "held_out_top1_before_training": before,
         "held_out_top1": history[-1]["held_out"],
         "final_train_loss": history[-1]["train_loss"], "history": history,
         "against_baseline": compared,
         "file_bytes": Path(args.out).stat().st_size,
-        "target_state_seconds": state_s, "train_seconds": train_s,
+        "corpus_load_seconds": load_s, "train_seconds": train_s,
         "threads": torch.get_num_threads(), "machine": machine(),
     }
     # Provenance next to the weights: how they were made and how well they predict.
     provenance = {"file": Path(args.out).name, "command": "python benchmarks/train_draft.py " +
-                  " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                  " ".join(option(k, v) for k, v in vars(args).items()
                            if k not in ("work_dir", "out", "generate_only", "baseline",
                                         "baseline_topics")),
                   "prompt_file": str(PROMPTS.relative_to(REPO)), "max_tokens": MAX_TOKENS,
@@ -412,6 +458,14 @@ def main(argv: list[str] | None = None) -> int:
     (Path(args.out).parent / "README.json").write_text(json.dumps(provenance, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
+
+
+def option(name: str, value) -> str:
+    """A command-line option as it would be typed (a flag for a boolean)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {value}"
 
 
 def save(w: dict, vocab_ids: torch.Tensor, out: str, ckpt, meta: dict[str, str]) -> None:

@@ -5,7 +5,7 @@ hidden state, each with one residual block and the target's tied head restricted
 tokens the demo model writes most. Only the blocks and the id map are shipped (assets/drafts/,
 safetensors, float16), with their provenance beside them (smollm2-135m-medusa.json).
 
-The replies and the target's states are train_draft.py's stages 1 and 2, cached in the same
+The replies and the target's states are train_draft.py's first stage, cached in the same
 --work-dir (a run of either script reuses the other's). Training: cross-entropy on every head's
 token at every reply position (later heads weighted down, as Medusa does); held-out prompts
 measure how often each head's token is the target's, and how often heads 1..j all are (what a
@@ -38,7 +38,7 @@ from benchmarks.train_draft import (  # noqa: E402
     fit,
     generate,
     held_out_coverage,
-    reproduces_reply,
+    reply_agreement,
     save,
 )
 from engine.bench import machine  # noqa: E402
@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": {"train": len(train_idx), "held_out": len(held_idx)},
         "positions": {"train": len(data["h"]), "held_out": len(held["h"])},
         "held_out_vocab_coverage": held_out_coverage(records, held_idx, vocab_ids),
-        "target_forward_reproduces_engine": reproduces_reply(tensors, records[held_idx[0]],
-                                                             states[held_idx[0]]),
+        "target_dtype": c.dtype,
+        "reply_agreement_float32_head": reply_agreement(tensors, [records[i] for i in held_idx],
+                                                        [states[i] for i in held_idx]),
         "held_out_top1_before_training": before,
         "held_out_top1": history[-1]["held_out"],
         "final_train_loss": history[-1]["train_loss"], "history": history,
