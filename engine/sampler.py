@@ -107,58 +107,82 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     Only the most likely tokens are ever ranked (torch.topk, widening until the nucleus ends
     among them): sorting every whole row, as this did before, took about 34 ms for a step of 16
     sampled sequences of the demo model's 49,152 logits on the 2-core CPU, more than the step's
-    forward pass (benchmarks/sampling.py)."""
+    forward pass (benchmarks/sampling.py). The rows are cut together, widening only those whose
+    nucleus runs on: one at a time, a step spent more in Python's loop and in each wide row's
+    own widening than in the ranking."""
     vocab = logits.shape[-1]
     # A top_k beyond the vocabulary keeps every token.
     ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
     rows = [i for i, (k, p) in enumerate(zip(ks, top_p, strict=True)) if k < vocab or p < 1.0]
     if not rows:
         return logits
-    # In float64: a nucleus of thousands of tokens sums thousands of small probabilities, and
-    # float32's rounding moved its edge by a token (against the exact sum) in some rows.
-    doubled = logits[rows].double()
-    # The filtered rows' first candidates ranked in one call (one per row cost more than the
-    # ranking), and each row's log-normaliser over the whole vocabulary.
-    first = doubled.topk(min(vocab, NUCLEUS_FIRST_RANKS), dim=-1)
-    log_totals = doubled.logsumexp(dim=-1)
+    picked = logits[rows]
+    log_totals = _log_totals(picked)
+    keep = torch.zeros_like(picked, dtype=torch.bool)
+    todo = list(range(len(rows)))
+    width = NUCLEUS_FIRST_RANKS
+    while todo:
+        width = min(width, vocab)
+        values, ids = _largest(picked[todo], width)
+        sizes = _nucleus_sizes(values.double(), [ks[rows[j]] for j in todo],
+                               [top_p[rows[j]] for j in todo], log_totals[todo], vocab)
+        kept = torch.arange(width, device=picked.device) < torch.tensor(
+            [size or 0 for size in sizes], device=picked.device).unsqueeze(1)
+        keep[todo] |= torch.zeros_like(keep[todo]).scatter_(1, ids, kept)
+        todo = [j for j, size in zip(todo, sizes, strict=True) if size is None]
+        # Four times as many ranks, or the whole rows once a topk would cost more than a sort.
+        width = 4 * width if 4 * width <= TOPK_UP_TO else vocab
     out = logits.clone()
-    for j, i in enumerate(rows):
-        kept = _kept_tokens(doubled[j], ks[i], top_p[i], (first.values[j], first.indices[j]),
-                            log_totals[j])
-        row = torch.full_like(logits[i], float("-inf"))
-        row[kept] = logits[i, kept]
-        out[i] = row
+    out[rows] = picked.masked_fill(~keep, float("-inf"))
     return out
 
 
-def _kept_tokens(row: torch.Tensor, k: int, p: float, first: tuple[torch.Tensor, torch.Tensor],
-                 log_total: torch.Tensor) -> torch.Tensor:
-    """Ids of the k most likely tokens of `row` (float64), cut to the smallest prefix whose
-    probability (among those k) reaches p: a token is dropped when the mass before it already
-    reaches p, so the most likely token always stays. `first`: the row's largest values and
-    their ids, largest first; `log_total`: the logsumexp of the whole row."""
-    values, ids = first[0][:k], first[1][:k]
-    ranked_all_k = k <= first[1].numel()
-    if p >= 1.0:
-        return ids if ranked_all_k else row.topk(k).indices
-    if k < row.numel():  # the top-k distribution's normaliser, over all k however few ranked
-        log_total = (values if ranked_all_k else row.topk(k).values).logsumexp(-1)
-    while True:
-        probs = (values - log_total).exp()
-        past = ((probs.cumsum(-1) - probs) >= p).nonzero()
-        if past.numel():
-            return ids[: max(1, int(past[0]))]
-        width = ids.numel()
-        if width == k:
-            return ids
-        values, ids = _largest(row, k if 4 * width > TOPK_UP_TO else min(4 * width, k))
-
-
-def _largest(row: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The n largest values of a CPU row and their ids, largest first: torch.topk for a few
-    thousand, else NumPy's sort of the whole row (torch's CPU sort of 49,152 values took 4.1 ms
-    here, NumPy's 0.8 ms, topk of 16,384 1.7 ms)."""
+def _largest(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest values of each CPU row and their ids, largest first: torch.topk for a few
+    thousand, else NumPy's sort of the whole rows (torch's CPU sort of 49,152 values took 4.1 ms
+    here, NumPy's 0.8 ms, topk of 16,384 1.7 ms). Float32 ranks as float64 would (the
+    conversion is exact), without the copy."""
     if n <= TOPK_UP_TO:
-        return row.topk(n)
-    ids = torch.from_numpy(np.argsort(-row.numpy())[:n])
-    return row[ids], ids
+        return rows.topk(n, dim=-1)
+    ids = torch.from_numpy(np.argsort(-rows.numpy(), axis=-1)[:, :n])
+    return rows.gather(1, ids), ids
+
+
+def _log_totals(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's logsumexp (float64): the exponentials in float32, their sum in float64 (a
+    nucleus of thousands of tokens sums thousands of small probabilities, and float32's
+    rounding of the sum moved its edge by a token, against the exact sum, in some rows). Within
+    2e-8 of a float64 logsumexp in half the time; a row with an infinite or NaN maximum goes
+    through float64's, which defines those."""
+    top = rows.amax(dim=-1, keepdim=True)
+    if not bool(torch.isfinite(top).all()):
+        return rows.double().logsumexp(dim=-1)
+    return (rows - top).exp().sum(dim=-1, dtype=torch.float64).log() + top.squeeze(1).double()
+
+
+def _nucleus_sizes(values: torch.Tensor, ks: list[int], ps: list[float],
+                   log_totals: torch.Tensor, vocab: int) -> list[int | None]:
+    """How many of each row's first ranks (values: its largest logits, float64, largest first)
+    its top-k and top-p keep: its k most likely tokens cut to the smallest prefix whose
+    probability (among those k) reaches p, a token dropped where the mass before it already
+    reaches p, so the most likely token always stays. None where that needs more ranks (a
+    nucleus or a top-k past them)."""
+    width = values.shape[1]
+    k = torch.tensor(ks, device=values.device).unsqueeze(1)
+    in_k = torch.arange(width, device=values.device) < k
+    ranked = values.masked_fill(~in_k, float("-inf"))
+    # The top-k distribution's normaliser where k cuts the vocabulary, else the whole row's.
+    norms = torch.where(k.squeeze(1) < vocab, ranked.logsumexp(dim=-1), log_totals)
+    probs = (ranked - norms.unsqueeze(1)).exp()
+    p = torch.tensor(ps, dtype=torch.float64, device=values.device).unsqueeze(1)
+    past = ((probs.cumsum(-1) - probs) >= p) & in_k
+    ends = torch.where(past.any(dim=-1), past.int().argmax(dim=-1), -1).tolist()
+    sizes: list[int | None] = []
+    for row_k, row_p, end in zip(ks, ps, ends, strict=True):
+        if row_k < vocab and row_k > width:
+            sizes.append(None)  # its normaliser needs all k
+        elif row_p < 1.0 and end >= 0:
+            sizes.append(max(1, end))
+        else:
+            sizes.append(row_k if row_k <= width else None)
+    return sizes

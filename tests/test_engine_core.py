@@ -183,3 +183,24 @@ def test_the_nucleus_is_the_whole_sorts_on_real_logits(prompt_logits, top_k, top
             assert len(kept) == len(exact)
             assert all(row[t] == edge for t in kept ^ exact)
             assert torch.equal(kept_row[list(kept)], row[list(kept)])
+
+
+def test_a_batch_of_mixed_top_k_and_top_p_cuts_each_row_as_a_whole_sort_does(prompt_logits):
+    """Rows of one step cut together with different settings each (nuclei inside the first
+    ranks, past them, top-k inside and past them, rows left whole) keep what a float64 sort of
+    each row alone keeps."""
+    from engine.sampler import _apply_top_k_top_p
+
+    settings = [(0, 0.95), (0, 1.0), (40, 0.9), (1000, 1.0), (0, 0.999), (5, 0.5), (300, 0.99),
+                (0, 0.01), (100_000, 0.7)]
+    rows = prompt_logits[: 4 * len(settings)] / 0.8
+    top_k = [settings[i % len(settings)][0] for i in range(len(rows))]
+    top_p = [settings[i % len(settings)][1] for i in range(len(rows))]
+    cut = _apply_top_k_top_p(rows, top_k, top_p)
+    for row, kept_row, k, p in zip(rows, cut, top_k, top_p, strict=True):
+        kept = set(torch.isfinite(kept_row).nonzero().flatten().tolist())
+        exact = _exact_nucleus(row, k, p)
+        edge = row[list(exact)].min()
+        assert len(kept) == len(exact)
+        assert all(row[t] == edge for t in kept ^ exact)
+        assert torch.equal(kept_row[list(kept)], row[list(kept)])
