@@ -34,15 +34,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams, sampler  # noqa: E402
-from engine.bench import machine  # noqa: E402
+from engine.bench import OPEN_CHAT, machine  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
 
-PROMPTS = [
-    "What are three tips for staying focused while studying?",
-    "Explain what a GPU does in simple terms.",
-    "Write a short poem about the ocean.",
-    "What should I pack for a weekend hiking trip?",
-]
+PROMPTS = OPEN_CHAT
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95}  # app/panes/engine/state.py
 
 

@@ -25,17 +25,12 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench import machine  # noqa: E402
+from engine.bench import OPEN_CHAT, machine  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
 from engine.spec.break_even import draft_lengths  # noqa: E402
 from engine.spec.decoder import spec_state  # noqa: E402
 
-PROMPTS = [
-    "What are three tips for staying focused while studying?",
-    "Explain what a GPU does in simple terms.",
-    "Write a short poem about the ocean.",
-    "What should I pack for a weekend hiking trip?",
-]
+PROMPTS = OPEN_CHAT
 
 
 def measured_decoder() -> tuple[LLM, list[float]]:

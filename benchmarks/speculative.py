@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench import machine  # noqa: E402
+from engine.bench import OPEN_CHAT, machine  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
 
 PASSAGE = (
@@ -48,12 +48,6 @@ COPY_HEAVY = [
     f"Repeat the following paragraph exactly, then stop:\n\n{PASSAGE}",
     f"Rewrite this paragraph in the past tense, keeping every other word:\n\n{PASSAGE}",
     f"Quote the first two sentences of this text:\n\n{PASSAGE}",
-]
-OPEN_CHAT = [
-    "What are three tips for staying focused while studying?",
-    "Explain what a GPU does in simple terms.",
-    "Write a short poem about the ocean.",
-    "What should I pack for a weekend hiking trip?",
 ]
 
 

@@ -26,12 +26,10 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 from engine import LLM, SamplingParams, runner  # noqa: E402
-from engine.bench import machine  # noqa: E402
+from engine.bench import OPEN_CHAT, machine  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
 
-PROMPTS = ["What are three tips for staying focused while studying?",
-           "Explain what a GPU does in simple terms.", "Write a short poem about the ocean.",
-           "What should I pack for a weekend hiking trip?"]
+PROMPTS = OPEN_CHAT
 
 
 class MetadataTimer:

@@ -34,13 +34,12 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench import machine  # noqa: E402
+from engine.bench import OPEN_CHAT, machine  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
 from kernels import cpu_kernels, cpu_layers  # noqa: E402
 
 SPEC = "demo-draft:lookup=0,branches=4"
-PROMPTS = ["What are three tips for staying focused while studying?",
-           "Explain what a GPU does in simple terms.", "Write a short poem about the ocean."]
+PROMPTS = OPEN_CHAT[:3]
 CALLS = 8  # replays per timing
 
 

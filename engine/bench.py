@@ -18,6 +18,15 @@ _TEXT = (
     "work so that the accelerator stays busy while each user still sees tokens arrive quickly. "
 )
 
+# The open-chat prompts the speculation, sampling and step benchmarks (benchmarks/) decode, one
+# list so their figures stay comparable.
+OPEN_CHAT = [
+    "What are three tips for staying focused while studying?",
+    "Explain what a GPU does in simple terms.",
+    "Write a short poem about the ocean.",
+    "What should I pack for a weekend hiking trip?",
+]
+
 
 @dataclass
 class BenchEvent:
