@@ -163,6 +163,17 @@ def _exact_nucleus(row: torch.Tensor, k: int, p: float) -> set[int]:
     return set(order[:keep].tolist())
 
 
+def _assert_cut_as_a_sort_does(row: torch.Tensor, kept_row: torch.Tensor, k: int, p: float):
+    """kept_row (row cut to its top-k and top-p) keeps _exact_nucleus's tokens, with their
+    logits, but for tokens tied at the nucleus' edge."""
+    kept = set(torch.isfinite(kept_row).nonzero().flatten().tolist())
+    exact = _exact_nucleus(row, k, p)
+    edge = row[list(exact)].min()
+    assert len(kept) == len(exact)
+    assert all(row[t] == edge for t in kept ^ exact)
+    assert torch.equal(kept_row[list(kept)], row[list(kept)])
+
+
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.95), (0, 0.5), (0, 0.01), (40, 1.0), (40, 0.9),
                                           (1, 0.9), (100_000, 0.99), (0, 0.999)])
 def test_the_nucleus_is_the_whole_sorts_on_real_logits(prompt_logits, top_k, top_p):
@@ -177,12 +188,7 @@ def test_the_nucleus_is_the_whole_sorts_on_real_logits(prompt_logits, top_k, top
         scaled = prompt_logits / temperature
         fast = _apply_top_k_top_p(scaled, [top_k] * len(scaled), [top_p] * len(scaled))
         for row, kept_row in zip(scaled, fast, strict=True):
-            kept = set(torch.isfinite(kept_row).nonzero().flatten().tolist())
-            exact = _exact_nucleus(row, top_k, top_p)
-            edge = row[list(exact)].min()
-            assert len(kept) == len(exact)
-            assert all(row[t] == edge for t in kept ^ exact)
-            assert torch.equal(kept_row[list(kept)], row[list(kept)])
+            _assert_cut_as_a_sort_does(row, kept_row, top_k, top_p)
 
 
 def test_a_batch_of_mixed_top_k_and_top_p_cuts_each_row_as_a_whole_sort_does(prompt_logits):
@@ -198,9 +204,4 @@ def test_a_batch_of_mixed_top_k_and_top_p_cuts_each_row_as_a_whole_sort_does(pro
     top_p = [settings[i % len(settings)][1] for i in range(len(rows))]
     cut = _apply_top_k_top_p(rows, top_k, top_p)
     for row, kept_row, k, p in zip(rows, cut, top_k, top_p, strict=True):
-        kept = set(torch.isfinite(kept_row).nonzero().flatten().tolist())
-        exact = _exact_nucleus(row, k, p)
-        edge = row[list(exact)].min()
-        assert len(kept) == len(exact)
-        assert all(row[t] == edge for t in kept ^ exact)
-        assert torch.equal(kept_row[list(kept)], row[list(kept)])
+        _assert_cut_as_a_sort_does(row, kept_row, k, p)
