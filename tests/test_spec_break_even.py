@@ -321,6 +321,37 @@ def test_an_idle_sequence_probes_only_where_a_probe_costs_no_more_than_a_plain_t
     assert probes({1: 10.0, 8: 12.0, 16: 22.4, 17: 22.9, 24: 27.0}, 16) == 16
 
 
+def test_costs_measured_in_a_slow_moment_are_measured_again():
+    """Another process took the cores while verifications were measured (3x a plain step):
+    drafting stops, and a size's cost is learnt only from steps of that size. Once the plain
+    steps have gone on for STALE_STEPS, one sequence drafts its full depth (a cost probe); its
+    verification's cost replaces the stale one, and drafting resumes. Before, the engine ran
+    plain for the rest of its life (110 tok/s against 172 on open chat)."""
+    from engine.sequence import Sequence
+    from engine.spec import SpecConfig
+    from engine.spec.break_even import STALE_STEPS
+    from engine.spec.decoder import SpecDecoder, spec_state
+
+    decoder = SpecDecoder(SpecConfig(num_draft_tokens=3))
+    decoder.costs = costs({1: 10.0, 2: 30.0, 3: 33.0, 4: 36.0}, draft_ms=0.3)
+    seq = Sequence("s", [1, 2, 3], SamplingParams(temperature=0), 0.0)
+    spec_state(seq).verifications, spec_state(seq).position_rate = 1, 0.6
+    assert decoder.draft_lengths([seq]) == [0]
+    plain_steps = 0
+    while True:  # plain steps at the plain cost, while the other sizes age
+        decoder.costs.observe_step(1, 0.010)
+        plain_steps += 1
+        if not decoder.costs.fresh_above(1):
+            break
+        assert decoder.draft_lengths([seq])[0] <= 1  # an idle probe at most
+    assert plain_steps == STALE_STEPS  # the last verification size was measured 4th of 4
+    assert decoder.draft_lengths([seq]) == [3]  # the cost probe
+    assert decoder.draft_lengths([seq]) == [3]  # until a step bigger than a plain one is seen
+    decoder.costs.observe_step(4, 0.011)  # its verification, at today's cost
+    assert decoder.costs.step_s(4) == pytest.approx(0.011)  # replaced, not averaged in
+    assert all(decoder.draft_lengths([seq])[0] > 0 for _ in range(5))
+
+
 # A GPU-like step: extra query tokens nearly free at small batches.
 FLAT_MS = {1: 10.0, 8: 10.2, 16: 10.5, 64: 14.0}
 

@@ -39,6 +39,14 @@ CALIBRATION_MIN = 2.0
 # on the EPYC). Drafts that paid by less on paper left 16 concurrent requests 6-9% slower than
 # without speculation there; at batch 1 the drafts that pay bring 30% and more.
 DRAFT_MARGIN = 0.05
+# A step size not stepped in the last STALE_STEPS decode steps (2-5 s on the 2-core CPU) is
+# priced from fresher ones where two or more sizes are fresh, and a new measurement replaces it
+# rather than moving it by one average's weight. Where nothing bigger than the plain step is
+# fresh, one sequence drafts its full depth once (a cost probe, decoder.draft_lengths), so the
+# sizes drafting would use are measured again: their costs are learnt only from steps that use
+# them, and costs measured high once (another process took the cores for 6 s) stopped drafting
+# for good: the engine ran plain, 110 tok/s against 172 before, for the rest of its life.
+STALE_STEPS = 200
 
 
 def expected_accepted(p: float, k: int) -> float:
@@ -63,6 +71,11 @@ class StepCosts:
 
     by_tokens: dict[int, float] = field(default_factory=dict)
     draft_token_s: float | None = None
+    # Decode steps observed (all batches', counted by all steps' costs), and the count at which
+    # each size was last stepped: how fresh its cost is.
+    steps: int = 0
+    seen_at: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+    stale_after: int = STALE_STEPS  # in steps; a batch's own costs follow all steps'
     # The same per batch size (sequences decoding): a step's time depends on its shape, not only
     # its query tokens (on the EPYC a plain step of 16 sequences took 23 ms, one sequence's
     # 16-token verification 28-31), and priced from all steps alike, drafts at 16 sequences
@@ -73,20 +86,38 @@ class StepCosts:
     # step for a batch that has its own (batch 1, after a few verifications) was a third of
     # the pricing's time, about 30 us a step on the 2-core EPYC.
     _all_steps: StepCosts | None = field(default=None, repr=False, compare=False)
-    # The measured sizes in order, their times and the fitted slope, rebuilt after a step is
-    # observed: draft_lengths prices every depth of every sequence each step (at 16 sequences
-    # and depths up to 10, rebuilding them per price cost 0.9 ms of a 26.5 ms step:
-    # benchmarks/spec_pricing.py).
+    # The priced sizes in order, their times and the fitted slope, rebuilt after a step is
+    # observed or a priced size goes stale (the step count in _curve_until): draft_lengths
+    # prices every depth of every sequence each step (at 16 sequences and depths up to 10,
+    # rebuilding them per price cost 0.9 ms of a 26.5 ms step: benchmarks/spec_pricing.py).
     _curve: tuple[list[int], list[float], float | None] | None = \
         field(default=None, repr=False, compare=False)
+    _curve_until: float = field(default=0.0, repr=False, compare=False)
 
     def observe_step(self, tokens: int, seconds: float, batch: int | None = None) -> None:
+        if self._all_steps is None:  # all steps' costs count the steps
+            self.steps += 1
+        now = self._now()
         old = self.by_tokens.get(tokens)
-        self.by_tokens[tokens] = seconds if old is None else \
+        self.by_tokens[tokens] = seconds if old is None or not self._fresh(tokens) else \
             COST_DECAY * old + (1 - COST_DECAY) * seconds
+        self.seen_at[tokens] = now
         self._curve = None
         if batch is not None:
-            self.by_batch.setdefault(batch, StepCosts()).observe_step(tokens, seconds)
+            own = self.by_batch.setdefault(batch, StepCosts())
+            own._all_steps = self
+            own.observe_step(tokens, seconds)
+
+    def _now(self) -> int:
+        return (self._all_steps or self).steps
+
+    def _fresh(self, tokens: int) -> bool:
+        window = (self._all_steps or self).stale_after
+        return tokens in self.seen_at and self._now() - self.seen_at[tokens] < window
+
+    def fresh_above(self, tokens: int) -> bool:
+        """Whether a step bigger than `tokens` was measured within the last STALE_STEPS."""
+        return any(n > tokens and self._fresh(n) for n in self.by_tokens)
 
     def at_batch(self, batch: int) -> StepCosts:
         """The costs of steps decoding `batch` sequences, from their own steps: a size they have
@@ -107,8 +138,15 @@ class StepCosts:
         self.draft_token_s = per if old is None else COST_DECAY * old + (1 - COST_DECAY) * per
 
     def _fitted(self) -> tuple[list[int], list[float], float | None]:
-        if self._curve is None:
-            sizes = sorted(self.by_tokens)
+        """The sizes priced from (the fresh ones where two or more are, else all measured),
+        their times made non-decreasing, and the least-squares slope through them."""
+        if self._curve is None or self._now() >= self._curve_until:
+            fresh = [n for n in sorted(self.by_tokens) if self._fresh(n)]
+            sizes = fresh if len(fresh) >= 2 else sorted(self.by_tokens)
+            # Valid until a fresh size in use goes stale (all sizes in use: until a step).
+            self._curve_until = (min(self.seen_at[n] for n in fresh)
+                                 + (self._all_steps or self).stale_after
+                                 if len(fresh) >= 2 else float("inf"))
             times = [self.by_tokens[n] for n in sizes]
             self._curve = (sizes, _non_decreasing(times), _least_squares_slope(sizes, times))
         return self._curve

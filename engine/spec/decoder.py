@@ -473,12 +473,28 @@ class SpecDecoder(StepFeature):
                                [caps[i] for i in timed], self.costs.at_batch(len(timed)),
                                [spec_state(seqs[i]).width for i in timed])
         decided = {} if paying is None else dict(zip(timed, paying, strict=True))
+        if decided and not any(decided.values()):
+            self._cost_probe(seqs, timed, caps, decided)
         probe = bool(decided) and self._probe_pays(len(seqs))
         # The acceptance rule only where break-even did not decide: it counts down a cooldown
         # each time it is asked, which must not run on for sequences it does not rule.
         return [self._with_idle_rules(seq, decided[i], cap, probe) if i in decided
                 else min(self._adaptive_length(seq), cap)
                 for i, (seq, cap) in enumerate(zip(seqs, caps, strict=True))]
+
+    def _cost_probe(self, seqs: list[Sequence], timed: list[int], caps: list[int],
+                    decided: dict[int, int]) -> None:
+        """Where break-even left every sequence without drafts and no step bigger than the
+        batch's plain one was measured lately, the most promising sequence drafts its full
+        depth this step: a size's cost is learnt only from steps of that size, so costs measured
+        in a slow moment would keep drafting off for good (break_even.STALE_STEPS). At most
+        once in STALE_STEPS steps: the probe's own step is fresh that long."""
+        if self.costs.at_batch(len(timed)).fresh_above(len(timed)):
+            return
+        able = [i for i in timed if caps[i] > 0]
+        if able:
+            best = max(able, key=lambda i: self._position_rate(seqs[i]))
+            decided[best] = caps[best]
 
     def _probe_pays(self, batch: int) -> bool:
         """Whether a probe (one draft token for a sequence break-even left without drafts) costs
