@@ -23,12 +23,14 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 sys.path = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
 
-from engine import LLM, SamplingParams  # noqa: E402
+from benchmarks.speculative import run_workload  # noqa: E402
+from engine import LLM  # noqa: E402
 from engine.bench import OPEN_CHAT, machine  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
 
@@ -40,19 +42,14 @@ HOG = ("import time, torch\n"
 
 
 def phase(llm: LLM, max_tokens: int) -> dict:
-    """The open-chat prompts one at a time: tokens/s, and the drafts the engine made."""
+    """The open-chat prompts one at a time (speculative.py's run_workload, its short warm-up
+    request first): tokens/s, and the drafts the engine made."""
     drafts = llm.spec.summary()["drafts"]
-    tokens, start = 0, time.perf_counter()
-    for prompt in OPEN_CHAT:
-        out = llm.chat([{"role": "user", "content": prompt}],
-                       SamplingParams(temperature=0, max_tokens=max_tokens))
-        tokens += len(out.token_ids)
-    return {"tokens_per_s": round(tokens / (time.perf_counter() - start), 1),
-            "drafts": llm.spec.summary()["drafts"] - drafts}
+    speed = run_workload(llm, OPEN_CHAT, max_tokens)["tokens_per_s"]
+    return {"tokens_per_s": round(speed, 1), "drafts": llm.spec.summary()["drafts"] - drafts}
 
 
 def run(llm: LLM, busy_s: float, after: int, max_tokens: int) -> dict:
-    phase(llm, 8)  # warm-up
     quiet = phase(llm, max_tokens)
     hog = subprocess.Popen([sys.executable, "-c", HOG.format(seconds=busy_s)])
     try:

@@ -128,7 +128,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
                                [top_p[rows[j]] for j in todo], log_totals[todo], vocab)
         kept = torch.arange(width, device=picked.device) < torch.tensor(
             [size or 0 for size in sizes], device=picked.device).unsqueeze(1)
-        keep[todo] |= torch.zeros_like(keep[todo]).scatter_(1, ids, kept)
+        # Each row is cut once, by the ranks that first hold its cut (the rows left keep none).
+        keep[todo] = torch.zeros((len(todo), vocab), dtype=torch.bool,
+                                 device=picked.device).scatter_(1, ids, kept)
         todo = [j for j, size in zip(todo, sizes, strict=True) if size is None]
         # Four times as many ranks, or the whole rows once a topk would cost more than a sort.
         width = 4 * width if 4 * width <= TOPK_UP_TO else vocab

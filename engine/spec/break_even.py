@@ -42,10 +42,11 @@ DRAFT_MARGIN = 0.05
 # A step size not stepped in the last STALE_STEPS decode steps (2-5 s on the 2-core CPU) is
 # priced from fresher ones where two or more sizes are fresh, and a new measurement replaces it
 # rather than moving it by one average's weight. Where nothing bigger than the plain step is
-# fresh, one sequence drafts its full depth once (a cost probe, decoder.draft_lengths), so the
-# sizes drafting would use are measured again: their costs are learnt only from steps that use
-# them, and costs measured high once (another process took the cores for 6 s) stopped drafting
-# for good: the engine ran plain, 110 tok/s against 172 before, for the rest of its life.
+# fresh, one sequence drafts its full depth once (a cost probe, SpecDecoder._cost_probe), so
+# the sizes drafting would use are measured again: their costs are learnt only from steps that
+# use them, and costs measured high once (another process took the cores for 6 s) stopped
+# drafting for good in 1 of 4 trials: the engine ran plain, open chat 100 tok/s against 139
+# before, for the rest of its life (benchmarks/spec_recovery.py).
 STALE_STEPS = 200
 
 
@@ -95,28 +96,32 @@ class StepCosts:
     _curve_until: float = field(default=0.0, repr=False, compare=False)
 
     def observe_step(self, tokens: int, seconds: float, batch: int | None = None) -> None:
-        if self._all_steps is None:  # all steps' costs count the steps
+        if self._root is self:
             self.steps += 1
-        now = self._now()
         old = self.by_tokens.get(tokens)
         self.by_tokens[tokens] = seconds if old is None or not self._fresh(tokens) else \
             COST_DECAY * old + (1 - COST_DECAY) * seconds
-        self.seen_at[tokens] = now
+        self.seen_at[tokens] = self._now()
         self._curve = None
         if batch is not None:
             own = self.by_batch.setdefault(batch, StepCosts())
             own._all_steps = self
             own.observe_step(tokens, seconds)
 
+    @property
+    def _root(self) -> StepCosts:
+        """All steps' costs: they count the steps and hold the staleness window."""
+        return self._all_steps or self
+
     def _now(self) -> int:
-        return (self._all_steps or self).steps
+        return self._root.steps
 
     def _fresh(self, tokens: int) -> bool:
-        window = (self._all_steps or self).stale_after
-        return tokens in self.seen_at and self._now() - self.seen_at[tokens] < window
+        return tokens in self.seen_at and self._now() - self.seen_at[tokens] < \
+            self._root.stale_after
 
     def fresh_above(self, tokens: int) -> bool:
-        """Whether a step bigger than `tokens` was measured within the last STALE_STEPS."""
+        """Whether a step bigger than `tokens` was measured within the last stale_after."""
         return any(n > tokens and self._fresh(n) for n in self.by_tokens)
 
     def at_batch(self, batch: int) -> StepCosts:
@@ -144,8 +149,7 @@ class StepCosts:
             fresh = [n for n in sorted(self.by_tokens) if self._fresh(n)]
             sizes = fresh if len(fresh) >= 2 else sorted(self.by_tokens)
             # Valid until a fresh size in use goes stale (all sizes in use: until a step).
-            self._curve_until = (min(self.seen_at[n] for n in fresh)
-                                 + (self._all_steps or self).stale_after
+            self._curve_until = (min(self.seen_at[n] for n in fresh) + self._root.stale_after
                                  if len(fresh) >= 2 else float("inf"))
             times = [self.by_tokens[n] for n in sizes]
             self._curve = (sizes, _non_decreasing(times), _least_squares_slope(sizes, times))
