@@ -73,10 +73,10 @@ def captured_calls(rows: list[int], max_tokens: int) -> dict[int, tuple]:
     calls: dict[int, tuple] = {}
     run = cpu_layers.DecodeStack.run
 
-    def capture(stack, h, cos, sin, meta, kv_caches):
+    def capture(stack, h, cos, sin, meta, kv_caches, streams=None):
         if not meta.prefills and h.shape[0] in rows and h.shape[0] not in calls:
             calls[h.shape[0]] = (stack, h.clone(), cos.clone(), sin.clone(), meta, kv_caches)
-        return run(stack, h, cos, sin, meta, kv_caches)
+        return run(stack, h, cos, sin, meta, kv_caches, streams)
 
     cpu_layers.DecodeStack.run = capture
     try:

@@ -89,26 +89,30 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                masses: list | None = None, ops=None) -> torch.Tensor:
+                masses: list | None = None, ops=None,
+                streams: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states after the final norm for every token of the flat batch ([N, hidden]).
 
         With `meta.want_mass`, each layer's AttentionMass (KV-eviction statistics) is appended
         to `masses`. `ops` replaces the model's kernel table for this pass (the compiled decode
-        step's, kernels/compiled.py).
+        step's, kernels/compiled.py). `streams` (layer count -> None) is filled with the residual
+        stream after that many layers ([N, hidden], the model's dtype): the middle layers a
+        draft reads (EAGLE-3's features).
         """
         c, ops = self.config, ops or self.ops
         n = input_ids.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos, sin = self.cos[positions], self.sin[positions]
         h = F.embedding(input_ids, self.embed)
-        fused = (self.decode_stack.run(h, cos, sin, meta, kv_caches)
+        fused = (self.decode_stack.run(h, cos, sin, meta, kv_caches, streams)
                  if self.decode_stack is not None and ops is self.ops else None)
         if fused is not None:
             h, residual = fused
             h, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
             return h
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches,
+                                                            strict=True)):
             x, residual = ops.rms_norm(h, layer.input_norm, c.rms_norm_eps, residual)
             qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -124,6 +128,8 @@ class LlamaModel:
             h = ops.linear(attn.reshape(n, q_size), layer.o)
             x, residual = ops.rms_norm(h, layer.post_norm, c.rms_norm_eps, residual)
             h = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+            if streams is not None and i + 1 in streams:
+                streams[i + 1] = (h.float() + residual.float()).to(h.dtype)
         h, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
         return h
 

@@ -79,6 +79,9 @@ class StepResult:
     # The runner that ran the step: features that keep only part of the step's KV (tree
     # speculation keeps the accepted path) rearrange its cache through it.
     runner: ModelRunner | None = None
+    # With the runner's stream_layers: the residual stream after each of those layers, side by
+    # side ([rows, len(stream_layers) * hidden], the model's dtype), for a draft that reads them.
+    streams: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -105,6 +108,9 @@ class ModelRunner:
                          if quantized else None)
         self.kv_caches = [self._layer_caches(i) for i in range(c.num_layers)]
         self.decode_graphs: DecodeGraphs | None = None  # see use_decode_graphs
+        # Layer counts whose residual stream each step keeps (StepResult.streams): a draft
+        # that reads middle layers sets them. Such steps run eagerly, not through graphs.
+        self.stream_layers: tuple[int, ...] = ()
 
     def use_decode_graphs(self, max_batch: int, max_width: int, capture: bool = True,
                           compile_backend: str | None = None) -> None:
@@ -133,29 +139,37 @@ class ModelRunner:
         return values + scales.numel() * scales.element_size()
 
     def run(self, scheduled: list[ScheduledSeq], all_logits: bool = False,
-            want_mass: bool = False) -> StepResult:
+            want_mass: bool = False, logits: bool = True) -> StepResult:
         """Run the step: logits for the sequences that sample, in order (with `all_logits`,
-        every token's: prompt_logits); with `want_mass`, each sequence's attention statistics."""
+        every token's: prompt_logits); with `want_mass`, each sequence's attention statistics;
+        without `logits`, the states alone (StepResult.logits empty: a draft's corpus)."""
         return self.run_items([RunItem.from_scheduled(s) for s in scheduled], all_logits,
-                              want_mass)
+                              want_mass, logits)
 
     @torch.inference_mode()
     def run_items(self, items: list[RunItem], all_logits: bool = False,
-                  want_mass: bool = False) -> StepResult:
+                  want_mass: bool = False, logits: bool = True) -> StepResult:
         """The forward pass over any batch of run items (the target's step or a draft's)."""
         input_ids, positions, rows = self._inputs(items)
         meta = self._metadata(items, want_mass)
         meta.want_mass = want_mass
         masses: list = []
+        streams = dict.fromkeys(self.stream_layers) if self.stream_layers else None
         graphs = self.decode_graphs
-        if graphs is not None and graphs.handles(len(items), meta, all_logits):
+        if graphs is not None and streams is None and graphs.handles(len(items), meta,
+                                                                     all_logits):
             hidden = graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, masses)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, masses,
+                                        streams=streams)
+        parts = [] if streams is None else [streams[n] for n in self.stream_layers]
         if not all_logits:
-            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
-        return StepResult(self.model.logits(hidden), hidden,
-                          _per_item_mass(items, masses) if want_mass else None, self)
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            hidden = hidden[index]
+            parts = [part[index] for part in parts]  # before joining them: a prefill's rows
+        kept = torch.cat(parts, dim=-1) if parts else None
+        return StepResult(self.model.logits(hidden) if logits else hidden[:, :0], hidden,
+                          _per_item_mass(items, masses) if want_mass else None, self, kept)
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy every layer's cached K/V from slots `src` to slots `dst` (quantized values as

@@ -1734,8 +1734,8 @@ int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
                   const int64_t *slots, const int64_t *lengths, int64_t n, int64_t hidden,
                   int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, int64_t width,
                   int64_t decode_rows, const int64_t *decode_index, int64_t chunks,
-                  const int64_t *chunk_info, float eps, float scale, int amx, int int4_path,
-                  int int8_amx, int threads) {
+                  const int64_t *chunk_info, const int64_t *aux, float eps, float scale,
+                  int amx, int int4_path, int int8_amx, int threads) {
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_width = q_size + 2 * kv_size;
     const int64_t gathered = decode_rows == n && chunks == 0 ? 0 : decode_rows;
     const int64_t counts[] = {n * hidden, n * qkv_width, n * q_size, n * kv_size, n * q_size,
@@ -1776,6 +1776,11 @@ int decode_layers(const int64_t *table, int64_t layers, void *h, void *residual,
         failed |= LINEAR(2, x, gate_up, hidden, 2 * inter);
         failed |= silu_and_mul(gate_up, act, n, inter, 1, threads);
         failed |= LINEAR(3, act, h, inter, hidden);
+        /* aux[l] (a bfloat16 [n, hidden] array, 0 for none): the residual stream after layer l,
+         * for a draft that reads middle layers (EAGLE-3's features); h and residual untouched. */
+        if (aux != NULL && aux[l] != 0 && !failed)
+            for (int64_t i = 0; i < n * hidden; i += LANES)
+                store_vec((void *)aux[l], i, 1, load_vec(h, i, 1) + load_vec(residual, i, 1));
     }
 #undef LINEAR
     free(decoded);

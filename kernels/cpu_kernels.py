@@ -140,7 +140,7 @@ def _library() -> ctypes.CDLL | None:
         "bf16_amx_linear": [_PTR] * 4 + [_I64] * 3 + [_INT, _INT],
         "amx_enable": [],
         # A decode step's layers (kernels/cpu_layers.py): -1 without AVX512-BF16 or AVX2.
-        "decode_layers": ([_PTR, _I64] + [_PTR] * 7 + [_I64] * 8 + [_PTR, _I64, _PTR]
+        "decode_layers": ([_PTR, _I64] + [_PTR] * 7 + [_I64] * 8 + [_PTR, _I64, _PTR, _PTR]
                           + [_F32, _F32] + [_INT] * 4),
         # A hidden-state draft's level (kernels/cpu_draft.py): -1 without AVX512-BF16 or AVX2.
         "draft_level": [_PTR] * 3 + [_I64] * 6 + [_F32, _I64] + [_PTR] * 3 + [_INT],

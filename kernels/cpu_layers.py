@@ -45,9 +45,11 @@ class DecodeStack:
         self._caches_key: tuple | None = None
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            meta: AttentionMetadata, kv_caches: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+            meta: AttentionMetadata, kv_caches: list, streams: dict | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream) for a step of decode rows and prefill
-        chunks, or None where this step must take the model's own loop."""
+        chunks, or None where this step must take the model's own loop. `streams` (layer count
+        -> None) is filled as LlamaModel.forward's."""
         n = h.shape[0]
         decode_rows = 0 if meta.decode_token_index is None else meta.decode_token_index.shape[0]
         if (meta.want_mass or decode_rows + sum(c.end - c.start for c in meta.prefills) != n
@@ -77,14 +79,23 @@ class DecodeStack:
         d = self.dims
         int4_path = cpu_quant.int4_path(n, self._int4_matmul_rows, bf16=True)
         int8_amx = cpu_quant.on_amx(n, self._int8_matmul_rows, bf16=True)
+        kept = {layers: torch.empty_like(h) for layers in streams or ()}
+        aux = (torch.tensor([kept[l + 1].data_ptr() if l + 1 in kept else 0
+                             for l in range(len(self._weights))], dtype=torch.int64)
+               if kept else None)
         status = cpu_kernels._library().decode_layers(
             table.data_ptr(), len(self._weights), h.data_ptr(), residual.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), slots.data_ptr(),
             lengths.data_ptr(), n, d["hidden"], d["heads"], d["kv_heads"], d["head_dim"],
             d["intermediate"], slots.shape[-1], decode_rows, index.data_ptr(),
-            len(meta.prefills), chunks.data_ptr(), d["eps"], d["scale"], int(self.amx),
-            int4_path, int(int8_amx), torch.get_num_threads())
-        return (h, residual) if status == 0 else None
+            len(meta.prefills), chunks.data_ptr(), 0 if aux is None else aux.data_ptr(),
+            d["eps"], d["scale"], int(self.amx), int4_path, int(int8_amx),
+            torch.get_num_threads())
+        if status != 0:
+            return None
+        if streams is not None:
+            streams.update(kept)
+        return h, residual
 
     def _takes_prefills(self, meta: AttentionMetadata) -> bool:
         """Whether the prefill kernel runs here and takes every chunk of the step (else the

@@ -7,8 +7,10 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.features import StepFeature
 from kernels import cpu_kernels, cpu_layers, cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.preferred(),
@@ -104,8 +106,8 @@ def test_steps_mixing_prefill_chunks_and_decode_rows_take_one_call_to_the_bit(de
     shapes = []
     real = cpu_layers.DecodeStack.run
 
-    def run(stack, h, cos, sin, meta, kv_caches):
-        out = real(stack, h, cos, sin, meta, kv_caches)
+    def run(stack, h, cos, sin, meta, kv_caches, streams=None):
+        out = real(stack, h, cos, sin, meta, kv_caches, streams)
         if out is not None:
             decode_rows = 0 if meta.decode_token_index is None else len(meta.decode_token_index)
             shapes.append((len(meta.prefills), decode_rows))
@@ -153,3 +155,46 @@ def test_a_refusing_kernel_leaves_the_step_to_the_loop_unchanged(llm, monkeypatc
     calls = _Calls(monkeypatch)
     assert _generate(llm, PROMPTS[:2]) == want
     assert calls.declined >= 23 and calls.fused == 0
+
+
+def _streams_of(llm, prompts) -> list[tuple]:
+    """Every step's final states and kept residual streams (the runner's stream_layers)."""
+    kept = []
+
+    class Keep(StepFeature):
+        def after_forward(self, step) -> None:
+            kept.append((step.result.hidden.clone(), step.result.streams.clone()))
+
+    llm.core.features.append(Keep())
+    try:
+        _generate(llm, prompts)
+    finally:
+        llm.core.features.pop()
+    return kept
+
+
+def test_middle_layer_streams_are_kept_by_the_one_call_as_by_the_loop(demo_gguf, monkeypatch):
+    """A draft with fused features reads the residual stream after some of the target's
+    layers (StepResult.streams): the one call writes them beside its own work, to the bit as
+    the loop computes them, and the stream after the last layer is the final state before its
+    norm."""
+    llm = _llm(demo_gguf, "float")
+    llm.runner.stream_layers = (3, 30)
+    try:
+        calls = _Calls(monkeypatch)
+        fused = _streams_of(llm, PROMPTS[:2])
+        assert calls.fused >= 24 and calls.declined == 0
+        loop = _without_stack(llm, lambda: _streams_of(llm, PROMPTS[:2]))
+    finally:
+        llm.runner.stream_layers = ()
+    hidden = llm.config.hidden_size
+    assert len(fused) == len(loop) >= 24
+    for (h, streams), (h_loop, streams_loop) in zip(fused, loop, strict=True):
+        assert streams.shape == (h.shape[0], 2 * hidden) and streams.dtype == h.dtype
+        assert torch.equal(streams, streams_loop) and torch.equal(h, h_loop)
+        last = streams[:, hidden:].float()
+        normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + llm.config.rms_norm_eps)
+        torch.testing.assert_close(normed * llm.model.norm.float(), h.float(), rtol=0.02,
+                                   atol=0.05)
+        # The third layer's stream is another state, not a copy of the last one's.
+        assert not torch.allclose(streams[:, :hidden], streams[:, hidden:], atol=1.0)
