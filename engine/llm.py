@@ -99,6 +99,8 @@ class LLM:
                 config.max_num_seqs, self.max_model_len, capture=config.cuda_graphs,
                 compile_backend="inductor" if config.torch_compile else None)
         self.spec = self._spec_decoder(parse_spec(config.speculative))
+        if self.spec is not None:
+            self.runner.stream_layers = self.spec.proposer.stream_layers
         self.evictor = KVEvictor(self.runner, self.block_manager)
         self.admission = self._admission()
         if config.evicts:

@@ -274,3 +274,66 @@ def test_medusa_trees_are_the_most_probable_paths_through_the_heads():
     # A confident first head drafts one first token: its runner-up is below the branch ratio.
     assert medusa.best_paths([[0.95, 0.04], [0.5, 0.4]], [[1, 2], [4, 5]], 2)[0] == [
         [1, 4], [1, 5]]
+
+
+def _fused_draft(folder: Path, layers: str = "3,30", width: int = 2, scale: float = 0.02
+                 ) -> Path:
+    """The shipped draft given a fuse projection of `width` middle layers (random, seeded)."""
+    gen = torch.Generator().manual_seed(0)
+    fuse = (torch.randn(576, width * 576, generator=gen) * scale).half()
+    return _altered_draft(folder, {"fuse_layers": layers}, {"fuse.weight": fuse})
+
+
+def test_a_fused_draft_reads_the_streams_of_the_row_that_chose_the_newest_token(demo_gguf,
+                                                                               tmp_path):
+    """A draft with EAGLE-3's fused features (train_draft.py --fuse-layers) has the runner keep
+    its layers' streams, and its first state reads them at the row its final state comes from:
+    after every step, the kept stream after the last layer, through the final norm and the
+    head, chooses the sequence's newest token, also after a tree's branch off its first path.
+    Whatever the projection, verification keeps the output the target's own."""
+    path = _fused_draft(tmp_path)
+    llm = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=2048,
+              speculative=f"draft:{path},lookup=0,branches=4,adaptive=0")
+    draft = llm.spec.proposer
+    assert draft.stream_layers == (3, 30) and llm.runner.stream_layers == (3, 30)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _chat(llm)
+    ids = [llm.add_request(prompt, params) for prompt in prompts]
+    checked, moved = 0, 0
+    while llm.has_unfinished():
+        llm.step()
+        seqs = [s for s in map(llm.core.seqs.get, ids) if s and spec_state(s).streams is not None]
+        for seq in seqs:
+            state = spec_state(seq)
+            rows, row = state.hidden_at
+            last = state.streams[row, 576:].float()
+            normed = last * torch.rsqrt(last.pow(2).mean() + llm.config.rms_norm_eps)
+            with torch.inference_mode():
+                logits = llm.runner.model.logits((normed * llm.model.norm.float())[None]
+                                                 .to(llm.model.dtype))
+            checked += int(logits.argmax()) == seq.all_token_ids[-1]
+            moved += 1
+        if seqs:
+            root = draft.root_states(seqs)
+            assert not torch.allclose(root, torch.stack([spec_state(s).hidden for s in seqs]))
+    # bfloat16 rounding of the norm recomputed here may flip a near tie.
+    assert moved >= 60 and checked >= 0.95 * moved
+    plain = LLM(str(demo_gguf), device="cpu", dtype="bfloat16", kv_cache_tokens=2048)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.spec.counters.draft_tokens > 0
+
+
+def test_bad_fused_drafts_are_refused_with_a_reason(plain, tmp_path):
+    def load(path) -> None:
+        make_draft(str(path), plain.tokenizer, plain.config.vocab_size, plain.device,
+                   plain.model.dtype, plain.block_manager, plain.max_model_len, plain.model)
+
+    for layers, width in (("3,40", 2), ("3,10,20", 2), ("0,3", 2), ("three", 1)):
+        with pytest.raises(ModelError, match=f"fuses target layers '{layers}' that do not fit"):
+            load(_fused_draft(tmp_path, layers, width))
+    # Layers named without their projection, and a projection without its layers.
+    with pytest.raises(ModelError, match="fuses target layers '3' that do not fit"):
+        load(_altered_draft(tmp_path, {"fuse_layers": "3"}, {}))
+    with pytest.raises(ModelError, match="fuses target layers '' that do not fit"):
+        load(_altered_draft(tmp_path, {}, {"fuse.weight": torch.zeros(576, 576)}))

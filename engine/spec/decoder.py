@@ -109,6 +109,9 @@ class Proposer(ABC):
     num_branches: int = 1
     # The deepest draft it can make (Medusa: its heads); None: as deep as it is asked.
     max_depth: int | None = None
+    # The target layers whose residual stream it reads (layer counts; the runner keeps them
+    # each step: StepResult.streams): a draft with EAGLE-3's fused features.
+    stream_layers: tuple[int, ...] = ()
 
     @abstractmethod
     def propose(self, requests: list[tuple[Sequence, int]]) -> None: ...
@@ -124,8 +127,9 @@ class Proposer(ABC):
         return self.max_depth
 
     def remember(self, sampling: list, new_tokens: list[list[int]],  # noqa: B027 (optional)
-                 hidden: torch.Tensor) -> None:
-        """The target's hidden states of the step just run (a hidden-state draft keeps them)."""
+                 hidden: torch.Tensor, streams: torch.Tensor | None = None) -> None:
+        """The target's hidden states of the step just run, and its middle layers' streams
+        where stream_layers asked for them (a hidden-state draft keeps them)."""
 
     def after_verify(self, seq: Sequence, old_num_tokens: int,  # noqa: B027 (optional)
                      proposed: int, accepted: int) -> None:
@@ -212,6 +216,7 @@ class LookupFirst(Proposer):
     def __init__(self, lookup: LookupProposer, model: Proposer, model_depth: int) -> None:
         self.lookup, self.model = lookup, model
         self.model_depth = min(model_depth, model.max_depth or model_depth)
+        self.stream_layers = model.stream_layers
         self._model_drafted: set[str] = set()  # request ids the model drafted this step
 
     def source(self, seq: Sequence) -> int:
@@ -231,8 +236,8 @@ class LookupFirst(Proposer):
         self.model.propose(for_model)
         self._model_drafted = {seq.request_id for seq, _ in for_model if spec_state(seq).tokens}
 
-    def remember(self, sampling, new_tokens, hidden) -> None:
-        self.model.remember(sampling, new_tokens, hidden)
+    def remember(self, sampling, new_tokens, hidden, streams=None) -> None:
+        self.model.remember(sampling, new_tokens, hidden, streams)
 
     def after_verify(self, seq: Sequence, old_num_tokens: int, proposed: int,
                      accepted: int) -> None:
@@ -335,7 +340,8 @@ class SpecDecoder(StepFeature):
         for s, row in zip(step.sampling, step.rows, strict=False):
             if s.num_draft:
                 self._keep_path(step, s.seq, row, spec_state(s.seq).path)
-        self.proposer.remember(step.sampling, step.tokens, step.result.hidden)
+        self.proposer.remember(step.sampling, step.tokens, step.result.hidden,
+                               step.result.streams)
         for s, tokens in zip(step.sampling, step.tokens, strict=True):
             seq, state = s.seq, spec_state(s.seq)
             if s.num_draft:

@@ -34,6 +34,9 @@ FORMAT = "servescope-hidden-draft"
 BRANCH_RATIO = 0.1
 TENSORS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "embed_norm.weight",
            "draft.vocab_ids")
+# A draft trained on the target's middle layers too (train_draft.py --fuse-layers) names them
+# in this metadata key (layer counts, comma-separated) and holds "fuse.weight".
+FUSE_LAYERS = "fuse_layers"
 
 
 def vocab_fingerprint(tokenizer) -> str:
@@ -64,6 +67,19 @@ def draft_step(s: torch.Tensor, token_embeddings: torch.Tensor, w: dict[str, tor
     x = torch.cat([s, e * w["embed_norm.weight"]], dim=-1)
     return s + linear(F.silu(linear(x, w["fc1.weight"], w["fc1.bias"])), w["fc2.weight"],
                       w["fc2.bias"])
+
+
+def fused_root(h: torch.Tensor, streams: torch.Tensor, w: dict[str, torch.Tensor], eps: float,
+               linear=F.linear) -> torch.Tensor:
+    """The draft's first state from the target's final state h ([B, hidden]) and its residual
+    streams after the draft's fuse layers ([B, layers * hidden], side by side): h plus a
+    projection of each stream over its root mean square (EAGLE-3's fused features: the final
+    state is shaped to predict the token just chosen, the middle layers still hold more of the
+    context that the token after it depends on). Shared by training and serving, as
+    draft_step."""
+    x = streams.float().unflatten(-1, (-1, h.shape[-1]))
+    x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    return h + linear(x, w["fuse.weight"])
 
 
 def load_draft_file(path: str, target: LlamaModel, target_tokenizer, required: tuple[str, ...],
@@ -152,7 +168,7 @@ class StateProposer(Proposer):
         return probs.view(shape), self.vocab_ids[cols].view(shape)
 
     def remember(self, sampling: list, new_tokens: list[list[int]],
-                 hidden: torch.Tensor) -> None:
+                 hidden: torch.Tensor, streams: torch.Tensor | None = None) -> None:
         """Note, per sampling sequence (ScheduledSeq), where the target's hidden state at the row
         that chose its newest token lies: the step's rows are 1 + num_draft per sequence, in
         order, and a verified draft's newest token was chosen at its last accepted node's row
@@ -168,13 +184,16 @@ class StateProposer(Proposer):
             state = spec_state(s.seq)
             state.hidden_at = (hidden, start + (1 + state.path[-1] if state.path
                                                 else len(tokens) - 1))
+            state.streams = streams
             start += 1 + s.num_draft
 
 
-def remembered_states(seqs: list[Sequence]) -> torch.Tensor:
-    """The sequences' remembered target states as one float32 tensor ([len(seqs), hidden]): one
-    gather where they were kept from one step, as they are while the same requests decode."""
-    kept = [spec_state(seq).hidden_at for seq in seqs]
+def remembered_states(seqs: list[Sequence], streams: bool = False) -> torch.Tensor:
+    """The sequences' remembered target states as one float32 tensor ([len(seqs), hidden]), or
+    with `streams` their middle layers' streams ([len(seqs), layers * hidden]): one gather
+    where they were kept from one step, as they are while the same requests decode."""
+    states = [spec_state(seq) for seq in seqs]
+    kept = [(s.streams if streams else s.hidden_at[0], s.hidden_at[1]) for s in states]
     step = kept[0][0]
     if all(rows is step for rows, _ in kept):
         return step[torch.tensor([row for _, row in kept], device=step.device)].float()
@@ -188,6 +207,7 @@ class HiddenDraft(StateProposer):
         tensors, ids = load_draft_file(path, target, target_tokenizer, TENSORS, "fc2.weight")
         super().__init__(path, target, ids)
         self.eps = target.config.rms_norm_eps
+        self.stream_layers = fuse_layers(path, tensors, target.config)
         self.use_weights(self.prepare(tensors), self.head)
 
     def use_weights(self, weights: dict, head) -> None:
@@ -209,7 +229,7 @@ class HiddenDraft(StateProposer):
         if not active:
             return
         branches = [branches_for(seq, self.num_branches) for seq, _ in active]
-        s = remembered_states([seq for seq, _ in active])
+        s = self.root_states([seq for seq, _ in active])
         tokens = torch.tensor([seq.all_token_ids[-1] for seq, _ in active],
                               device=self.embed.device)
         with torch.inference_mode():
@@ -222,6 +242,16 @@ class HiddenDraft(StateProposer):
             trees = self._tree_paths(s, tokens, [k for _, k in active], branches)
         for (seq, _), (paths, probs) in zip(active, trees, strict=True):
             set_draft_paths(seq, paths, probs)
+
+    def root_states(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The draft's first states for the sequences: their remembered final states, fused
+        with their middle layers' streams where the draft reads them (fused_root)."""
+        s = remembered_states(seqs)
+        if not self.stream_layers:
+            return s
+        with torch.inference_mode():
+            return fused_root(s, remembered_states(seqs, streams=True), self.weights, self.eps,
+                              self.linear)
 
     def level(self, s: torch.Tensor, tokens: torch.Tensor, k: int
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -278,6 +308,25 @@ class HiddenDraft(StateProposer):
                 s, probs_t, tokens_t = self.level(s[next_rows], last, max(branches))
         return [([path for _, path, _, _ in beam], [cum for _, _, cum, _ in beam])
                 for beam in beams]
+
+
+def fuse_layers(path: str, tensors: dict[str, torch.Tensor], config) -> tuple[int, ...]:
+    """The target layers a draft file fuses (FUSE_LAYERS), checked against its fuse.weight and
+    the target's depth; () for a draft of the final state alone."""
+    named = read_metadata(Path(path)).get(FUSE_LAYERS, "")
+    fuse = tensors.get("fuse.weight")
+    if not named and fuse is None:
+        return ()
+    try:
+        layers = tuple(int(x) for x in named.split(","))
+    except ValueError:
+        layers = ()
+    if (fuse is None or not layers or any(not 0 < n <= config.num_layers for n in layers)
+            or tuple(fuse.shape) != (config.hidden_size, len(layers) * config.hidden_size)):
+        raise ModelError(f"The draft {path} fuses target layers '{named}' that do not fit this "
+                         f"model ({config.num_layers} layers of {config.hidden_size}): use it "
+                         "with the model it was trained from, or rebuild it.")
+    return layers
 
 
 def keep_best(candidates: list[tuple], n: int) -> list[tuple]:

@@ -59,6 +59,9 @@ class SpecState:
     # it): a step's hidden rows and the row, kept by reference and gathered only when a draft
     # is made (StateProposer.remember says why).
     hidden_at: tuple[torch.Tensor, int] | None = None
+    # The same step's middle-layer streams (StepResult.streams; the row is hidden_at's), where
+    # the draft reads them.
+    streams: torch.Tensor | None = None
     tree: TokenTree | None = None  # the drafts as a tree (`tokens` are its nodes); None: a chain
     # Per tree node, the proposer's probability that its path is right (the draft's own
     # confidence, product along the path); None where the proposer gives none (prompt lookup).
