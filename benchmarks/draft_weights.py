@@ -10,14 +10,17 @@ same speculation with the draft in another form (`--against`):
   of the table's fused level (kernels/cpu_draft.py): the draft before the fused level;
 - `shared`: prompt lookup in front of the draft (`--spec demo-draft`) priced from one acceptance
   estimate for both sources rather than each source's own (`Proposer.source`): the pricing
-  before the sources were kept apart.
+  before the sources were kept apart;
+- `spec`: another speculation setting altogether (`--against-spec`, e.g. another draft file:
+  `draft:OLD.safetensors,k=3,lookup=0,branches=4`), for a draft retrained.
 Each round runs the workload on all three in turn, each round starting one engine later, so the
 machine's load falls on them alike (it moved single runs of this VM by 10-30% between
 processes); the speed-ups over plain decoding and the shipped draft's over the other form are
 per round, and their medians are reported. Outputs are checked equal to plain decoding: a draft
 can only propose differently.
 Run: python benchmarks/draft_weights.py [--spec demo-draft:lookup=0,branches=4]
-     [--against float|composed|shared] [--workload open_chat|copy_heavy|concurrent_16]
+     [--against float|composed|shared | --against-spec SPEC]
+     [--workload open_chat|copy_heavy|concurrent_16]
      [--rounds 5]
      [--max-tokens 128]
 """
@@ -96,7 +99,8 @@ def as_shared_estimate(llm: LLM, draft_file: str) -> None:
     proposer.propose = propose_as_one
 
 
-AGAINST = {"float": as_float_draft, "composed": as_composed_levels, "shared": as_shared_estimate}
+AGAINST = {"float": as_float_draft, "composed": as_composed_levels, "shared": as_shared_estimate,
+           "spec": None}
 
 
 def _accepted_length(before: dict, after: dict) -> float | None:
@@ -112,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", choices=tuple(AGAINST), default="float",
                    help="the other form: float (the draft's matrices as the target's) or "
                         "composed (the levels from the table's ops, not its fused level) or "
-                        "shared (one acceptance estimate for lookup and the draft)")
+                        "shared (one acceptance estimate for lookup and the draft); spec "
+                        "(set by --against-spec)")
+    p.add_argument("--against-spec", help="the other engine's speculation setting (another "
+                   "draft file, say), in place of a form of --spec's draft")
     p.add_argument("--workload", choices=("open_chat", "copy_heavy", "concurrent_16"),
                    default="open_chat")
     p.add_argument("--rounds", type=int, default=5)
@@ -122,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     model = str(fetch_demo_model(progress=lambda m, f: None))
     plain = LLM(model, device="cpu", dtype="bfloat16")
     shipped = LLM(model, device="cpu", dtype="bfloat16", speculative=args.spec)
-    other = LLM(model, device="cpu", dtype="bfloat16", speculative=args.spec)
-    AGAINST[args.against](other, other.spec.config.draft_model)
+    if args.against_spec:
+        args.against = "spec"
+    elif args.against == "spec":
+        raise SystemExit("--against spec needs --against-spec SPEC.")
+    other = LLM(model, device="cpu", dtype="bfloat16",
+                speculative=args.against_spec or args.spec)
+    if AGAINST[args.against] is not None:
+        AGAINST[args.against](other, other.spec.config.draft_model)
     if args.workload in ("open_chat", "copy_heavy"):
         prompts = bench.OPEN_CHAT if args.workload == "open_chat" else bench.COPY_HEAVY
         run = bench.run_workload
@@ -153,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     draft = shipped.spec.draft
     result = {
         "benchmark": "draft_weights", "spec": args.spec, "against": args.against,
+        "against_spec": args.against_spec,
         "workload": args.workload, "machine": machine(),
         "shipped_form": {"head": type(draft.head).__name__,
                          "fused_level": getattr(draft, "fused_level", None) is not None},

@@ -13,6 +13,8 @@ Stages, each cached under --work-dir so a rerun picks up where it stopped:
    computed it (a step feature records it), so the draft learns the target as it is served;
    with --sampled (the default) also a reply sampled at temperature 0.7 to every training
    prompt: more of the target's own contexts, labelled with its greedy choice at each;
+   with --fuse-layers (EAGLE-3's fused features), also the target's residual streams after
+   those layers at the same positions, by prefilling each reply again (record_streams);
 2. train: --steps chained draft steps per position (serving chains up to 3), each from the
    draft's own previous prediction, on the target's greedy tokens and states;
    held-out prompts measure how often the draft's tokens at each step are the target's.
@@ -43,7 +45,13 @@ from engine.features import Step, StepFeature  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 from engine.models import fetch_demo_model  # noqa: E402
 from engine.spec.config import DEMO_DRAFT_PATH  # noqa: E402
-from engine.spec.hidden_draft import FORMAT, draft_step, vocab_fingerprint  # noqa: E402
+from engine.spec.hidden_draft import (  # noqa: E402
+    FORMAT,
+    FUSE_LAYERS,
+    draft_step,
+    fused_root,
+    vocab_fingerprint,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "assets" / "drafts" / "prompts.json"
@@ -64,6 +72,11 @@ STATE_WEIGHT = 1.0
 # the draft's own previous state, so each of them is trained on what it will be given.
 STEPS = 3
 SOFT = 0.0
+# Middle layers whose residual streams the draft's first step reads beside the final state
+# (EAGLE-3's fused features), none by default: with 3,10,20 (low, middle and high of the demo
+# model's 30) the draft's held-out chains of 2 were right 1.08x as often, but served it was no
+# faster (docs/ARCHITECTURE.md).
+FUSE = ""
 # Sampled replies (--sampled): more contexts of the target's own writing; the draft still learns
 # the target's greedy choice at each of them (generate()'s `best`). No top_p: at 60 sequences
 # the nucleus's per-row ranking made generation several times slower.
@@ -147,6 +160,58 @@ def generate(model: str, prompts: list[str], path: Path, dtype: str = "auto",
     return done
 
 
+EVAL_ROWS = 8192  # positions scored at a time (evaluate)
+STREAM_BATCH = 8  # replies prefilled per forward pass while recording middle layers
+
+
+def record_streams(model: str, records: list[dict], path: Path, layers: tuple[int, ...],
+                   dtype: str = "auto") -> None:
+    """The target's residual stream after each of `layers` (EAGLE-3's fused features) at the
+    positions whose final states generate() kept (the last prompt position and every reply
+    position but the last), by prefilling each prompt + reply in the served dtype: saved as
+    generate()'s states are, float16 [reply, len(layers) * hidden] per record, each batch of
+    GEN_BATCH records beside `path` (a rerun resumes). Prefill rather than decoding computes the
+    same layers in batched matmuls: about 1.8% apart from the decode path's final states here,
+    and ten times faster than generating again."""
+    from engine.scheduler import ScheduledSeq
+    from engine.sequence import Sequence
+
+    llm = None
+    for start in range(0, len(records), GEN_BATCH):
+        if streams_file(path, layers, start).exists():
+            continue
+        if llm is None:
+            llm = LLM(model, device="cpu", dtype=dtype)
+            llm.runner.stream_layers = layers
+        t0, kept = time.perf_counter(), []
+        chunk = records[start : start + GEN_BATCH]
+        for b in range(0, len(chunk), STREAM_BATCH):
+            seqs = [Sequence(f"streams-{start + b + i}", r["ids"][:-1], SamplingParams(), 0.0)
+                    for i, r in enumerate(chunk[b : b + STREAM_BATCH])]
+            for seq in seqs:
+                llm.block_manager.append_slots(seq, seq.num_tokens)
+            try:
+                streams = llm.runner.run([ScheduledSeq(q, q.num_tokens) for q in seqs],
+                                         all_logits=True, logits=False).streams
+            finally:
+                for seq in seqs:
+                    llm.block_manager.free(seq)
+            at = 0
+            for seq, r in zip(seqs, chunk[b : b + STREAM_BATCH], strict=True):
+                n = r["prompt_len"]
+                kept.append(streams[at + n - 1 : at + seq.num_tokens].half().clone())
+                at += seq.num_tokens
+        torch.save(kept, streams_file(path, layers, start))
+        tokens = sum(len(r["ids"]) for r in chunk)
+        print(f"streams {start + len(chunk)}/{len(records)}: "
+              f"{tokens / (time.perf_counter() - t0):.0f} tok/s", file=sys.stderr)
+
+
+def streams_file(path: Path, layers: tuple[int, ...], start: int) -> Path:
+    """Where record_streams() keeps the streams of the records from `start` on."""
+    return path.with_suffix(f".streams_{'-'.join(map(str, layers))}_{start}.pt")
+
+
 def states_file(path: Path, start: int) -> Path:
     """Where generate() keeps the states of the replies from `start` on, beside `path`."""
     return path.with_suffix(f".states_{start}.pt")
@@ -158,6 +223,15 @@ def target_states(records: list[dict], path: Path) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     while len(out) < len(records):
         out += torch.load(states_file(path, len(out)))
+    return out[: len(records)]
+
+
+def target_streams(records: list[dict], path: Path, layers: tuple[int, ...]
+                   ) -> list[torch.Tensor]:
+    """Per record of `path`, the middle layers' streams record_streams() saved."""
+    out: list[torch.Tensor] = []
+    while len(out) < len(records):
+        out += torch.load(streams_file(path, layers, len(out)))
     return out[: len(records)]
 
 
@@ -200,52 +274,66 @@ def held_out_coverage(records: list[dict], held_idx: list[int], vocab_ids: torch
 
 
 def examples(records: list[dict], states: list[torch.Tensor], which: list[int],
-             token_to_row: torch.Tensor, steps: int) -> dict[str, torch.Tensor]:
+             token_to_row: torch.Tensor, steps: int,
+             streams: list[torch.Tensor] | None = None, release: bool = False
+             ) -> dict[str, torch.Tensor]:
     """`steps` chained draft steps per reply position q: from (h[q-1], x[q]) the draft predicts
     h[q] and the head row of x[q+1]; then from its own prediction and x[q+1], h[q+1] and x[q+2];
     and so on (training each step on the previous one's output, as serving chains them). The
     token a step should draft is the target's greedy choice there (the next token, where the
     reply is greedy). Keys h0, and per step j: xj (its input token), hj (the target's state),
-    yj (the row of the token it should draft); states in float16."""
+    yj (the row of the token it should draft); states in float16. With `streams`
+    (record_streams'), also a0: the middle layers' streams beside h0; with `release`, the
+    list of them is emptied once they are gathered (all 1.4M positions' streams are 5 GB
+    twice over, and the states' four shifted copies follow)."""
+    # positions q = n .. n + m - 1 of a reply; h[r] is the state at n - 1 + r
+    counts = {i: len(records[i]["ids"]) - records[i]["prompt_len"] - steps for i in which}
+    kept = [i for i in which if counts[i] > 0]
+    out = {} if streams is None else {"a0": torch.cat([streams[i][: counts[i]] for i in kept])}
+    if release and streams is not None:
+        streams.clear()
     cols: dict[str, list] = {"h0": []}
     for j in range(1, steps + 1):
         cols.update({f"x{j}": [], f"h{j}": [], f"y{j}": []})
-    for i in which:
-        ids, n, h, best = (records[i]["ids"], records[i]["prompt_len"], states[i],
-                           records[i]["best"])
-        m = len(ids) - n - steps  # positions q = n .. n + m - 1; h[r] is the state at n - 1 + r
-        if m <= 0:
-            continue
+    for i in kept:
+        ids, n, h, best, m = (records[i]["ids"], records[i]["prompt_len"], states[i],
+                              records[i]["best"], counts[i])
         cols["h0"].append(h[:m])
         for j in range(1, steps + 1):
             cols[f"x{j}"].append(torch.tensor(ids[n + j - 1 : n + j - 1 + m]))
             cols[f"h{j}"].append(h[j : j + m])
             cols[f"y{j}"].append(token_to_row[torch.tensor(best[j : j + m])])
-    return {k: torch.cat(v) for k, v in cols.items()}
+    return out | {k: torch.cat(v) for k, v in cols.items()}
 
 
 def chain_steps(w: dict, data: dict, embed: torch.Tensor, head: torch.Tensor, eps: float,
                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each chained step's predicted state and its draft-vocabulary logits."""
     s, out = data["h0"].float(), []
+    if "fuse.weight" in w:
+        s = fused_root(s, data["a0"], w, eps)
     for j in range(1, sum(k.startswith("y") for k in data) + 1):
         s = draft_step(s, embed[data[f"x{j}"]], w, eps)
         out.append((s, s @ head.T))
     return out
 
 
-def new_draft(cfg, width: int) -> dict[str, torch.nn.Parameter]:
-    """f's weights; fc2 starts at zero, so the untrained draft predicts "the state stays"."""
+def new_draft(cfg, width: int, fuse: int = 0) -> dict[str, torch.nn.Parameter]:
+    """f's weights; fc2 starts at zero, so the untrained draft predicts "the state stays"; with
+    `fuse` middle layers, their projection (fused_root), at zero too: it adds only what helps."""
     gen = torch.Generator().manual_seed(SEED)
     fan_in = 2 * cfg.hidden_size
     w = {"fc1.weight": (torch.rand(width, fan_in, generator=gen) * 2 - 1) / fan_in ** 0.5,
          "fc1.bias": torch.zeros(width), "fc2.weight": torch.zeros(cfg.hidden_size, width),
          "fc2.bias": torch.zeros(cfg.hidden_size), "embed_norm.weight": torch.ones(cfg.hidden_size)}
+    if fuse:
+        w["fuse.weight"] = torch.zeros(cfg.hidden_size, fuse * cfg.hidden_size)
     return {k: torch.nn.Parameter(v) for k, v in w.items()}
 
 
 def baseline_top1(path: str, records: list[dict], states: list[torch.Tensor], which: list[int],
-                  embed: torch.Tensor, vocab_size: int, eps: float, steps: int) -> dict:
+                  embed: torch.Tensor, vocab_size: int, eps: float, steps: int,
+                  streams: list[torch.Tensor] | None = None) -> dict:
     """Another draft file's held-out figures on `which`, through its own vocabulary (a token
     outside it counts as a miss), so an earlier draft is compared on the same prompts."""
     from safetensors.torch import load_file
@@ -253,18 +341,23 @@ def baseline_top1(path: str, records: list[dict], states: list[torch.Tensor], wh
     tensors = load_file(path)
     vocab_ids = tensors.pop("draft.vocab_ids").long()
     w = {k: v.float() for k, v in tensors.items()}
-    data = examples(records, states, which, rows_of(vocab_ids, vocab_size), steps)
+    data = examples(records, states, which, rows_of(vocab_ids, vocab_size), steps, streams)
     return evaluate(w, data, embed, embed[vocab_ids], eps)
 
 
 def evaluate(w: dict, data: dict, embed: torch.Tensor, head: torch.Tensor, eps: float) -> dict:
     """Held-out share of positions where the draft's token at each chained step is the target's
     (`per_step`), and where its tokens up to that step all are (`chain`: a greedy chain of that
-    many drafts accepted whole)."""
+    many drafts accepted whole). EVAL_ROWS positions at a time: all 80k held-out positions'
+    logits over the draft vocabulary at once were 2.6 GB a step."""
+    rows, parts = len(data["x1"]), []
     with torch.no_grad():
-        ok = torch.stack([logits.argmax(-1) == data[f"y{j}"]
-                          for j, (_, logits) in enumerate(chain_steps(w, data, embed, head,
-                                                                      eps), start=1)])
+        for start in range(0, rows, EVAL_ROWS):
+            part = {k: v[start : start + EVAL_ROWS] for k, v in data.items()}
+            parts.append(torch.stack([logits.argmax(-1) == part[f"y{j}"] for j, (_, logits)
+                                      in enumerate(chain_steps(w, part, embed, head, eps),
+                                                   start=1)]))
+    ok = torch.cat(parts, dim=1)
     chain = ok.cumprod(0)
     return {"per_step": [round(float(x), 4) for x in ok.float().mean(1)],
             "chain": [round(float(x), 4) for x in chain.float().mean(1)]}
@@ -333,24 +426,43 @@ class Corpus:
     vocab_ids: torch.Tensor
     token_to_row: torch.Tensor
     dtype: str  # the target's while it wrote the replies and computed the states
+    # With fuse layers: the target's middle-layer streams beside the states (record_streams).
+    streams: list[torch.Tensor] | None = None
 
     @classmethod
     def build(cls, model: str, prompts: list[str], replies: list[dict], work: Path,
-              vocab: int, sampled: list[dict] | None = None) -> Corpus:
+              vocab: int, sampled: list[dict] | None = None,
+              layers: tuple[int, ...] = ()) -> Corpus:
         """From generate()'s greedy `replies` under `work`, and its `sampled` ones (training
-        prompts' only: a held-out prompt stays unseen)."""
+        prompts' only: a held-out prompt stays unseen); with `layers`, record_streams' streams
+        of those layers too (recorded first where missing)."""
         records = [record(r, i) for i, r in enumerate(replies)]
         train_idx, held_idx = split(prompts)
         ckpt = load_checkpoint(model, dtype=torch.float32)
         states = target_states(records, work / "replies.jsonl")
+        streams = corpus_streams(model, records, work / "replies.jsonl", layers)
         if sampled:
             extra, trained = target_states(sampled, work / "sampled.jsonl"), list(train_idx)
             train_idx += range(len(records), len(records) + len(trained))
-            records += [record(sampled[i], i) for i in trained]
+            more = [record(sampled[i], i) for i in trained]
+            if streams is not None:
+                kept = corpus_streams(model, [record(r, i) for i, r in enumerate(sampled)],
+                                      work / "sampled.jsonl", layers)
+                streams += [kept[i] for i in trained]
+            records += more
             states += [extra[i] for i in trained]
         vocab_ids, token_to_row = draft_vocab(records, train_idx, vocab, ckpt.config.vocab_size)
         return cls(records, train_idx, held_idx, ckpt, states, vocab_ids, token_to_row,
-                   replies[0]["dtype"])
+                   replies[0]["dtype"], streams)
+
+
+def corpus_streams(model: str, records: list[dict], path: Path, layers: tuple[int, ...]
+                   ) -> list[torch.Tensor] | None:
+    """The records' middle-layer streams (recorded where missing), or None without layers."""
+    if not layers:
+        return None
+    record_streams(model, records, path, layers)
+    return target_streams(records, path, layers)
 
 
 def record(reply: dict, prompt: int) -> dict:
@@ -373,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="chained draft steps trained per position")
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--width", type=int, default=WIDTH)
+    parser.add_argument("--fuse-layers", default=FUSE,
+                        help="target layer counts whose residual streams the draft's first "
+                        "step also reads (EAGLE-3's fused features; comma-separated, '' for "
+                        "none): recorded by prefilling the corpus's replies again")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--soft", type=float, default=SOFT,
@@ -399,39 +515,42 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"replies": len(records), "machine": machine()}))
         return 0
     t0 = time.perf_counter()
-    c = Corpus.build(model, prompts, records, work, args.vocab, sampled)
+    layers = tuple(int(x) for x in args.fuse_layers.split(",") if x)
+    c = Corpus.build(model, prompts, records, work, args.vocab, sampled, layers)
     load_s = time.perf_counter() - t0
     records, train_idx, held_idx, states = c.records, c.train_idx, c.held_idx, c.states
     ckpt, cfg, tensors = c.ckpt, c.ckpt.config, c.ckpt.tensors
     vocab_ids, token_to_row = c.vocab_ids, c.token_to_row
     embed = tensors["model.embed_tokens.weight"]
     head = embed[vocab_ids]
+    held = examples(records, states, held_idx, token_to_row, args.steps, c.streams)
+    compared = None
+    if args.baseline:  # scored first: the training examples take the corpus's streams
+        per_topic = len(json.loads(PROMPTS.read_text())["templates"])  # prompts run topic-major
+        unseen = [i for i in held_idx if i // per_topic >= args.baseline_topics]
+        unseen_data = examples(records, states, unseen, token_to_row, args.steps, c.streams)
+        compared = {"baseline": {"file": Path(args.baseline).name,
+                                 "sha256": hashlib.sha256(Path(args.baseline).read_bytes())
+                                 .hexdigest()},
+                    "held_out_prompts": len(unseen),
+                    "baseline_draft": baseline_top1(args.baseline, records, states, unseen,
+                                                    embed, cfg.vocab_size, cfg.rms_norm_eps,
+                                                    args.steps, c.streams)}
     data = examples(records, states, [i for i in train_idx if records[i]["prompt"]
-                                      < args.subset * len(prompts)], token_to_row, args.steps)
-    held = examples(records, states, held_idx, token_to_row, args.steps)
-    w = new_draft(cfg, args.width)
+                                      < args.subset * len(prompts)], token_to_row, args.steps,
+                    c.streams, release=True)
+    w = new_draft(cfg, args.width, len(layers))
     before = evaluate(w, held, embed, head, cfg.rms_norm_eps)
     t0 = time.perf_counter()
     history = train(w, data, held, embed, head, cfg.rms_norm_eps, args.epochs, args.lr,
                     args.soft, args.bf16)
     train_s = time.perf_counter() - t0
-    compared = None
-    if args.baseline:
-        per_topic = len(json.loads(PROMPTS.read_text())["templates"])  # prompts run topic-major
-        unseen = [i for i in held_idx if i // per_topic >= args.baseline_topics]
-        unseen_data = examples(records, states, unseen, token_to_row, args.steps)
-        compared = {"baseline": {"file": Path(args.baseline).name,
-                                 "sha256": hashlib.sha256(Path(args.baseline).read_bytes())
-                                 .hexdigest()},
-                    "held_out_prompts": len(unseen),
-                    "this_draft": evaluate(w, unseen_data, embed, head, cfg.rms_norm_eps),
-                    "baseline_draft": baseline_top1(args.baseline, records, states, unseen,
-                                                    embed, cfg.vocab_size, cfg.rms_norm_eps,
-                                                    args.steps)}
+    if compared is not None:
+        compared["this_draft"] = evaluate(w, unseen_data, embed, head, cfg.rms_norm_eps)
     save(w, vocab_ids, args.out, ckpt, {
         "format": FORMAT, "width": str(args.width), "trained_by": "benchmarks/train_draft.py",
         "epochs": str(args.epochs), "lr": str(args.lr), "steps": str(args.steps),
-        "target_dtype": c.dtype})
+        "target_dtype": c.dtype, **({FUSE_LAYERS: args.fuse_layers} if layers else {})})
     result = {
         "benchmark": "train_draft", "target": ckpt.name, "out": args.out,
         "draft_vocab": len(vocab_ids), "width": args.width,
